@@ -1,0 +1,75 @@
+"""Decode throughput: specfw vs HF transformers `generate` (batch 1), and specfw at 8
+concurrent requests vs batch 1. Same prompts, same thread count, one run; prints ratios.
+
+    .venv/bin/python benchmarks/bench_decode.py [--prompts 8] [--new-tokens 128] [--threads 2]
+"""
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from tqdm import tqdm
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--concurrency", type=int, default=8)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from transformers import AutoModelForCausalLM
+    from specfw.config import EngineConfig, ModelConfig, SpecfwConfig, SpeculativeConfig
+    from specfw.datasets import mtbench_first_turns
+    from specfw.engine import Engine
+    from specfw.sampling import SamplingParams
+
+    eng = Engine(SpecfwConfig(model=ModelConfig(dtype=args.dtype), speculative=SpeculativeConfig(),
+                              engine=EngineConfig(max_running_requests=args.concurrency, num_threads=args.threads)))
+    prompts = [eng.tokenize_chat([{"role": "user", "content": q}]) for q in mtbench_first_turns(args.prompts)]
+    params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0, ignore_eos=True)
+    hf = AutoModelForCausalLM.from_pretrained(eng.model_path, dtype=getattr(torch, args.dtype)).eval()
+
+    eng.generate([prompts[0]], SamplingParams(max_new_tokens=8, temperature=0))  # warm-up
+    with torch.no_grad():
+        hf.generate(torch.tensor([prompts[0]]), max_new_tokens=8, do_sample=False)
+
+    def run_hf():
+        n, t = 0, 0.0
+        for p in tqdm(prompts, desc="HF generate (batch 1)"):
+            t0 = time.perf_counter()
+            with torch.no_grad():
+                out = hf.generate(torch.tensor([p]), max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
+                                  do_sample=False, pad_token_id=eng.tokenizer.eos_token_id)
+            t += time.perf_counter() - t0
+            n += out.shape[1] - len(p)
+        return n / t
+
+    def run_specfw_b1():
+        n, t = 0, 0.0
+        for p in tqdm(prompts, desc="specfw (batch 1)"):
+            t0 = time.perf_counter()
+            n += len(eng.generate([p], params)[0].token_ids)
+            t += time.perf_counter() - t0
+        return n / t
+
+    def run_specfw_concurrent():
+        t0 = time.perf_counter()
+        outs = eng.generate(prompts[: args.concurrency] * max(1, args.concurrency // len(prompts)), params, progress=True)
+        return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
+
+    hf_tps = run_hf()
+    b1 = run_specfw_b1()
+    bn = run_specfw_concurrent()
+    print(f"\nSmolLM2-135M-Instruct {args.dtype}, {args.threads} threads, {len(prompts)} MT-bench prompts x {args.new_tokens} new tokens")
+    print(f"HF transformers generate, batch 1 : {hf_tps:8.2f} tok/s")
+    print(f"specfw, batch 1                   : {b1:8.2f} tok/s   ratio vs HF: {b1 / hf_tps:.2f}x (target >= 1.3x)")
+    print(f"specfw, {args.concurrency} concurrent requests     : {bn:8.2f} tok/s   ratio vs batch 1: {bn / b1:.2f}x (target >= 4x)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,109 @@
+"""Attention over the KV pool for a ragged batch (prefill, decode and tree verification).
+
+``plan_attention`` runs once per forward: sequences with the same (small) query length are
+grouped into one SDPA call over a padded KV gather with a bool mask; others run one SDPA call
+each. Prefix tokens are always visible; new tokens see each other through
+``SeqSpan.tree_mask`` (causal when None). ``attend`` runs the plan for one layer.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .forward_batch import SeqSpan
+
+MAX_GROUPED_Q = 16
+
+
+@dataclass
+class Group:
+    rows: torch.Tensor       # [B*q] query rows in the flattened batch
+    kv_index: torch.Tensor   # [B, kv_len] slots (padding points at slot 0 and is masked out)
+    mask: torch.Tensor       # [B, 1, q, kv_len] bool
+    q_len: int
+
+
+def _new_token_mask(span: SeqSpan, device) -> torch.Tensor:
+    if span.tree_mask is not None:
+        return span.tree_mask.to(device)
+    return torch.ones(span.q_len, span.q_len, dtype=torch.bool, device=device).tril_()
+
+
+def _mask_for(span: SeqSpan, kv_len: int, device) -> torch.Tensor:
+    """[q_len, kv_len] visibility of one sequence (kv_len >= its own KV length: padding is hidden)."""
+    m = torch.zeros(span.q_len, kv_len, dtype=torch.bool, device=device)
+    m[:, : span.prefix_len] = True
+    m[:, span.prefix_len: span.prefix_len + span.q_len] = _new_token_mask(span, device)
+    return m
+
+
+def plan_attention(seqs: list[SeqSpan], device) -> list[SeqSpan | Group]:
+    by_len: dict[int, list[SeqSpan]] = {}
+    for s in seqs:
+        by_len.setdefault(s.q_len, []).append(s)
+    plan: list[SeqSpan | Group] = []
+    for q_len, group in by_len.items():
+        if len(group) == 1 or q_len > MAX_GROUPED_Q:
+            plan.extend(group)
+            continue
+        kv_len = max(int(s.kv_slots.numel()) for s in group)
+        idx = torch.zeros(len(group), kv_len, dtype=torch.long, device=device)
+        mask = torch.zeros(len(group), 1, q_len, kv_len, dtype=torch.bool, device=device)
+        rows = []
+        for i, s in enumerate(group):
+            idx[i, : s.kv_slots.numel()] = s.kv_slots
+            mask[i, 0] = _mask_for(s, kv_len, device)
+            rows.append(torch.arange(s.q_start, s.q_start + q_len))
+        plan.append(Group(torch.cat(rows).to(device), idx, mask, q_len))
+    return plan
+
+
+def _sdpa(q, k, v, mask, scale, is_causal=False):
+    # q [B, H, q, D]; k, v [B, Hkv, kv, D]; grouped-query heads handled by SDPA itself
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=is_causal,
+                                          enable_gqa=k.shape[1] != q.shape[1])
+
+
+def _gather(cache: torch.Tensor, s: SeqSpan) -> torch.Tensor:
+    """A sequence's K or V as [1, Hkv, kv, D]; a view when its slots are one ascending run."""
+    if s.kv_range is not None:
+        return cache[s.kv_range[0]:s.kv_range[1]].transpose(0, 1).unsqueeze(0)
+    return cache.index_select(0, s.kv_slots).transpose(0, 1).unsqueeze(0)
+
+
+def _attend_one(q, k_cache, v_cache, s: SeqSpan, scale) -> torch.Tensor:
+    qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1).unsqueeze(0)          # [1, H, q, D]
+    k, v = _gather(k_cache, s), _gather(v_cache, s)                             # [1, Hkv, kv, D]
+    if s.q_len == 1:
+        o = _sdpa(qs, k, v, None, scale)
+    elif s.tree_mask is None and s.prefix_len == 0:
+        o = _sdpa(qs, k, v, None, scale, is_causal=True)
+    else:
+        o = _sdpa(qs, k, v, _mask_for(s, s.kv_slots.numel(), q.device)[None, None], scale)
+    return o[0].transpose(0, 1)
+
+
+def _attend_group(q, k_cache, v_cache, g: Group, scale) -> torch.Tensor:
+    B = g.kv_index.shape[0]
+    qs = q.index_select(0, g.rows).view(B, g.q_len, *q.shape[1:]).transpose(1, 2)   # [B, H, q, D]
+    k = k_cache[g.kv_index].transpose(1, 2)                                        # [B, Hkv, kv, D]
+    v = v_cache[g.kv_index].transpose(1, 2)
+    o = _sdpa(qs, k, v, g.mask, scale)                                             # [B, H, q, D]
+    return o.transpose(1, 2).reshape(-1, *q.shape[1:])
+
+
+def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: list[SeqSpan | Group],
+           scale: float) -> torch.Tensor:
+    """q: [T, H, D] (new tokens, rope applied); caches [slots, Hkv, D] already hold the new K/V.
+    Returns [T, H, D]."""
+    if len(plan) == 1 and isinstance(plan[0], SeqSpan):
+        return _attend_one(q, k_cache, v_cache, plan[0], scale)
+    out = torch.empty_like(q)
+    for item in plan:
+        if isinstance(item, Group):
+            out[item.rows] = _attend_group(q, k_cache, v_cache, item, scale)
+        else:
+            out[item.q_start:item.q_start + item.q_len] = _attend_one(q, k_cache, v_cache, item, scale)
+    return out

@@ -1,0 +1,108 @@
+"""``specfw`` console script: Hydra-composed subcommands ``generate``, ``serve`` and ``plugins``."""
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+USAGE = """usage: specfw <command> [hydra overrides...]
+
+commands:
+  generate   one-shot generation: specfw generate prompt="..." [max_new_tokens=64] [speculative=ngram]
+  serve      OpenAI-compatible HTTP server: specfw serve [server.port=30000] [speculative=...]
+  plugins    list installed speculative algorithms (package, version)
+
+Overrides are Hydra's: key=value, group=option (speculative=<algorithm>), -m for sweeps,
+--cfg job to print the composed config.
+"""
+
+COMMANDS = ("generate", "serve", "plugins")
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, str(level).upper(), logging.INFO),
+                        format="[%(asctime)s] %(levelname)s %(name)s: %(message)s", force=True)
+
+
+def _run_hydra(command: str, task) -> None:
+    import hydra
+    from .config_store import register_configs
+    register_configs()
+    hydra.main(config_path="pkg://specfw_conf", config_name=command, version_base="1.3")(_clean_errors(task))()
+
+
+def _clean_errors(task):
+    """Config and request errors end the command with one clear line, not a traceback."""
+    import functools
+
+    @functools.wraps(task)
+    def run(cfg):
+        from .config import ConfigError
+        from .model_loader import ModelLoadError
+        from .plugins import PluginError
+        from .sampling import SamplingParamsError
+        from .scheduler import RequestRejected
+        try:
+            task(cfg)
+        except (ConfigError, ModelLoadError, PluginError, SamplingParamsError, RequestRejected) as e:
+            print(f"specfw {sys.argv[0].split()[-1]}: error: {e}", file=sys.stderr)
+            sys.exit(2)
+    return run
+
+
+def generate_task(cfg) -> None:
+    from .config import validate
+    from .engine import Engine
+    from .sampling import SamplingParams
+    validate(cfg)
+    params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
+                            top_k=cfg.top_k, min_p=cfg.min_p, seed=cfg.seed).validate()
+    setup_logging(cfg.server.log_level if cfg.server.log_level != "info" else "warning")
+    engine = Engine(cfg)
+    prompt = engine.tokenize_chat([{"role": "user", "content": cfg.prompt}]) if cfg.chat else cfg.prompt
+    t0 = time.perf_counter()
+    out = engine.generate([prompt], params)[0]
+    dt = time.perf_counter() - t0
+    print(out.text)
+    n = len(out.token_ids)
+    line = f"[specfw] prompt tokens: {out.prompt_tokens}, generated tokens: {n}, time: {dt:.2f} s, {n / dt:.2f} tokens/s"
+    if out.meta.get("spec_verify_ct"):
+        line += f", accept len: {out.meta['spec_accept_length']:.2f}"
+    print(line + f", finish: {out.finish_reason}", file=sys.stderr)
+
+
+def serve_task(cfg) -> None:
+    from .config import validate
+    from .server.app import run_server
+    validate(cfg)
+    setup_logging(cfg.server.log_level)
+    run_server(cfg)
+
+
+def plugins_command() -> None:
+    from .plugins import plugin_manager
+    pm = plugin_manager()
+    rows = pm.describe()
+    print(f"{'algorithm':<14} {'package':<28} {'version':<10} module")
+    for r in rows:
+        print(f"{r.name:<14} {r.package:<28} {r.version:<10} {r.module}")
+
+
+def main(argv: list[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(USAGE)
+        return
+    command, rest = argv[0], argv[1:]
+    if command not in COMMANDS:
+        print(f"specfw: unknown command '{command}' (choose from {', '.join(COMMANDS)})\n\n{USAGE}", file=sys.stderr)
+        sys.exit(2)
+    if command == "plugins":
+        plugins_command()
+        return
+    sys.argv = [f"specfw {command}"] + rest
+    _run_hydra(command, generate_task if command == "generate" else serve_task)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,107 @@
+"""Structured (dataclass) config schemas for Hydra. Field comments are the config reference.
+
+The ``speculative`` group gets one option per registered algorithm (see ``plugins.py``); its
+schema is that algorithm's dataclass, so typos and bad values fail at startup naming the key.
+"""
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import MISSING
+
+
+class ConfigError(ValueError):
+    """A config value that passed type checks but is out of range; names the key."""
+
+    def __init__(self, key: str, message: str):
+        super().__init__(f"{key}: {message}")
+        self.key = key
+
+
+class DType(str, enum.Enum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+@dataclass
+class ModelConfig:
+    path: Optional[str] = None            # HF directory, hub id or .gguf file; null = demo model (SmolLM2-135M-Instruct)
+    revision: Optional[str] = None        # hub revision when path is a hub id
+    dtype: DType = DType.float32          # weights, activations and KV cache dtype
+    context_length: Optional[int] = None  # max tokens per sequence; null = the model's max_position_embeddings
+    served_model_name: Optional[str] = None  # name reported by /v1/models; null = directory name
+
+
+@dataclass
+class EngineConfig:
+    max_running_requests: int = 16        # requests decoded together (continuous batching)
+    max_prefill_tokens: int = 8192        # token budget of one prefill batch
+    max_total_tokens: Optional[int] = None  # KV pool size in tokens; null = derived from kv_cache_memory_gb
+    kv_cache_memory_gb: float = 1.0       # KV pool memory budget when max_total_tokens is null
+    max_queued_requests: int = 0          # waiting-queue bound (0 = unbounded); beyond it requests get 503
+    num_threads: Optional[int] = None     # torch intra-op threads; null = torch default
+    decode_log_interval: int = 40         # log a "Decode batch" line every N decode steps
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"               # bind address
+    port: int = 30000                     # bind port (SGLang's default)
+    api_key: Optional[str] = None         # require "Authorization: Bearer <key>" when set
+    log_level: str = "info"               # debug | info | warning | error
+
+
+@dataclass
+class SpeculativeConfig:
+    """Base of every algorithm's schema; ``none`` is plain decoding."""
+    algorithm: str = "none"               # registered algorithm name (equals the option name)
+
+
+@dataclass
+class SpecfwConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)
+    speculative: Any = MISSING            # one of the registered algorithms' schemas
+
+
+@dataclass
+class GenerateConfig(SpecfwConfig):
+    prompt: str = "Write a haiku about speculative decoding."  # the prompt
+    chat: bool = True                     # wrap the prompt in the tokenizer's chat template
+    max_new_tokens: int = 128             # tokens to generate
+    temperature: float = 0.0              # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    seed: Optional[int] = None
+
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+
+
+def validate(cfg) -> None:
+    """Range checks Hydra's type checks cannot express; raise ConfigError naming the key."""
+    def positive(key, value, allow_none=False):
+        if value is None and allow_none:
+            return
+        if value is None or value < 1:
+            raise ConfigError(key, f"must be a positive integer, got {value!r}")
+    e = cfg.engine
+    positive("engine.max_running_requests", e.max_running_requests)
+    positive("engine.max_prefill_tokens", e.max_prefill_tokens)
+    positive("engine.max_total_tokens", e.max_total_tokens, allow_none=True)
+    positive("engine.num_threads", e.num_threads, allow_none=True)
+    positive("engine.decode_log_interval", e.decode_log_interval)
+    positive("model.context_length", cfg.model.context_length, allow_none=True)
+    if e.kv_cache_memory_gb <= 0:
+        raise ConfigError("engine.kv_cache_memory_gb", f"must be > 0, got {e.kv_cache_memory_gb}")
+    if e.max_queued_requests < 0:
+        raise ConfigError("engine.max_queued_requests", f"must be >= 0, got {e.max_queued_requests}")
+    if not 0 < cfg.server.port < 65536:
+        raise ConfigError("server.port", f"must be in 1..65535, got {cfg.server.port}")
+    if str(cfg.server.log_level).lower() not in LOG_LEVELS:
+        raise ConfigError("server.log_level", f"'{cfg.server.log_level}' is not one of {list(LOG_LEVELS)}")

@@ -1,0 +1,203 @@
+"""The engine: ``step()`` = schedule → run (plain or speculative worker) → postprocess."""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .detokenizer import IncrementalDetokenizer
+from .kv_cache import KVPool
+from .model_loader import DTYPES, load_model
+from .model_runner import ModelRunner
+from .request import Request, Status
+from .sampling import SamplingParams, TokenLogprob
+from .scheduler import ScheduledBatch, Scheduler
+from .stats import EngineStats
+from .worker import PlainWorker, SeqResult
+
+logger = logging.getLogger("specfw")
+
+
+@dataclass
+class RequestOutput:
+    """Incremental output of one request after a step."""
+    rid: str
+    new_token_ids: list[int]
+    text_delta: str
+    finished: bool
+    finish_reason: str | None = None
+    error: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    meta: dict = field(default_factory=dict)
+
+
+@dataclass
+class Completion:
+    """Final result of ``Engine.generate``."""
+    rid: str
+    text: str
+    token_ids: list[int]
+    finish_reason: str
+    prompt_tokens: int
+    meta: dict
+
+
+class Engine:
+    def __init__(self, cfg, worker_factory=None):
+        """``cfg``: a SpecfwConfig (OmegaConf or dataclass). ``worker_factory(engine)`` builds the
+        worker; default: the speculative worker from the plugin registry, or plain decoding."""
+        self.cfg = cfg
+        if cfg.engine.num_threads:
+            torch.set_num_threads(cfg.engine.num_threads)
+        dtype = str(getattr(cfg.model.dtype, "value", cfg.model.dtype))
+        loaded = load_model(cfg.model.path, dtype=dtype, revision=cfg.model.revision,
+                            max_positions=cfg.model.context_length)
+        self.loaded, self.tokenizer, self.model_path = loaded, loaded.tokenizer, loaded.path
+        self.dtype = DTYPES[dtype]
+        layer0 = loaded.model.layers[0]
+        num_slots = cfg.engine.max_total_tokens or KVPool.slots_for_budget(
+            cfg.engine.kv_cache_memory_gb * 2**30, loaded.model.num_layers, layer0.n_kv, layer0.head_dim, self.dtype)
+        self.runner = ModelRunner(loaded.model, loaded.hf_config, num_slots, self.dtype)
+        self.worker = worker_factory(self) if worker_factory else self._default_worker()
+        self.scheduler = Scheduler(self.runner.allocator, cfg.engine.max_running_requests,
+                                   cfg.engine.max_prefill_tokens, self.runner.max_context,
+                                   slots_per_decode=self.worker.slots_per_decode,
+                                   max_queued_requests=cfg.engine.max_queued_requests)
+        self.eos_token_ids = tuple(sorted({i for i in [self.tokenizer.eos_token_id,
+                                            getattr(loaded.hf_config, "eos_token_id", None)] if isinstance(i, int)}))
+        self.stats = EngineStats()
+        self._detok: dict[str, IncrementalDetokenizer] = {}
+        self.model_name = cfg.model.served_model_name or self.model_path.name
+        logger.info("engine ready: model=%s dtype=%s kv_slots=%d worker=%s", self.model_name, dtype, num_slots,
+                    type(self.worker).__name__)
+
+    def _default_worker(self):
+        from .plugins import build_worker
+        return build_worker(self) or PlainWorker(self.runner)
+
+    # ---- requests -----------------------------------------------------------------------
+    def tokenize_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        out = self.tokenizer.apply_chat_template(messages, add_generation_prompt=add_generation_prompt, tokenize=True)
+        return list(out["input_ids"] if isinstance(out, dict) or hasattr(out, "keys") else out)
+
+    def make_request(self, prompt: str | list[int], params: SamplingParams, rid: str | None = None) -> Request:
+        ids = self.tokenizer(prompt)["input_ids"] if isinstance(prompt, str) else list(prompt)
+        kw = {"rid": rid} if rid else {}
+        eos = () if params.ignore_eos else self.eos_token_ids
+        req = Request(prompt_ids=ids, params=params.validate(), eos_token_ids=eos, **kw)
+        self.scheduler.check(req)
+        return req
+
+    def add_request(self, req: Request) -> Request:
+        self.scheduler.add(req)
+        self._detok[req.rid] = IncrementalDetokenizer(self.tokenizer, req.params.stop)
+        self.stats.on_arrival()
+        return req
+
+    def abort(self, rid: str) -> RequestOutput | None:
+        req = self.scheduler.remove(rid)
+        if req is None:
+            return None
+        return self._finish(req, "abort")
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # ---- the step -----------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        outs = self._finish_starved(batch)
+        if not batch.reqs:
+            return outs
+        t0 = time.perf_counter()
+        results = self.worker.prefill(batch.reqs) if batch.is_prefill else self.worker.decode(batch.reqs)
+        self.stats.on_step(batch, results, time.perf_counter() - t0, self)
+        return outs + self.postprocess(batch, results)
+
+    def _finish_starved(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        """A lone decode request the KV pool cannot grow any further ends with 'length'."""
+        if batch.is_prefill or self.runner.allocator.num_free >= self.worker.slots_per_decode * len(batch.reqs):
+            return []
+        outs = []
+        for r in list(batch.reqs):
+            logger.warning("KV pool exhausted: finishing %s at %d tokens", r.rid, r.seq_len)
+            batch.reqs.remove(r)
+            self.scheduler.running.remove(r)
+            outs.append(self._finish(r, "length"))
+        return outs
+
+    def postprocess(self, batch: ScheduledBatch, results: list[SeqResult]) -> list[RequestOutput]:
+        outs = []
+        now = time.monotonic()
+        for req, res in zip(batch.reqs, results):
+            if req.first_token_time is None:
+                req.first_token_time = now
+                self.stats.on_first_token(now - req.arrival_time)
+            if res.num_draft or batch.kind == "decode" and getattr(self.worker, "speculative", False):
+                req.spec_verify_ct += 1
+                req.spec_accepted_tokens += res.num_accepted
+            new, reason = self._append_tokens(req, res)
+            detok = self._detok[req.rid]
+            if detok.update(req.output_ids):
+                reason = "stop"
+            if reason is None and req.seq_len >= self.runner.max_context:
+                reason = "length"
+            if reason is not None:
+                self.scheduler.running.remove(req)
+                outs.append(self._finish(req, reason, new, res.logprobs[:len(new)]))
+            else:
+                outs.append(self._output(req, new, detok.delta(False), False, None, res.logprobs[:len(new)]))
+        return outs
+
+    def _append_tokens(self, req: Request, res: SeqResult) -> tuple[list[int], str | None]:
+        new = []
+        for tok in res.tokens:
+            req.output_ids.append(tok)
+            new.append(tok)
+            if tok in req.eos_token_ids or tok in req.params.stop_token_ids:
+                return new, "stop"
+            if len(req.output_ids) >= req.params.max_new_tokens:
+                return new, "length"
+        return new, None
+
+    def _finish(self, req: Request, reason: str, new: list[int] | None = None, logprobs=None, error=None) -> RequestOutput:
+        req.status, req.finish_reason, req.error = Status.FINISHED, reason, error
+        self.scheduler.free(req)
+        self.worker.release(req)
+        detok = self._detok.pop(req.rid, None)
+        delta = detok.delta(True) if detok else ""
+        self.stats.on_finish(req)
+        req.final_text = detok.text if detok else ""
+        return self._output(req, new or [], delta, True, reason, logprobs or [])
+
+    def _output(self, req, new, delta, finished, reason, logprobs) -> RequestOutput:
+        meta = {"spec_verify_ct": req.spec_verify_ct, "spec_accept_length": round(req.spec_accept_length, 4)} \
+            if req.spec_verify_ct else {}
+        return RequestOutput(req.rid, new, delta, finished, reason, req.error, list(logprobs),
+                             len(req.prompt_ids), len(req.output_ids), meta)
+
+    # ---- offline convenience ------------------------------------------------------------
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams],
+                 progress: bool = False) -> list[Completion]:
+        """Run prompts through continuous batching to completion; results in prompt order."""
+        plist = params if isinstance(params, list) else [params] * len(prompts)
+        reqs = [self.add_request(self.make_request(p, sp)) for p, sp in zip(prompts, plist)]
+        bar = None
+        if progress:
+            from tqdm import tqdm
+            bar = tqdm(total=len(reqs), desc="generate", unit="req")
+        while self.has_work:
+            for o in self.step():
+                if o.finished and bar:
+                    bar.update()
+        if bar:
+            bar.close()
+        return [Completion(r.rid, r.final_text, list(r.output_ids), r.finish_reason, len(r.prompt_ids),
+                           self._output(r, [], "", True, r.finish_reason, []).meta) for r in reqs]

@@ -1,0 +1,55 @@
+"""What one model forward needs: a flattened ragged batch of query tokens and, per sequence,
+the KV slots it attends to and how its new tokens see each other."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SeqSpan:
+    """One sequence's part of a forward.
+
+    ``kv_slots`` lists every slot the sequence attends to, prefix first, then the slots of
+    this forward's ``q_len`` new tokens (in query order). ``tree_mask`` is a ``[q_len, q_len]``
+    bool matrix (True = may attend) among the new tokens; ``None`` means causal.
+    """
+    q_start: int
+    q_len: int
+    kv_slots: torch.Tensor
+    tree_mask: torch.Tensor | None = None
+    kv_range: tuple[int, int] | None = None   # set when kv_slots is one ascending run [a, b)
+
+    def __post_init__(self):
+        n = int(self.kv_slots.numel())
+        if n and self.kv_range is None:
+            a, b = int(self.kv_slots[0]), int(self.kv_slots[-1])
+            if b - a + 1 == n and (n < 3 or bool((self.kv_slots[1:] - self.kv_slots[:-1] == 1).all())):
+                self.kv_range = (a, b + 1)
+
+    @property
+    def prefix_len(self) -> int:
+        return int(self.kv_slots.numel()) - self.q_len
+
+
+@dataclass
+class ForwardBatch:
+    input_ids: torch.Tensor          # [T] flattened new tokens of all sequences
+    positions: torch.Tensor          # [T] rope positions (depth-based for trees)
+    out_slots: torch.Tensor          # [T] KV slots the new tokens are written to
+    seqs: list[SeqSpan]
+    logits_indices: torch.Tensor | None = None  # rows of the hidden states that need logits; None = all
+    capture_layers: tuple[int, ...] = field(default_factory=tuple)  # hidden states entering these layers
+    attn_plan: list | None = None   # filled by the model once per forward (attention.plan_attention)
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+
+@dataclass
+class ForwardOutput:
+    logits: torch.Tensor | None      # [len(logits_indices) or T, V]
+    hidden: torch.Tensor             # [T, H] final-norm input (last layer output, pre-norm)
+    aux_hidden: list[torch.Tensor] = field(default_factory=list)  # per capture layer, [T, H]

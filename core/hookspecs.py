@@ -1,0 +1,127 @@
+"""The algorithm author's contract: pluggy hook specifications of specfw.
+
+Two kinds of plugin objects exist:
+
+* **Distribution plugins** — the object an entry point in the ``specfw`` group points to (a
+  module, usually). They implement :func:`specfw_register_algorithms` and may implement the
+  observer hooks. They are registered once per process.
+* **Algorithm runtimes** — the object an algorithm's factory returns for one engine. It
+  implements the per-step hooks (drafting, optionally tree building / verification, and the
+  lifecycle hooks). Only the runtime of the configured algorithm is registered with the
+  engine's plugin manager, so hook implementations never need to check which algorithm is
+  active, and the core never branches on an algorithm's name.
+
+The core itself registers :mod:`specfw.spec.defaults`, whose ``specfw_build_tree`` and
+``specfw_verify`` are ``trylast``: an algorithm that only drafts gets tree building and
+verification for free; one that returns a result from those hooks overrides them.
+
+All per-step hooks run on the engine thread; tensors are on the runner's device.
+"""
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Callable
+
+import pluggy
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .spec.types import DraftCandidates, DraftTree, SpecContext, VerifyResult
+    from .request import Request
+
+PROJECT = "specfw"
+hookspec = pluggy.HookspecMarker(PROJECT)
+hookimpl = pluggy.HookimplMarker(PROJECT)
+
+
+# ---- registration (distribution plugins) ------------------------------------------------
+@hookspec
+def specfw_register_algorithms(register: Callable) -> None:
+    """Register speculative algorithms.
+
+    Called once when the plugin manager is built, before Hydra composes the config.
+
+    :param register: ``register(name, config_class, factory, description="")``.
+        ``name`` becomes the option ``speculative=<name>``; ``config_class`` is a dataclass
+        deriving from :class:`specfw.spec.config.SpecAlgoConfig` (its fields are the option's
+        keys; Hydra validates them); ``factory(ctx: SpecContext)`` builds the algorithm runtime
+        (an object with hook implementations) for one engine, loading draft weights if any.
+    """
+
+
+# ---- drafting ---------------------------------------------------------------------------
+@hookspec(firstresult=True)
+def specfw_draft(ctx: "SpecContext", reqs: "list[Request]") -> "list[DraftCandidates]":
+    """Propose draft candidates for each running request (one entry per request, in order).
+
+    Called once per decode step before the target's verify forward. The candidates carry
+    tokens, scores and parent links (a tree rooted at the request's last sampled token,
+    index -1); an empty candidate list means "no draft" (the step decodes one token).
+    Implemented by every algorithm runtime.
+
+    :param ctx: engine-wide speculative context (config, target runner, stats).
+    :param reqs: running requests; ``req.seq_ids[-1]`` is the root token (sampled, no KV yet).
+    """
+
+
+# ---- tree building ----------------------------------------------------------------------
+@hookspec(firstresult=True)
+def specfw_build_tree(ctx: "SpecContext", req: "Request", candidates: "DraftCandidates") -> "DraftTree":
+    """Turn one request's scored candidates into the draft tree to verify.
+
+    The core's default (trylast) keeps the best ``num_draft_tokens - 1`` candidates by score
+    (closed under ancestors), orders parents before children, prepends the root, and derives
+    positions (``seq_len - 1 + depth``), the ancestor mask and retrieve indices.
+
+    :param req: the request the candidates belong to.
+    :param candidates: what :func:`specfw_draft` proposed for it.
+    """
+
+
+# ---- verification -----------------------------------------------------------------------
+@hookspec(firstresult=True)
+def specfw_verify(ctx: "SpecContext", req: "Request", tree: "DraftTree", logits: "torch.Tensor") -> "VerifyResult":
+    """Choose the accepted path and the bonus token for one request.
+
+    ``logits`` are the target's logits at every tree node ``[num_nodes, vocab]`` (row i
+    predicts the token after node i). The core's default (trylast) does greedy tree
+    verification for greedy requests, stochastic tree verification with
+    ``accept_threshold_single`` / ``accept_threshold_acc`` otherwise, and chain rejection
+    sampling when the tree is a chain carrying draft probabilities.
+
+    :returns: :class:`VerifyResult` with the accepted node indices (root first) and the tokens
+        to emit (accepted draft tokens + bonus).
+    """
+
+
+# ---- lifecycle --------------------------------------------------------------------------
+@hookspec
+def specfw_on_prefill(ctx: "SpecContext", reqs: "list[Request]", hidden: "torch.Tensor",
+                      aux_hidden: "list[torch.Tensor]", spans: "list[tuple[int, int]]") -> None:
+    """After the target prefilled ``reqs``: build per-request drafter state.
+
+    :param hidden: target last-layer hidden states of every prefilled token ``[T, H]``.
+    :param aux_hidden: hidden states entering ``ctx.capture_layers`` (EAGLE-3 taps), each ``[T, H]``.
+    :param spans: per request, ``(start, length)`` of its rows in ``hidden``; the first
+        sampled token is already appended to ``req.output_ids``.
+    """
+
+
+@hookspec
+def specfw_on_accept(ctx: "SpecContext", reqs: "list[Request]", results: "list[VerifyResult]",
+                     hidden: "torch.Tensor", aux_hidden: "list[torch.Tensor]") -> None:
+    """After verification: keep the drafter in step with the accepted tokens.
+
+    Called after the KV commit; ``req.output_ids`` already holds the emitted tokens.
+    ``hidden``/``aux_hidden`` are the verify forward's rows ``[sum(tree sizes), H]``; each
+    result's ``node_rows`` index the accepted nodes in them.
+    """
+
+
+@hookspec
+def specfw_release(ctx: "SpecContext", req: "Request") -> None:
+    """A request finished or was aborted/retracted: drop its drafter state (and draft KV)."""
+
+
+# ---- observers --------------------------------------------------------------------------
+@hookspec
+def specfw_observe_step(ctx: "SpecContext", reqs: "list[Request]", results: "list[VerifyResult]") -> None:
+    """Called after every speculative decode step with the verify results (metrics, logging)."""

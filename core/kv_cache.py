@@ -1,0 +1,119 @@
+"""KV cache: a preallocated pool of token slots, an allocator, and per-request slot tables.
+
+One K and one V tensor per layer, shaped ``[num_slots, num_kv_heads, head_dim]``. A slot
+holds the key/value of one token. Requests own ordered lists of slots (``SlotTable``); a
+forward writes new tokens' K/V at freshly allocated slots and attention gathers a request's
+slots in order. Token-granular slots make tree verification cheap: the accepted path's
+slots are appended to the table in path order and the rest are returned to the pool.
+"""
+from __future__ import annotations
+
+import torch
+
+
+class KVPoolExhausted(RuntimeError):
+    """Raised when an allocation asks for more slots than are free."""
+
+
+class SlotAllocator:
+    """Free list of slot indices. Slot ``num_slots`` (one past the end) is never handed out:
+    it is a scratch slot that padded query positions may write to."""
+
+    def __init__(self, num_slots: int):
+        if num_slots <= 0:
+            raise ValueError(f"KV pool needs at least one slot, got {num_slots}")
+        self.num_slots = num_slots
+        self._free = torch.arange(num_slots - 1, -1, -1, dtype=torch.long)  # stack, pop from end
+        self._num_free = num_slots
+
+    @property
+    def num_free(self) -> int:
+        return self._num_free
+
+    @property
+    def num_used(self) -> int:
+        return self.num_slots - self._num_free
+
+    def can_alloc(self, n: int) -> bool:
+        return n <= self._num_free
+
+    def alloc(self, n: int) -> torch.Tensor:
+        if n > self._num_free:
+            raise KVPoolExhausted(f"KV pool exhausted: asked for {n} slots, {self._num_free} free of {self.num_slots}")
+        start = self._num_free - n
+        out = self._free[start:self._num_free].flip(0).clone()
+        self._num_free = start
+        return out
+
+    def free(self, slots: torch.Tensor) -> None:
+        n = int(slots.numel())
+        if n == 0:
+            return
+        if self._num_free + n > self.num_slots:
+            raise RuntimeError("double free in KV slot allocator")
+        self._free[self._num_free:self._num_free + n] = slots.flip(0)
+        self._num_free += n
+
+
+class SlotTable:
+    """The ordered KV slots of one sequence (prompt + generated tokens)."""
+
+    def __init__(self, capacity: int = 256):
+        self._buf = torch.empty(capacity, dtype=torch.long)
+        self.length = 0
+
+    def append(self, slots: torch.Tensor) -> None:
+        n = int(slots.numel())
+        need = self.length + n
+        if need > self._buf.numel():
+            grown = torch.empty(max(need, 2 * self._buf.numel()), dtype=torch.long)
+            grown[: self.length] = self._buf[: self.length]
+            self._buf = grown
+        self._buf[self.length:need] = slots
+        self.length = need
+
+    def slots(self) -> torch.Tensor:
+        return self._buf[: self.length]
+
+    def truncate(self, length: int) -> torch.Tensor:
+        """Drop slots past ``length``; returns the dropped slots (caller frees them)."""
+        dropped = self._buf[length:self.length].clone()
+        self.length = min(self.length, length)
+        return dropped
+
+    def __len__(self) -> int:
+        return self.length
+
+
+class KVPool:
+    """Per-layer K/V storage plus the slot allocator."""
+
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_slots: int,
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.dtype, self.device = dtype, torch.device(device)
+        shape = (num_slots + 1, num_kv_heads, head_dim)  # +1: scratch slot for padding
+        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.allocator = SlotAllocator(num_slots)
+        self.scratch_slot = num_slots
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
+
+    @classmethod
+    def slots_for_budget(cls, memory_bytes: float, num_layers: int, num_kv_heads: int, head_dim: int,
+                         dtype: torch.dtype) -> int:
+        return int(memory_bytes // cls.bytes_per_token(num_layers, num_kv_heads, head_dim, dtype))
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k[layer].index_copy_(0, slots, k)
+        self.v[layer].index_copy_(0, slots, v)
+
+    @property
+    def num_slots(self) -> int:
+        return self.allocator.num_slots
+
+    def usage(self) -> float:
+        return self.allocator.num_used / self.allocator.num_slots

@@ -1,0 +1,116 @@
+"""A lean Llama-family decoder (Llama, Mistral, Qwen2, SmolLM2) over specfw's KV pool.
+
+Fused QKV and gate/up projections, one attention call per layer for the whole ragged batch,
+tree masks for speculative verification, and optional capture of inner hidden states
+(EAGLE-3 taps). Numerics follow transformers' LlamaForCausalLM (fp32 RMSNorm, same RoPE).
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+import torch.nn.functional as F
+
+from ..attention import attend, plan_attention
+from ..forward_batch import ForwardBatch, ForwardOutput
+from ..kv_cache import KVPool
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Rotary:
+    """Precomputed cos/sin tables, indexed by position (HF inv_freq, incl. rope scaling types)."""
+
+    def __init__(self, hf_config, max_positions: int, dtype: torch.dtype):
+        from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+        rope = LlamaRotaryEmbedding(hf_config)
+        pos = torch.arange(max_positions, dtype=torch.float32)
+        freqs = pos[:, None] * rope.inv_freq.float()[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.cos = (emb.cos() * rope.attention_scaling).to(dtype)
+        self.sin = (emb.sin() * rope.attention_scaling).to(dtype)
+
+    def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin for a forward's positions, shaped [T, 1, D] (computed once per forward)."""
+        return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)
+
+    @staticmethod
+    def apply(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        # x [T, H, D]
+        half = x.shape[-1] // 2
+        rot = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+        return x * cos + rot * sin
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        h, self.n_heads, self.n_kv = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or h // self.n_heads
+        bias = bool(getattr(cfg, "attention_bias", False))
+        self.q_size, self.kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
+        self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=bias)
+        self.o_proj = nn.Linear(self.q_size, h, bias=bool(getattr(cfg, "attention_bias", False)) and False)
+        self.gate_up_proj = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.scale = self.head_dim ** -0.5
+        self.intermediate = cfg.intermediate_size
+
+    def forward(self, x, fb: ForwardBatch, kv: KVPool, layer: int, cos, sin) -> torch.Tensor:
+        T = x.shape[0]
+        qkv = self.qkv_proj(self.input_layernorm(x))
+        # rope on q and k heads together: one set of ops instead of two
+        qk = Rotary.apply(qkv[:, : self.q_size + self.kv_size].view(T, self.n_heads + self.n_kv, self.head_dim), cos, sin)
+        q, k = qk[:, : self.n_heads], qk[:, self.n_heads:]
+        v = qkv[:, self.q_size + self.kv_size:].view(T, self.n_kv, self.head_dim)
+        kv.write(layer, fb.out_slots, k, v)
+        o = attend(q, kv.k[layer], kv.v[layer], fb.attn_plan, self.scale)
+        x = x + self.o_proj(o.reshape(T, self.q_size))
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).split(self.intermediate, dim=-1)
+        return x + self.down_proj(F.silu(gate) * up)
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, cfg, max_positions: int, dtype: torch.dtype = torch.float32):
+        super().__init__()
+        self.config = cfg
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
+        self.rotary = Rotary(cfg, max_positions, dtype)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @torch.inference_mode()
+    def forward(self, fb: ForwardBatch, kv: KVPool) -> ForwardOutput:
+        x = self.embed_tokens(fb.input_ids)
+        cos, sin = self.rotary.lookup(fb.positions)
+        fb.attn_plan = plan_attention(fb.seqs, x.device)
+        aux = []
+        for i, layer in enumerate(self.layers):
+            if i in fb.capture_layers:
+                aux.append(x)
+            x = layer(x, fb, kv, i, cos, sin)
+        hidden = x
+        sel = hidden if fb.logits_indices is None else hidden.index_select(0, fb.logits_indices)
+        logits = self.lm_head(self.norm(sel)).float()
+        return ForwardOutput(logits=logits, hidden=hidden, aux_hidden=aux)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(self.norm(hidden)).float()

@@ -1,0 +1,120 @@
+"""Plugin registry: discovers distribution plugins through the ``specfw`` entry-point group
+(built-ins included: ``plugins/*`` register exactly like a pip-installed package) and builds
+the per-engine plugin manager for the configured algorithm.
+
+Environment: ``SPECFW_PLUGINS=a,b`` loads only those entry points; ``SPECFW_DISABLE_PLUGINS=a,b``
+skips them.
+"""
+from __future__ import annotations
+
+import importlib.metadata as md
+import logging
+import os
+from dataclasses import dataclass
+from typing import Callable
+
+import pluggy
+
+from . import hookspecs
+
+logger = logging.getLogger(__name__)
+ENTRY_POINT_GROUP = "specfw"
+
+
+class PluginError(ValueError):
+    pass
+
+
+@dataclass
+class Algorithm:
+    name: str
+    config_class: type
+    factory: Callable
+    description: str = ""
+    package: str = "?"
+    version: str = "?"
+    module: str = "?"
+
+
+class PluginManager:
+    """Process-wide registry of distribution plugins and the algorithms they register."""
+
+    def __init__(self, load_entry_points: bool = True):
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self.pm.add_hookspecs(hookspecs)
+        self.algorithms: dict[str, Algorithm] = {}
+        self._dists: dict[int, tuple[str, str, str]] = {}
+        if load_entry_points:
+            self._load_entry_points()
+
+    def _load_entry_points(self) -> None:
+        allow = {s.strip() for s in os.environ.get("SPECFW_PLUGINS", "").split(",") if s.strip()}
+        block = {s.strip() for s in os.environ.get("SPECFW_DISABLE_PLUGINS", "").split(",") if s.strip()}
+        for ep in sorted(md.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name):
+            if (allow and ep.name not in allow) or ep.name in block:
+                continue
+            try:
+                obj = ep.load()
+            except Exception as e:  # a broken third-party plugin must not take the server down
+                logger.error("failed to load specfw plugin '%s' (%s): %s", ep.name, ep.value, e)
+                continue
+            dist = ep.dist
+            self.register(obj, ep.name, package=dist.name if dist else "?", version=dist.version if dist else "?")
+
+    def register(self, plugin, name: str | None = None, package: str = "?", version: str = "?") -> None:
+        """Register a distribution plugin object and collect its algorithms."""
+        self.pm.register(plugin, name=name)
+        self.pm.check_pending()
+        module = getattr(plugin, "__name__", type(plugin).__name__)
+
+        def register_algorithm(algo_name: str, config_class: type, factory: Callable, description: str = "") -> None:
+            from .spec.config import SpecAlgoConfig
+            if algo_name in self.algorithms or algo_name == "none":
+                raise PluginError(f"speculative algorithm '{algo_name}' is registered twice "
+                                  f"({self.algorithms[algo_name].module if algo_name in self.algorithms else 'core'} and {module})")
+            if not (isinstance(config_class, type) and issubclass(config_class, SpecAlgoConfig)):
+                raise PluginError(f"algorithm '{algo_name}': config_class must subclass SpecAlgoConfig")
+            self.algorithms[algo_name] = Algorithm(algo_name, config_class, factory, description, package, version, module)
+
+        impl = getattr(plugin, "specfw_register_algorithms", None)
+        if impl is not None:
+            impl(register=register_algorithm)
+
+    def unregister(self, name: str) -> None:
+        plugin = self.pm.unregister(name=name)
+        for k in [k for k, a in self.algorithms.items() if a.module == getattr(plugin, "__name__", type(plugin).__name__)]:
+            del self.algorithms[k]
+
+    def describe(self) -> list[Algorithm]:
+        return [self.algorithms[k] for k in sorted(self.algorithms)]
+
+    def distribution_plugins(self) -> list:
+        return [p for p in self.pm.get_plugins()]
+
+
+_MANAGER: PluginManager | None = None
+
+
+def plugin_manager() -> PluginManager:
+    global _MANAGER
+    if _MANAGER is None:
+        _MANAGER = PluginManager()
+    return _MANAGER
+
+
+def reset_plugin_manager() -> None:
+    global _MANAGER
+    _MANAGER = None
+
+
+def build_worker(engine):
+    """The speculative worker for ``engine.cfg.speculative``, or None for plain decoding."""
+    spec_cfg = getattr(engine.cfg, "speculative", None)
+    name = getattr(spec_cfg, "algorithm", "none") if spec_cfg is not None else "none"
+    if name == "none":
+        return None
+    algos = plugin_manager().algorithms
+    if name not in algos:
+        raise PluginError(f"speculative.algorithm: '{name}' is not registered; installed: {sorted(algos) + ['none']}")
+    from .spec.worker import SpeculativeWorker
+    return SpeculativeWorker(engine, algos[name], plugin_manager())

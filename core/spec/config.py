@@ -1,0 +1,85 @@
+"""The common schema of speculative algorithms (SGLang's names) and its startup rules.
+
+Tree shape (``num_steps``, ``topk``, ``num_draft_tokens``): leave all three unset for the
+algorithm's auto defaults, or set all three. Exception (decided for specfw): ``topk=1`` alone
+or with ``num_steps`` is complete, because a chain's size follows from its depth
+(``num_draft_tokens = num_steps + 1``). Impossible shapes are rejected naming the keys.
+"""
+from __future__ import annotations
+
+import enum
+import logging
+from dataclasses import dataclass
+from typing import Optional
+
+from ..config import ConfigError, SpeculativeConfig
+
+logger = logging.getLogger(__name__)
+
+
+class AttentionMode(str, enum.Enum):
+    prefill = "prefill"
+    decode = "decode"
+
+
+@dataclass(frozen=True)
+class TreeShape:
+    num_steps: int
+    topk: int
+    num_draft_tokens: int
+
+
+@dataclass
+class SpecAlgoConfig(SpeculativeConfig):
+    draft_model_path: Optional[str] = None      # draft weights (HF dir / hub id); algorithm-specific default
+    draft_model_revision: Optional[str] = None  # hub revision of the draft ("main" when a hub id is given)
+    num_steps: Optional[int] = None             # draft depth; null = auto (see docs)
+    topk: Optional[int] = None                  # branching per step (SGLang speculative_eagle_topk); null = auto
+    num_draft_tokens: Optional[int] = None      # tree size incl. root; null = auto
+    accept_threshold_single: float = 1.0        # accept a draft token if p_target >= this (1.0 = lossless)
+    accept_threshold_acc: float = 1.0           # accept if coin <= accumulated p_target / this (1.0 = lossless)
+    attention_mode: AttentionMode = AttentionMode.prefill  # verify/extend attention mode (prefill | decode)
+    force_greedy_verify: bool = False           # verify greedily even for sampled requests (also SPECFW_FORCE_GREEDY_VERIFY=1)
+
+    def auto_shape(self, target_arch: str) -> TreeShape:
+        """SGLang's auto defaults: Llama/Grok (5, 4, 8), everything else (3, 1, 4)."""
+        if any(a in target_arch for a in ("Llama", "Grok")):
+            return TreeShape(5, 4, 8)
+        return TreeShape(3, 1, 4)
+
+    def resolve_shape(self, target_arch: str) -> TreeShape:
+        key = "speculative"
+        given = {k: getattr(self, k) for k in ("num_steps", "topk", "num_draft_tokens")}
+        for k, v in given.items():
+            if v is not None and v < 1:
+                raise ConfigError(f"{key}.{k}", f"must be >= 1, got {v}")
+        auto = self.auto_shape(target_arch)
+        if all(v is None for v in given.values()):
+            shape = auto
+        elif given["topk"] == 1:
+            steps = given["num_steps"] or auto.num_steps
+            if given["num_draft_tokens"] not in (None, steps + 1):
+                logger.warning("speculative.num_draft_tokens=%s adjusted to num_steps + 1 = %d because topk=1",
+                               given["num_draft_tokens"], steps + 1)
+            shape = TreeShape(steps, 1, steps + 1)
+        elif any(v is None for v in given.values()):
+            unset = [k for k, v in given.items() if v is None]
+            raise ConfigError(f"{key}.{unset[0]}",
+                              "set num_steps, topk and num_draft_tokens all three or none "
+                              f"(given: {', '.join(f'{k}={v}' for k, v in given.items() if v is not None)}; "
+                              f"unset: {', '.join(unset)}); topk=1 alone is also accepted")
+        else:
+            shape = TreeShape(given["num_steps"], given["topk"], given["num_draft_tokens"])
+        if shape.num_draft_tokens < 2:
+            raise ConfigError(f"{key}.num_draft_tokens", f"must be >= 2 (root + one draft token), got {shape.num_draft_tokens}")
+        if shape.num_steps * shape.topk + 1 < shape.num_draft_tokens:
+            raise ConfigError(f"{key}.num_draft_tokens",
+                              f"{shape.num_draft_tokens} is more than a tree of num_steps={shape.num_steps} x "
+                              f"topk={shape.topk} can hold (num_steps * topk + 1 = {shape.num_steps * shape.topk + 1})")
+        return shape
+
+    def validate(self) -> None:
+        for k in ("accept_threshold_single", "accept_threshold_acc"):
+            v = getattr(self, k)
+            if not 0 < v <= 1:
+                raise ConfigError(f"speculative.{k}", f"must be in (0, 1], got {v}")

@@ -1,0 +1,71 @@
+import pytest
+import torch
+
+from specfw.kv_cache import KVPool, KVPoolExhausted, SlotAllocator, SlotTable
+
+
+def test_alloc_free_reuse():
+    a = SlotAllocator(8)
+    s1 = a.alloc(3)
+    s2 = a.alloc(2)
+    assert a.num_free == 3 and a.num_used == 5
+    assert len(set(s1.tolist()) | set(s2.tolist())) == 5
+    a.free(s1)
+    assert a.num_free == 6
+    s3 = a.alloc(6)
+    assert set(s3.tolist()) == set(range(8)) - set(s2.tolist())  # freed slots are reused
+
+
+def test_exhaustion_raises_and_leaves_state_intact():
+    a = SlotAllocator(4)
+    a.alloc(3)
+    with pytest.raises(KVPoolExhausted, match="asked for 2 slots, 1 free"):
+        a.alloc(2)
+    assert a.num_free == 1
+    assert a.can_alloc(1) and not a.can_alloc(2)
+
+
+def test_double_free_detected():
+    a = SlotAllocator(2)
+    s = a.alloc(2)
+    a.free(s)
+    with pytest.raises(RuntimeError, match="double free"):
+        a.free(s)
+
+
+def test_slot_table_grows_and_truncates():
+    t = SlotTable(capacity=2)
+    t.append(torch.tensor([5, 6]))
+    t.append(torch.tensor([7, 8, 9]))
+    assert t.slots().tolist() == [5, 6, 7, 8, 9]
+    dropped = t.truncate(2)
+    assert dropped.tolist() == [7, 8, 9] and t.slots().tolist() == [5, 6]
+
+
+def test_pool_budget_and_write():
+    n = KVPool.slots_for_budget(2**20, num_layers=2, num_kv_heads=2, head_dim=8, dtype=torch.float32)
+    assert n == 2**20 // (2 * 2 * 2 * 8 * 4)
+    pool = KVPool(2, 2, 8, 16)
+    slots = pool.allocator.alloc(3)
+    k = torch.randn(3, 2, 8)
+    pool.write(1, slots, k, -k)
+    assert torch.equal(pool.k[1][slots], k) and torch.equal(pool.v[1][slots], -k)
+    assert pool.usage() == 3 / 16
+
+
+def test_no_leak_after_abort_and_finish(tiny_engine):
+    from specfw.sampling import SamplingParams
+    eng = tiny_engine
+    free0 = eng.runner.allocator.num_free
+    reqs = [eng.add_request(eng.make_request([10 + i] * (5 + i), SamplingParams(max_new_tokens=50, temperature=0, ignore_eos=True)))
+            for i in range(4)]
+    for _ in range(3):
+        eng.step()
+    assert eng.runner.allocator.num_free < free0
+    out = eng.abort(reqs[1].rid)
+    assert out.finished and out.finish_reason == "abort"
+    assert eng.abort("no-such-request") is None
+    while eng.has_work:
+        eng.step()
+    assert eng.runner.allocator.num_free == free0
+    assert [r.finish_reason for r in reqs] == ["length", "abort", "length", "length"]
