@@ -32,10 +32,13 @@ def _new_token_mask(span: SeqSpan, device) -> torch.Tensor:
 
 
 def _mask_for(span: SeqSpan, kv_len: int, device) -> torch.Tensor:
-    """[q_len, kv_len] visibility of one sequence (kv_len >= its own KV length: padding is hidden)."""
+    """[q_len, kv_len] visibility of one sequence (kv_len >= its own KV length: padding is hidden).
+    The tree mask covers the last ``tree_mask.shape[1]`` KV entries; earlier ones are visible."""
+    tm = _new_token_mask(span, device)
+    n = int(span.kv_slots.numel())
     m = torch.zeros(span.q_len, kv_len, dtype=torch.bool, device=device)
-    m[:, : span.prefix_len] = True
-    m[:, span.prefix_len: span.prefix_len + span.q_len] = _new_token_mask(span, device)
+    m[:, : n - tm.shape[1]] = True
+    m[:, n - tm.shape[1]: n] = tm
     return m
 
 

@@ -105,3 +105,14 @@ def validate(cfg) -> None:
         raise ConfigError("server.port", f"must be in 1..65535, got {cfg.server.port}")
     if str(cfg.server.log_level).lower() not in LOG_LEVELS:
         raise ConfigError("server.log_level", f"'{cfg.server.log_level}' is not one of {list(LOG_LEVELS)}")
+    spec = speculative_config(cfg)
+    if hasattr(spec, "resolve_shape"):
+        spec.validate()
+        spec.resolve_shape("")   # the shape rules; auto defaults are re-resolved for the real target
+
+
+def speculative_config(cfg):
+    """The ``speculative`` node as its dataclass instance (methods available)."""
+    from omegaconf import DictConfig, OmegaConf
+    spec = cfg.speculative
+    return OmegaConf.to_object(spec) if isinstance(spec, DictConfig) else spec

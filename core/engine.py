@@ -62,14 +62,15 @@ class Engine:
         num_slots = cfg.engine.max_total_tokens or KVPool.slots_for_budget(
             cfg.engine.kv_cache_memory_gb * 2**30, loaded.model.num_layers, layer0.n_kv, layer0.head_dim, self.dtype)
         self.runner = ModelRunner(loaded.model, loaded.hf_config, num_slots, self.dtype)
+        self.stats = EngineStats()
         self.worker = worker_factory(self) if worker_factory else self._default_worker()
         self.scheduler = Scheduler(self.runner.allocator, cfg.engine.max_running_requests,
                                    cfg.engine.max_prefill_tokens, self.runner.max_context,
                                    slots_per_decode=self.worker.slots_per_decode,
                                    max_queued_requests=cfg.engine.max_queued_requests)
+        self.scheduler.on_retract = self.worker.release
         self.eos_token_ids = tuple(sorted({i for i in [self.tokenizer.eos_token_id,
                                             getattr(loaded.hf_config, "eos_token_id", None)] if isinstance(i, int)}))
-        self.stats = EngineStats()
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self.model_name = cfg.model.served_model_name or self.model_path.name
         logger.info("engine ready: model=%s dtype=%s kv_slots=%d worker=%s", self.model_name, dtype, num_slots,

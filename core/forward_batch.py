@@ -12,8 +12,10 @@ class SeqSpan:
     """One sequence's part of a forward.
 
     ``kv_slots`` lists every slot the sequence attends to, prefix first, then the slots of
-    this forward's ``q_len`` new tokens (in query order). ``tree_mask`` is a ``[q_len, q_len]``
-    bool matrix (True = may attend) among the new tokens; ``None`` means causal.
+    this forward's ``q_len`` new tokens (in query order). ``tree_mask`` is a ``[q_len, m]`` bool
+    matrix (True = may attend, ``m >= q_len``) over the last ``m`` KV entries — usually the new
+    tokens themselves (``m == q_len``); a drafter may include earlier drafted nodes. KV entries
+    before those are always visible. ``None`` means causal among the new tokens.
     """
     q_start: int
     q_len: int

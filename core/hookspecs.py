@@ -100,8 +100,8 @@ def specfw_on_prefill(ctx: "SpecContext", reqs: "list[Request]", hidden: "torch.
 
     :param hidden: target last-layer hidden states of every prefilled token ``[T, H]``.
     :param aux_hidden: hidden states entering ``ctx.capture_layers`` (EAGLE-3 taps), each ``[T, H]``.
-    :param spans: per request, ``(start, length)`` of its rows in ``hidden``; the first
-        sampled token is already appended to ``req.output_ids``.
+    :param spans: per request, ``(start, length)`` of its rows in ``hidden``. The token sampled
+        from this prefill is appended to ``req.output_ids`` by the engine right after this hook.
     """
 
 
@@ -110,7 +110,10 @@ def specfw_on_accept(ctx: "SpecContext", reqs: "list[Request]", results: "list[V
                      hidden: "torch.Tensor", aux_hidden: "list[torch.Tensor]") -> None:
     """After verification: keep the drafter in step with the accepted tokens.
 
-    Called after the KV commit; ``req.output_ids`` already holds the emitted tokens.
+    Called after the target's KV commit and before the engine appends ``results[i].tokens``
+    (accepted draft tokens + bonus) to ``req.output_ids`` (it may stop early at eos / a stop
+    condition). Drafters that keep their own cache should treat ``req.seq_ids`` as the source of
+    truth and catch up lazily in the next :func:`specfw_draft`.
     ``hidden``/``aux_hidden`` are the verify forward's rows ``[sum(tree sizes), H]``; each
     result's ``node_rows`` index the accepted nodes in them.
     """

@@ -86,7 +86,7 @@ def _fuse_into(model: LlamaModel, state: dict[str, torch.Tensor]) -> None:
         model.norm.weight.copy_(take(p + "norm.weight"))
         lm = state.pop("lm_head.weight", None)
         model.lm_head.weight = model.embed_tokens.weight if lm is None else torch.nn.Parameter(lm.to(model.embed_tokens.weight.dtype))
-        for i, layer in enumerate(tqdm(model.layers, desc="loading layers", unit="layer", leave=False)):
+        for i, layer in enumerate(tqdm(model.layers, desc="loading layers", unit="layer", leave=False, disable=None)):
             lp = f"{p}layers.{i}."
             qkv = [take(lp + f"self_attn.{n}_proj.weight") for n in "qkv"]
             layer.qkv_proj.weight.copy_(torch.cat(qkv, 0))

@@ -42,6 +42,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_retracted = 0
+        self.on_retract = lambda req: None        # the worker drops per-request state (draft KV)
 
     # ---- queue management -------------------------------------------------------------
     def check(self, req: Request) -> None:
@@ -109,6 +110,7 @@ class Scheduler:
         while self.slots_per_decode * len(self.running) > self.allocator.num_free and len(self.running) > 1:
             victim = self.running.pop()
             self.free(victim)
+            self.on_retract(victim)
             victim.status = Status.WAITING
             self.waiting.appendleft(victim)
             self.num_retracted += 1

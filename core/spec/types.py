@@ -1,0 +1,97 @@
+"""Typed objects passed between the speculative stages (draft → tree → verify → commit)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .config import SpecAlgoConfig, TreeShape
+
+
+@dataclass
+class SpecContext:
+    """Engine-wide state shared by the hooks of one engine."""
+    config: SpecAlgoConfig
+    shape: TreeShape
+    runner: Any                      # the target ModelRunner (model, kv pool, allocator)
+    tokenizer: Any
+    engine_config: Any
+    stats: Any
+    capture_layers: tuple[int, ...] = ()   # target layers whose input hidden states the drafter needs
+    force_greedy: bool = False
+
+
+@dataclass
+class DraftCandidates:
+    """A drafter's proposal for one request: a tree of candidates under the root.
+
+    Candidates are listed parents-first; ``parents[i]`` indexes an earlier candidate or is -1
+    (child of the root, the request's last sampled token). ``scores`` rank candidates for the
+    tree builder (higher is better; EAGLE uses cumulative log-probabilities).
+    ``draft_probs`` (optional, ``[n, vocab]``) is the draft distribution candidate i was
+    sampled from; with a chain it enables lossless rejection sampling for sampled requests.
+    """
+    tokens: torch.Tensor
+    parents: torch.Tensor
+    scores: torch.Tensor
+    draft_probs: torch.Tensor | None = None
+
+    @classmethod
+    def empty(cls) -> "DraftCandidates":
+        e = torch.empty(0, dtype=torch.long)
+        return cls(e, e.clone(), torch.empty(0))
+
+    @classmethod
+    def chain(cls, tokens: list[int], draft_probs: torch.Tensor | None = None) -> "DraftCandidates":
+        n = len(tokens)
+        return cls(torch.tensor(tokens, dtype=torch.long), torch.arange(-1, n - 1, dtype=torch.long),
+                   -torch.arange(n, dtype=torch.float32), draft_probs)
+
+    def __len__(self) -> int:
+        return int(self.tokens.numel())
+
+
+@dataclass
+class DraftTree:
+    """The tree the target verifies. Node 0 is the root (the last sampled token, no KV yet).
+
+    ``mask[i, j]`` is True when node j is node i itself or one of its ancestors.
+    ``retrieve_next_token[i]`` is i's first child, ``retrieve_next_sibling[i]`` its next sibling
+    (-1 when none): walking them visits children in candidate (score) order.
+    """
+    tokens: torch.Tensor                 # [N]
+    parents: torch.Tensor                # [N], -1 for the root
+    depth: torch.Tensor                  # [N]
+    mask: torch.Tensor                   # [N, N] bool
+    retrieve_next_token: torch.Tensor    # [N]
+    retrieve_next_sibling: torch.Tensor  # [N]
+    draft_probs: torch.Tensor | None = None  # [N-1, V], node i+1's draft distribution
+
+    def __len__(self) -> int:
+        return int(self.tokens.numel())
+
+    def children(self, node: int) -> list[int]:
+        out, c = [], int(self.retrieve_next_token[node])
+        while c >= 0:
+            out.append(c)
+            c = int(self.retrieve_next_sibling[c])
+        return out
+
+    @property
+    def is_chain(self) -> bool:
+        return bool((self.parents[1:] == torch.arange(len(self) - 1)).all())
+
+
+@dataclass
+class VerifyResult:
+    """Accepted path (node indices, root first) and the tokens to emit (accepted drafts + bonus)."""
+    accepted_nodes: list[int]
+    tokens: list[int]
+    num_draft: int
+    node_rows: torch.Tensor | None = None   # rows of the verify forward for accepted_nodes (set by the worker)
+    logprobs: list = field(default_factory=list)
+
+    @property
+    def num_accepted(self) -> int:
+        return len(self.accepted_nodes) - 1

@@ -1,0 +1,101 @@
+"""Default verification: greedy tree walk, stochastic tree sampling with acceptance thresholds
+(target-only; thresholds of 1.0 are lossless), and chain rejection sampling with draft probs."""
+from __future__ import annotations
+
+import torch
+
+from ..request import Request
+from ..sampling import apply_penalties, target_probs
+from .types import DraftTree, VerifyResult
+
+
+def processed_logits(req: Request, tree: DraftTree, logits: torch.Tensor) -> torch.Tensor:
+    """Apply the request's penalties at every node, as if the node's path had been generated."""
+    p = req.params
+    if not p.has_penalties:
+        return logits
+    out = torch.empty_like(logits)
+    parents = tree.parents.tolist()
+    toks = tree.tokens.tolist()
+    for i in range(len(tree)):
+        path, n = [], i
+        while n > 0:
+            path.append(toks[n])
+            n = parents[n]
+        out[i] = apply_penalties(logits[i:i + 1], p, req.prompt_ids, req.output_ids + path[::-1])[0]
+    return out
+
+
+def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> VerifyResult:
+    """Follow the child whose token equals the target's argmax; the argmax where it stops is the bonus."""
+    best = logits.argmax(-1).tolist()
+    toks = tree.tokens.tolist()
+    node, path = 0, [0]
+    while True:
+        nxt = next((c for c in tree.children(node) if toks[c] == best[node]), None)
+        if nxt is None:
+            break
+        node = nxt
+        path.append(node)
+    return VerifyResult(path, [toks[n] for n in path[1:]] + [best[node]], len(tree) - 1)
+
+
+def verify_tree_sampling(req: Request, tree: DraftTree, logits: torch.Tensor,
+                         threshold_single: float, threshold_acc: float) -> VerifyResult:
+    """Target-only tree sampling. At each node one uniform coin walks the children in order
+    against the accumulated target probability (inverse-CDF over the siblings): with both
+    thresholds at 1.0 the emitted token is an exact sample of the target distribution. A
+    rejected child's token is removed from the residual the bonus token is drawn from."""
+    toks = tree.tokens.tolist()
+    node, path = 0, [0]
+    gen = req.generator
+    while True:
+        probs = target_probs(logits[node:node + 1], req.params)[0]
+        coin = float(torch.rand((), generator=gen))
+        acc, accepted = 0.0, None
+        residual = probs.clone()
+        for c in tree.children(node):
+            p_tok = float(probs[toks[c]])
+            acc += p_tok
+            if coin <= acc / threshold_acc or p_tok >= threshold_single:
+                accepted = c
+                break
+            residual[toks[c]] = 0.0
+        if accepted is None:
+            total = float(residual.sum())
+            dist = residual / total if total > 0 else probs
+            bonus = int(torch.multinomial(dist, 1, generator=gen))
+            return VerifyResult(path, [toks[n] for n in path[1:]] + [bonus], len(tree) - 1)
+        node = accepted
+        path.append(node)
+
+
+def verify_chain_rejection(req: Request, tree: DraftTree, logits: torch.Tensor) -> VerifyResult:
+    """Leviathan et al. 2023: accept draft x ~ q with prob min(1, p(x)/q(x)); on rejection sample
+    from norm(max(0, p - q)); after a fully accepted chain sample the bonus from p."""
+    toks = tree.tokens.tolist()
+    gen = req.generator
+    path = [0]
+    for d in range(1, len(tree)):
+        p = target_probs(logits[d - 1:d], req.params)[0]
+        q = tree.draft_probs[d - 1].float()
+        x = toks[d]
+        if float(torch.rand((), generator=gen)) * float(q[x]) <= float(p[x]):
+            path.append(d)
+            continue
+        resid = (p - q).clamp_min(0)
+        dist = resid / resid.sum() if float(resid.sum()) > 0 else p
+        return VerifyResult(path, [toks[n] for n in path[1:]] + [int(torch.multinomial(dist, 1, generator=gen))],
+                            len(tree) - 1)
+    p = target_probs(logits[len(tree) - 1:], req.params)[0]
+    return VerifyResult(path, toks[1:] + [int(torch.multinomial(p, 1, generator=gen))], len(tree) - 1)
+
+
+def verify(req: Request, tree: DraftTree, logits: torch.Tensor, threshold_single: float = 1.0,
+           threshold_acc: float = 1.0, force_greedy: bool = False) -> VerifyResult:
+    logits = processed_logits(req, tree, logits)
+    if req.params.greedy or force_greedy:
+        return verify_greedy(tree, logits)
+    if tree.draft_probs is not None and len(tree) > 1 and tree.is_chain:
+        return verify_chain_rejection(req, tree, logits)
+    return verify_tree_sampling(req, tree, logits, threshold_single, threshold_acc)

@@ -1,0 +1,120 @@
+"""The speculative worker: prefill like plain decoding, then per decode step
+
+    candidates = draft(reqs)                  # algorithm runtime
+    trees      = build_tree(req, candidates)  # default in spec/tree.py unless overridden
+    logits     = target forward over every tree node (ancestor masks), KV written per node
+    results    = verify(req, tree, logits)    # default in spec/verify.py unless overridden
+    commit KV (accepted path kept in order, rest freed); on_accept(...) → drafter catches up
+"""
+from __future__ import annotations
+
+import logging
+import os
+
+import pluggy
+import torch
+
+from .. import hookspecs
+from ..model_runner import build_forward_batch
+from ..request import Request
+from ..sampling import TokenLogprob
+from ..worker import SeqResult, prefill_chunks, sample_rows
+from . import defaults
+from .types import SpecContext, VerifyResult
+
+logger = logging.getLogger(__name__)
+
+
+def _env_flag(name: str) -> bool:
+    return os.environ.get(name, "").lower() in ("1", "true", "yes", "on")
+
+
+class SpeculativeWorker:
+    speculative = True
+
+    def __init__(self, engine, algorithm, registry):
+        from ..config import speculative_config
+        cfg = speculative_config(engine.cfg)
+        cfg.validate()
+        arch = (getattr(engine.loaded.hf_config, "architectures", None) or ["LlamaForCausalLM"])[0]
+        shape = cfg.resolve_shape(arch)
+        self.runner = engine.runner
+        self.ctx = SpecContext(config=cfg, shape=shape, runner=engine.runner, tokenizer=engine.tokenizer,
+                               engine_config=engine.cfg, stats=engine.stats,
+                               force_greedy=cfg.force_greedy_verify or _env_flag("SPECFW_FORCE_GREEDY_VERIFY"))
+        # per-engine hook relay: core defaults + the active algorithm's runtime + observers
+        self.pm = pluggy.PluginManager(hookspecs.PROJECT)
+        self.pm.add_hookspecs(hookspecs)
+        self.pm.register(defaults, name="specfw.defaults")
+        for plugin in registry.distribution_plugins():
+            if registry.pm.get_name(plugin) and hasattr(plugin, "specfw_observe_step"):
+                self.pm.register(plugin, name=f"observer:{registry.pm.get_name(plugin)}")
+        self.runtime = algorithm.factory(self.ctx)
+        self.pm.register(self.runtime, name=f"algorithm:{algorithm.name}")
+        self.pm.check_pending()
+        self.hook = self.pm.hook
+        self.algorithm = algorithm.name
+        self.slots_per_decode = shape.num_draft_tokens
+        logger.info("speculative decoding: %s num_steps=%d topk=%d num_draft_tokens=%d", algorithm.name,
+                    shape.num_steps, shape.topk, shape.num_draft_tokens)
+
+    # ---- prefill ------------------------------------------------------------------------
+    def prefill(self, reqs: list[Request]) -> list[SeqResult]:
+        chunks = prefill_chunks(self.runner, reqs)
+        spans, start = [], 0
+        for c in chunks:
+            spans.append((start, int(c[0].numel())))
+            start += int(c[0].numel())
+        fb = build_forward_batch(chunks, last_only=True, capture_layers=self.ctx.capture_layers)
+        out = self.runner.forward(fb)
+        sampled = sample_rows(out.logits, reqs)
+        self.hook.specfw_on_prefill(ctx=self.ctx, reqs=reqs, hidden=out.hidden, aux_hidden=out.aux_hidden, spans=spans)
+        return [SeqResult([t], [lp] if lp else []) for t, lp in sampled]
+
+    # ---- decode -------------------------------------------------------------------------
+    def decode(self, reqs: list[Request]) -> list[SeqResult]:
+        candidates = self.hook.specfw_draft(ctx=self.ctx, reqs=reqs)
+        if candidates is None or len(candidates) != len(reqs):
+            raise RuntimeError(f"algorithm '{self.algorithm}': specfw_draft must return one DraftCandidates per request")
+        trees = [self.hook.specfw_build_tree(ctx=self.ctx, req=r, candidates=c) for r, c in zip(reqs, candidates)]
+        chunks, slot_sets = [], []
+        for r, t in zip(reqs, trees):
+            slots = self.runner.allocator.alloc(len(t))
+            slot_sets.append(slots)
+            chunks.append((t.tokens, r.seq_len - 1 + t.depth, slots, r.slots.slots(), t.mask if len(t) > 1 else None))
+        out = self.runner.forward(build_forward_batch(chunks, capture_layers=self.ctx.capture_layers))
+        results, offset = [], 0
+        for r, t, slots in zip(reqs, trees, slot_sets):
+            n = len(t)
+            logits = out.logits[offset:offset + n]
+            res: VerifyResult = self.hook.specfw_verify(ctx=self.ctx, req=r, tree=t, logits=logits)
+            keep = torch.tensor(res.accepted_nodes, dtype=torch.long)
+            kept = torch.zeros(n, dtype=torch.bool)
+            kept[keep] = True
+            r.slots.append(slots[keep])
+            self.runner.allocator.free(slots[~kept])
+            res.node_rows = offset + keep
+            if r.params.logprobs:
+                res.logprobs = self._logprobs(r, logits[keep], res.tokens)
+            results.append(res)
+            offset += n
+        self.hook.specfw_on_accept(ctx=self.ctx, reqs=reqs, results=results, hidden=out.hidden, aux_hidden=out.aux_hidden)
+        self.hook.specfw_observe_step(ctx=self.ctx, reqs=reqs, results=results)
+        self.ctx.stats.record_positions([res.num_accepted for res in results if res.num_draft],
+                                        max(1, self.ctx.shape.num_steps))
+        return [SeqResult(res.tokens, res.logprobs, res.num_draft, res.num_accepted) for res in results]
+
+    @staticmethod
+    def _logprobs(req: Request, rows: torch.Tensor, tokens: list[int]) -> list[TokenLogprob]:
+        logp = torch.log_softmax(rows.float(), -1)
+        out = []
+        for i, tok in enumerate(tokens):
+            top = []
+            if req.params.top_logprobs:
+                v, ix = torch.topk(logp[i], req.params.top_logprobs)
+                top = list(zip(ix.tolist(), v.tolist()))
+            out.append(TokenLogprob(tok, float(logp[i, tok]), top))
+        return out
+
+    def release(self, req: Request) -> None:
+        self.hook.specfw_release(ctx=self.ctx, req=req)
