@@ -1,0 +1,92 @@
+"""Plugin discovery through entry points, allow/block lists, the `specfw plugins` command,
+hook validation, and a pip-installed third-party algorithm run end to end."""
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specfw import hookspecs
+from specfw.plugins import PluginError, PluginManager
+
+ROOT = Path(__file__).resolve().parents[1]
+BIN = Path(sys.executable).parent
+
+
+def test_builtins_register_through_entry_points():
+    pm = PluginManager()
+    rows = {a.name: a for a in pm.describe()}
+    assert rows["ngram"].module == "specfw_plugins.ngram" and rows["ngram"].package == "specfw"
+    assert rows["standalone"].module == "specfw_plugins.standalone"
+
+
+def test_allow_and_block_lists(monkeypatch):
+    monkeypatch.setenv("SPECFW_PLUGINS", "ngram")
+    assert [a.name for a in PluginManager().describe()] == ["ngram"]
+    monkeypatch.delenv("SPECFW_PLUGINS")
+    monkeypatch.setenv("SPECFW_DISABLE_PLUGINS", "ngram")
+    assert "ngram" not in {a.name for a in PluginManager().describe()}
+
+
+def test_in_process_plugin_registration_and_duplicates():
+    from specfw.spec.config import SpecAlgoConfig
+
+    class MyPlugin:
+        @hookspecs.hookimpl
+        def specfw_register_algorithms(self, register):
+            register("mine", SpecAlgoConfig, lambda ctx: None, "test")
+
+    pm = PluginManager(load_entry_points=False)
+    pm.register(MyPlugin(), "mine")
+    assert [a.name for a in pm.describe()] == ["mine"]
+    with pytest.raises(PluginError, match="registered twice"):
+        pm.register(MyPlugin(), "mine-again")
+
+
+def test_bad_config_class_rejected():
+    class Bad:
+        @hookspecs.hookimpl
+        def specfw_register_algorithms(self, register):
+            register("bad", dict, lambda ctx: None)
+
+    with pytest.raises(PluginError, match="SpecAlgoConfig"):
+        PluginManager(load_entry_points=False).register(Bad(), "bad")
+
+
+def test_hook_typo_is_caught():
+    import pluggy
+
+    class Typo:
+        @hookspecs.hookimpl
+        def specfw_drfat(self, ctx, reqs):
+            return []
+
+    with pytest.raises(pluggy.PluginValidationError):
+        PluginManager(load_entry_points=False).register(Typo(), "typo")
+
+
+def test_specfw_plugins_command_lists_algorithms():
+    r = subprocess.run([str(BIN / "specfw"), "plugins"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0
+    assert "ngram" in r.stdout and "standalone" in r.stdout and "specfw" in r.stdout
+
+
+@pytest.mark.model
+def test_third_party_package_installs_and_runs(demo_dir):
+    """pip-install examples/specfw-example-plugin; `speculative=bigram` then appears as a Hydra option
+    with its own key, and greedy output equals plain output."""
+    r = subprocess.run([str(BIN / "pip"), "install", "-q", "--no-deps", "--no-build-isolation",
+                        str(ROOT / "examples" / "specfw-example-plugin")], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    listing = subprocess.run([str(BIN / "specfw"), "plugins"], capture_output=True, text=True, timeout=60).stdout
+    assert "bigram" in listing and "specfw-bigram" in listing
+    prompt = "prompt='Count from 1 to 20, separated by commas.'"
+    args = [str(BIN / "specfw"), "generate", prompt, "max_new_tokens=40"]
+    plain = subprocess.run(args, capture_output=True, text=True, timeout=300)
+    spec = subprocess.run(args + ["speculative=bigram", "speculative.min_gap=1", "speculative.num_steps=4",
+                                  "speculative.topk=1"], capture_output=True, text=True, timeout=300)
+    assert plain.returncode == 0 and spec.returncode == 0, spec.stderr
+    assert spec.stdout == plain.stdout
+    assert "accept len" in spec.stderr
+    bad = subprocess.run(args + ["speculative=bigram", "speculative.min_gap=0"], capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and "speculative.min_gap" in bad.stderr

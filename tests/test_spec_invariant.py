@@ -1,0 +1,88 @@
+"""The contract of the field: greedy speculative output == plain greedy output, token for token,
+for every installed algorithm, several tree shapes, batch 1 and batch 4."""
+import pytest
+
+from conftest import make_cfg
+from specfw.config import ConfigError
+from specfw.plugins import plugin_manager
+from specfw.sampling import SamplingParams
+
+GREEDY = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [300, 301, 302, 303], [1000, 20, 1000, 20, 1000], [42] * 7, [9, 99, 999, 9999]]
+TREE_SHAPES = [dict(num_steps=1, topk=1), dict(num_steps=3, topk=1), dict(num_steps=5, topk=1),
+               dict(num_steps=2, topk=2, num_draft_tokens=5), dict(num_steps=4, topk=2, num_draft_tokens=8),
+               dict(num_steps=1, topk=4, num_draft_tokens=5), dict(num_steps=3, topk=4, num_draft_tokens=8)]
+NGRAM_SHAPES = [dict(num_draft_tokens=2), dict(num_draft_tokens=4, max_bfs_breadth=1),
+                dict(num_draft_tokens=8, max_bfs_breadth=4, min_bfs_breadth=2), dict(),
+                dict(num_draft_tokens=6, match_type="PROB")]
+
+
+@pytest.fixture(scope="module")
+def tiny_draft_dir(tiny_model_dir, tmp_path_factory):
+    from specfw_plugins.standalone.make_draft import truncate_model
+    return truncate_model(tiny_model_dir, tmp_path_factory.mktemp("tiny-draft"), layers=1)
+
+
+@pytest.fixture(scope="module")
+def plain_reference(tiny_model_dir):
+    from specfw.engine import Engine
+    eng = Engine(make_cfg(model_path=str(tiny_model_dir), max_total_tokens=4096))
+    return [o.token_ids for o in eng.generate(PROMPTS, GREEDY)]
+
+
+def _configs(name, tiny_draft_dir):
+    algo = plugin_manager().algorithms[name]
+    extra = {"draft_model_path": str(tiny_draft_dir)} if name == "standalone" else {}
+    shapes = NGRAM_SHAPES if name == "ngram" else TREE_SHAPES
+    out = []
+    for shape in shapes:
+        cfg = algo.config_class(algorithm=name, **extra, **shape)
+        try:
+            cfg.validate()
+            cfg.resolve_shape("LlamaForCausalLM")
+        except ConfigError:
+            continue  # this algorithm does not take that shape
+        out.append(cfg)
+    return out or [algo.config_class(algorithm=name, **extra)]
+
+
+@pytest.mark.parametrize("name", sorted(plugin_manager().algorithms))
+def test_greedy_speculative_equals_plain(name, tiny_model_dir, tiny_draft_dir, plain_reference):
+    from specfw.engine import Engine
+    accepted = 0
+    for spec in _configs(name, tiny_draft_dir):
+        eng = Engine(make_cfg(model_path=str(tiny_model_dir), max_total_tokens=4096, max_running_requests=4, speculative=spec))
+        single = [eng.generate([p], GREEDY)[0].token_ids for p in PROMPTS]
+        batched = [o.token_ids for o in eng.generate(PROMPTS, GREEDY)]   # 5 requests, 4 running at a time
+        assert single == plain_reference, f"{name} {spec}: batch 1 diverged"
+        assert batched == plain_reference, f"{name} {spec}: batch 4 diverged"
+        assert eng.runner.allocator.num_used == 0
+        assert eng.stats.verify_forwards > 0
+        accepted += eng.stats.accepted_draft_tokens
+    assert accepted > 0, "no draft token was ever accepted: the invariant was not exercised"
+
+
+def test_every_algorithm_is_exercised():
+    assert {"ngram", "standalone"} <= set(plugin_manager().algorithms)
+
+
+@pytest.mark.model
+def test_demo_model_real_case(demo_engine, tmp_path):
+    """ngram on HumanEval prompts and standalone (4-layer truncated draft) on MT-bench, demo model fp32."""
+    from specfw.datasets import humaneval_prompts, mtbench_first_turns
+    from specfw.engine import Engine
+    from specfw_plugins.ngram.config import NgramConfig
+    from specfw_plugins.standalone.config import StandaloneConfig
+    from specfw_plugins.standalone.make_draft import truncate_model
+    params = SamplingParams(max_new_tokens=40, temperature=0)
+    code = humaneval_prompts(3)
+    chat = [demo_engine.tokenize_chat([{"role": "user", "content": q}]) for q in mtbench_first_turns(2)]
+    ref_code = [o.token_ids for o in demo_engine.generate(code, params)]
+    ref_chat = [o.token_ids for o in demo_engine.generate(chat, params)]
+    draft = truncate_model(demo_engine.model_path, tmp_path / "draft", layers=4)
+    for spec, prompts, ref in [(NgramConfig(algorithm="ngram"), code, ref_code),
+                               (StandaloneConfig(algorithm="standalone", draft_model_path=str(draft), num_steps=3,
+                                                 topk=2, num_draft_tokens=6), chat, ref_chat)]:
+        eng = Engine(make_cfg(max_total_tokens=4096, max_running_requests=4, speculative=spec))
+        assert [eng.generate([p], params)[0].token_ids for p in prompts] == ref
+        assert [o.token_ids for o in eng.generate(prompts, params)] == ref

@@ -1,0 +1,72 @@
+"""Default tree building (selection, masks, depths, retrieve links) and KV keep/free on commit."""
+import torch
+
+from specfw.spec.tree import build_tree, select_candidates
+from specfw.spec.types import DraftCandidates
+
+
+def _cands(tokens, parents, scores):
+    return DraftCandidates(torch.tensor(tokens), torch.tensor(parents), torch.tensor(scores, dtype=torch.float32))
+
+
+def test_tree_tensors():
+    # root → a(10), b(20); a → c(30); c → d(40)
+    t = build_tree(7, _cands([10, 20, 30, 40], [-1, -1, 0, 2], [-0.1, -0.5, -0.2, -0.3]), num_draft_tokens=5)
+    assert t.tokens.tolist() == [7, 10, 20, 30, 40]
+    assert t.parents.tolist() == [-1, 0, 0, 1, 3]
+    assert t.depth.tolist() == [0, 1, 1, 2, 3]
+    expect = torch.tensor([[1, 0, 0, 0, 0],
+                           [1, 1, 0, 0, 0],
+                           [1, 0, 1, 0, 0],
+                           [1, 1, 0, 1, 0],
+                           [1, 1, 0, 1, 1]], dtype=torch.bool)
+    assert torch.equal(t.mask, expect)
+    assert t.retrieve_next_token.tolist() == [1, 3, -1, 4, -1]
+    assert t.retrieve_next_sibling.tolist() == [-1, 2, -1, -1, -1]
+    assert t.children(0) == [1, 2] and t.children(1) == [3] and not t.is_chain
+
+
+def test_selection_keeps_best_and_is_ancestor_closed():
+    # a strong grandchild under a weak parent pulls the parent in when the budget allows
+    c = _cands([1, 2, 3, 4], [-1, -1, 1, -1], [-0.5, -3.0, -0.6, -2.0])
+    assert select_candidates(c, 3) == [0, 1, 2]
+    assert select_candidates(c, 2) == [0, 3]          # grandchild needs 2 slots: skipped, next best taken
+    t = build_tree(9, c, num_draft_tokens=3)
+    assert t.parents.tolist() == [-1, 0, 0] and t.tokens.tolist() == [9, 1, 4]
+
+
+def test_chain_and_empty():
+    t = build_tree(5, DraftCandidates.chain([6, 7, 8]), num_draft_tokens=10)
+    assert t.is_chain and t.depth.tolist() == [0, 1, 2, 3]
+    assert torch.equal(t.mask, torch.ones(4, 4, dtype=torch.bool).tril())
+    e = build_tree(5, DraftCandidates.empty(), num_draft_tokens=4)
+    assert len(e) == 1 and e.tokens.tolist() == [5]
+
+
+def test_kv_commit_keeps_accepted_path_in_order(tiny_model_dir):
+    """After a verify step, the request's slot table = previous slots + accepted nodes' slots,
+    and every other tree slot is back in the pool."""
+    from conftest import make_cfg
+    from specfw.engine import Engine
+    from specfw.sampling import SamplingParams
+    from specfw_plugins.ngram.config import NgramConfig
+    eng = Engine(make_cfg(model_path=str(tiny_model_dir), max_total_tokens=2048,
+                          speculative=NgramConfig(algorithm="ngram", num_draft_tokens=6)))
+    free0 = eng.runner.allocator.num_free
+    req = eng.add_request(eng.make_request([5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True)))
+    eng.step()                                       # prefill
+    seen = []
+    while eng.has_work:
+        before = req.slots.slots().clone()
+        used_before = eng.runner.allocator.num_used
+        outs = eng.step()
+        if req.finished:
+            break
+        after = req.slots.slots()
+        assert torch.equal(after[: len(before)], before)                    # prefix untouched
+        n_new = len(after) - len(before)
+        assert n_new == len(outs[0].new_token_ids)                           # root + accepted drafts cached
+        assert eng.runner.allocator.num_used == used_before + n_new          # rejected nodes freed
+        seen.append(n_new)
+    assert eng.runner.allocator.num_free == free0
+    assert max(seen) > 1                                                     # some drafts were accepted
