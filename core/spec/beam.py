@@ -1,0 +1,112 @@
+"""EAGLE-2 style tree drafting shared by model-based drafters (standalone, eagle, eagle3).
+
+Given the first draft logits per request (from the drafter's extend pass over the committed
+sequence, ending at the root), ``beam_search`` expands ``topk`` beams for ``num_steps``:
+
+  * each beam gets ``topk`` children scored by cumulative log-probability; every child becomes
+    a candidate (they all compete in the tree builder's rerank);
+  * the best ``topk`` children are the next beams; they are forwarded through the drafter in one
+    batched call, each attending to the committed prefix, its drafted ancestors and itself.
+
+The drafter supplies ``step(chunks, parent_hidden)``: one forward over beam nodes, returning
+``(logits, hidden)`` (hidden may be None for drafters that do not chain features). Draft KV
+slots of beam nodes are allocated here and freed before returning: only the committed prefix
+stays in the drafter's cache.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from ..sampling import target_probs
+from .types import DraftCandidates
+
+
+@dataclass
+class _Cands:
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)
+    scores: list[float] = field(default_factory=list)
+    probs: list = field(default_factory=list)
+
+    def to_candidates(self) -> DraftCandidates:
+        probs = torch.stack(self.probs) if self.probs and all(p is not None for p in self.probs) else None
+        return DraftCandidates(torch.tensor(self.tokens, dtype=torch.long), torch.tensor(self.parents, dtype=torch.long),
+                               torch.tensor(self.scores, dtype=torch.float32), probs)
+
+
+def _expand(req, logits: torch.Tensor, beams: list[tuple[int, float, int]], k: int, cands: _Cands,
+            sampled: bool, to_target: torch.Tensor | None) -> list[tuple[int, float, int]]:
+    """beams: (candidate index, score, row in ``logits``). Returns the best ``k`` children as
+    next beams: (candidate index, score, row of ``logits`` that produced them)."""
+    children = []
+    for parent, score, row in beams:
+        if sampled:
+            probs = target_probs(logits[row:row + 1], req.params)[0]
+            tok = int(torch.multinomial(probs, 1, generator=req.generator))
+            full = probs if to_target is None else None
+            children.append((score + float(torch.log(probs[tok] + 1e-20)), parent, tok, full, row))
+            continue
+        logp = torch.log_softmax(logits[row].float(), -1)
+        v, ix = torch.topk(logp, k)
+        children.extend((score + float(a), parent, int(b), None, row) for a, b in zip(v, ix))
+    children.sort(key=lambda c: -c[0])
+    nxt = []
+    for j, (score, parent, tok, probs, row) in enumerate(children):
+        cands.tokens.append(int(to_target[tok]) if to_target is not None else tok)
+        cands.parents.append(parent)
+        cands.scores.append(score)
+        cands.probs.append(probs)
+        if j < k:
+            nxt.append((len(cands.tokens) - 1, score, row))
+    return nxt
+
+
+def beam_search(reqs, first_logits: torch.Tensor, first_hidden: torch.Tensor | None, topk: int, num_steps: int,
+                committed_slots: Callable, allocator, step: Callable, sampled: Callable = lambda r: False,
+                to_target: torch.Tensor | None = None) -> list[DraftCandidates]:
+    """``first_logits[i]``/``first_hidden[i]``: the drafter's output at request i's root.
+    ``committed_slots(req)`` → its draft KV slots (prefix incl. root). ``to_target`` maps a
+    reduced draft vocabulary to target ids (FR-Spec / EAGLE-3 ``d2t``)."""
+    cands = [_Cands() for _ in reqs]
+    beams = [_expand(r, first_logits[i:i + 1], [(-1, 0.0, 0)], topk, cands[i], sampled(r), to_target)
+             for i, r in enumerate(reqs)]
+    hidden = first_hidden
+    row_base = list(range(len(reqs)))     # request i's first row in ``hidden`` (the last step's output)
+    drafted = [[] for _ in reqs]          # per request: draft slots of forwarded beam nodes, in order
+    row_of = [dict() for _ in reqs]       # candidate index → position in drafted[i]
+    try:
+        for depth in range(1, num_steps):
+            chunks, parent_rows = [], []
+            for i, r in enumerate(reqs):
+                bs, prev = beams[i], len(drafted[i])
+                mask = torch.zeros(len(bs), prev + len(bs), dtype=torch.bool)
+                for j, (c, _, _) in enumerate(bs):
+                    p = cands[i].parents[c]
+                    while p >= 0:
+                        mask[j, row_of[i][p]] = True
+                        p = cands[i].parents[p]
+                    mask[j, prev + j] = True
+                    row_of[i][c] = prev + j
+                slots = allocator.alloc(len(bs))
+                prefix = torch.cat([committed_slots(r), torch.tensor(drafted[i], dtype=torch.long)])
+                toks = torch.tensor([cands[i].tokens[c] for c, _, _ in bs], dtype=torch.long)
+                chunks.append((toks, torch.full((len(bs),), r.seq_len - 1 + depth, dtype=torch.long), slots, prefix, mask))
+                drafted[i].extend(slots.tolist())
+                parent_rows.extend(row_base[i] + row for _, _, row in bs)
+            parent_hidden = hidden[torch.tensor(parent_rows)] if hidden is not None else None
+            logits, hidden = step(chunks, parent_hidden)
+            off = 0
+            for i, r in enumerate(reqs):
+                n = len(beams[i])
+                beams[i] = _expand(r, logits[off:off + n], [(c, s, j) for j, (c, s, _) in enumerate(beams[i])],
+                                   topk, cands[i], sampled(r), to_target)
+                row_base[i] = off
+                off += n
+    finally:
+        for d in drafted:
+            if d:
+                allocator.free(torch.tensor(d, dtype=torch.long))
+    return [c.to_candidates() for c in cands]
