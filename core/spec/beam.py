@@ -66,7 +66,8 @@ def _expand(req, logits: torch.Tensor, beams: list[tuple[int, float, int]], k: i
 
 def beam_search(reqs, first_logits: torch.Tensor, first_hidden: torch.Tensor | None, topk: int, num_steps: int,
                 committed_slots: Callable, allocator, step: Callable, sampled: Callable = lambda r: False,
-                to_target: torch.Tensor | None = None) -> list[DraftCandidates]:
+                to_target: torch.Tensor | None = None,
+                root_position: Callable = lambda r: r.seq_len - 1) -> list[DraftCandidates]:
     """``first_logits[i]``/``first_hidden[i]``: the drafter's output at request i's root.
     ``committed_slots(req)`` → its draft KV slots (prefix incl. root). ``to_target`` maps a
     reduced draft vocabulary to target ids (FR-Spec / EAGLE-3 ``d2t``)."""
@@ -93,7 +94,7 @@ def beam_search(reqs, first_logits: torch.Tensor, first_hidden: torch.Tensor | N
                 slots = allocator.alloc(len(bs))
                 prefix = torch.cat([committed_slots(r), torch.tensor(drafted[i], dtype=torch.long)])
                 toks = torch.tensor([cands[i].tokens[c] for c, _, _ in bs], dtype=torch.long)
-                chunks.append((toks, torch.full((len(bs),), r.seq_len - 1 + depth, dtype=torch.long), slots, prefix, mask))
+                chunks.append((toks, torch.full((len(bs),), root_position(r) + depth, dtype=torch.long), slots, prefix, mask))
                 drafted[i].extend(slots.tolist())
                 parent_rows.extend(row_base[i] + row for _, _, row in bs)
             parent_hidden = hidden[torch.tensor(parent_rows)] if hidden is not None else None

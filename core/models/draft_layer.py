@@ -1,0 +1,75 @@
+"""One Llama decoder layer for EAGLE-family draft heads, with checkpoint-compatible names
+(``self_attn.{q,k,v,o}_proj``, ``mlp.{gate,up,down}_proj``, ``post_attention_layernorm``) and a
+configurable attention input width (EAGLE-3 feeds ``2H``: embedding and feature side by side).
+Runs over a one-layer KV pool with specfw's attention (tree masks included)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from ..attention import attend, plan_attention
+from ..forward_batch import ForwardBatch
+from ..kv_cache import KVPool
+from .llama import RMSNorm, Rotary
+
+
+class _Attn(nn.Module):
+    def __init__(self, in_dim: int, hidden: int, n_heads: int, n_kv: int, head_dim: int):
+        super().__init__()
+        self.q_proj = nn.Linear(in_dim, n_heads * head_dim, bias=False)
+        self.k_proj = nn.Linear(in_dim, n_kv * head_dim, bias=False)
+        self.v_proj = nn.Linear(in_dim, n_kv * head_dim, bias=False)
+        self.o_proj = nn.Linear(n_heads * head_dim, hidden, bias=False)
+
+
+class _MLP(nn.Module):
+    def __init__(self, hidden: int, inter: int):
+        super().__init__()
+        self.gate_proj = nn.Linear(hidden, inter, bias=False)
+        self.up_proj = nn.Linear(hidden, inter, bias=False)
+        self.down_proj = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftDecoderLayer(nn.Module):
+    def __init__(self, cfg, in_dim: int | None = None):
+        super().__init__()
+        h = cfg.hidden_size
+        self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
+        self.head_dim = getattr(cfg, "head_dim", None) or h // self.n_heads
+        self.self_attn = _Attn(in_dim or h, h, self.n_heads, self.n_kv, self.head_dim)
+        self.mlp = _MLP(h, cfg.intermediate_size)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
+        self.scale = self.head_dim ** -0.5
+
+    def forward(self, attn_in: torch.Tensor, residual: torch.Tensor, fb: ForwardBatch, kv: KVPool,
+                rotary: Rotary) -> torch.Tensor:
+        """attn_in [T, in_dim] feeds q/k/v; residual [T, H] is added to the attention output."""
+        T = attn_in.shape[0]
+        cos, sin = rotary.lookup(fb.positions)
+        q = Rotary.apply(self.self_attn.q_proj(attn_in).view(T, self.n_heads, self.head_dim), cos, sin)
+        k = Rotary.apply(self.self_attn.k_proj(attn_in).view(T, self.n_kv, self.head_dim), cos, sin)
+        v = self.self_attn.v_proj(attn_in).view(T, self.n_kv, self.head_dim)
+        kv.write(0, fb.out_slots, k, v)
+        if fb.attn_plan is None:
+            fb.attn_plan = plan_attention(fb.seqs, attn_in.device)
+        o = attend(q, kv.k[0], kv.v[0], fb.attn_plan, self.scale)
+        x = residual + self.self_attn.o_proj(o.reshape(T, -1))
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_dense(self, attn_in: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor,
+                      rotary: Rotary, attn_mask: torch.Tensor | None = None) -> torch.Tensor:
+        """Training path: [B, S, *] batches, causal (or ``attn_mask`` [B|1, 1, S, S_kv]) attention,
+        no KV pool. ``positions`` [B, S]."""
+        B, S, _ = attn_in.shape
+        cos, sin = rotary.cos[positions].unsqueeze(2), rotary.sin[positions].unsqueeze(2)
+        q = Rotary.apply(self.self_attn.q_proj(attn_in).view(B, S, self.n_heads, self.head_dim), cos, sin)
+        k = Rotary.apply(self.self_attn.k_proj(attn_in).view(B, S, self.n_kv, self.head_dim), cos, sin)
+        v = self.self_attn.v_proj(attn_in).view(B, S, self.n_kv, self.head_dim)
+        o = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=attn_mask,
+                                           is_causal=attn_mask is None, scale=self.scale, enable_gqa=self.n_kv != self.n_heads)
+        x = residual + self.self_attn.o_proj(o.transpose(1, 2).reshape(B, S, -1))
+        return x + self.mlp(self.post_attention_layernorm(x))

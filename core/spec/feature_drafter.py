@@ -1,0 +1,108 @@
+"""Drafting from (token, target feature) pairs: the EAGLE family (eagle, eagle3).
+
+Pair i is (token t_{i+1}, feature f_i of the target at position i) at rope position i; the
+head's output at pair i predicts t_{i+2}. The drafter keeps per request the features the
+target produced but the head has not consumed yet:
+
+* ``on_prefill`` stores the prompt's features; ``on_accept`` the accepted nodes' features;
+* ``draft`` runs one extend pass over each request's pending pairs (catching up to the root,
+  the last sampled token), then the shared EAGLE-2 beam search, feeding each beam node the
+  head's own output hidden of its parent.
+
+Subclasses provide the head (``head_forward``), how target features are formed
+(``target_features``), and the vocabulary mapping (``to_target``).
+"""
+from __future__ import annotations
+
+import torch
+
+from ..forward_batch import ForwardBatch
+from ..hookspecs import hookimpl
+from ..kv_cache import KVPool, SlotTable
+from ..model_runner import build_forward_batch
+from .beam import beam_search
+from .types import DraftCandidates
+
+
+class _PairState:
+    def __init__(self):
+        self.slots = SlotTable()          # head KV of pairs 0..len-1
+        self.pending: list[torch.Tensor] = []   # features of positions len(slots).. (not consumed yet)
+
+
+class FeatureDrafter:
+    to_target: torch.Tensor | None = None   # draft-vocab index → target id (None = same vocab)
+
+    def __init__(self, ctx, layer, num_slots: int):
+        self.ctx = ctx
+        self.shape = ctx.shape
+        self.layer = layer
+        self.kv = KVPool(1, layer.n_kv, layer.head_dim, num_slots, dtype=ctx.runner.kv.dtype)
+        self.states: dict[str, _PairState] = {}
+
+    # ---- subclass API -----------------------------------------------------------------------
+    def target_features(self, hidden: torch.Tensor, aux: list[torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    def head_forward(self, tokens: torch.Tensor, features: torch.Tensor, fb: ForwardBatch,
+                     from_target: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """One head forward over pairs → (draft logits [T, V_draft], output hidden [T, H])."""
+        raise NotImplementedError
+
+    # ---- hooks ------------------------------------------------------------------------------
+    @hookimpl
+    def specfw_on_prefill(self, ctx, reqs, hidden, aux_hidden, spans):
+        for r, (start, n) in zip(reqs, spans):
+            st = self.states.setdefault(r.rid, _PairState())
+            feats = self.target_features(hidden, aux_hidden, torch.arange(start, start + n))
+            # rows cover positions len(st.slots).. (a retracted request re-prefills from scratch)
+            st.pending = [feats]
+
+    @hookimpl
+    def specfw_on_accept(self, ctx, reqs, results, hidden, aux_hidden):
+        for r, res in zip(reqs, results):
+            st = self.states.get(r.rid)
+            if st is not None:
+                st.pending.append(self.target_features(hidden, aux_hidden, res.node_rows))
+
+    @hookimpl
+    def specfw_release(self, ctx, req):
+        st = self.states.pop(req.rid, None)
+        if st is not None:
+            self.kv.allocator.free(st.slots.truncate(0))
+
+    @hookimpl
+    def specfw_draft(self, ctx, reqs):
+        ready = [r for r in reqs if r.rid in self.states]
+        need = sum(r.seq_len for r in ready) + len(ready) * self.shape.topk * self.shape.num_steps
+        if not ready or not self.kv.allocator.can_alloc(need - sum(len(self.states[r.rid].slots) for r in ready)):
+            return [DraftCandidates.empty() for _ in reqs]
+        drafted = dict(zip([r.rid for r in ready], self._draft(ready)))
+        return [drafted.get(r.rid, DraftCandidates.empty()) for r in reqs]
+
+    # ---- drafting ---------------------------------------------------------------------------
+    def _draft(self, reqs):
+        chunks, feats = [], []
+        for r in reqs:
+            st = self.states[r.rid]
+            d = len(st.slots)
+            f = torch.cat(st.pending) if len(st.pending) > 1 else st.pending[0]
+            m = r.seq_len - 1 - d                       # pairs d .. seq_len-2 (the last pairs the root)
+            f = f[:m]
+            st.pending = [f[m:]] if f.shape[0] > m else []
+            tokens = torch.tensor(r.seq_ids[d + 1:d + 1 + m], dtype=torch.long)
+            slots = self.kv.allocator.alloc(m)
+            chunks.append((tokens, torch.arange(d, d + m), slots, st.slots.slots(), None))
+            st.slots.append(slots)
+            feats.append(f)
+        fb = build_forward_batch(chunks, last_only=True)
+        logits, hidden = self.head_forward(fb.input_ids, torch.cat(feats), fb, from_target=True)
+        last = fb.logits_indices
+
+        def step(step_chunks, parent_hidden):
+            sfb = build_forward_batch(step_chunks)
+            return self.head_forward(sfb.input_ids, parent_hidden, sfb, from_target=False)
+
+        return beam_search(reqs, logits, hidden[last], self.shape.topk, self.shape.num_steps,
+                           lambda r: self.states[r.rid].slots.slots(), self.kv.allocator, step,
+                           to_target=self.to_target, root_position=lambda r: r.seq_len - 2)

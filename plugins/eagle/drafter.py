@@ -1,0 +1,49 @@
+"""The eagle (EAGLE-1/2) algorithm runtime, with optional FR-Spec token map."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from specfw.config import ConfigError
+from specfw.model_loader import resolve_model_path
+from specfw.models.llama import Rotary
+from specfw.spec.feature_drafter import FeatureDrafter
+
+from .model import load_eagle, load_token_map
+
+logger = logging.getLogger(__name__)
+DEMO_DRAFT = Path(__file__).parent / "demo_draft"
+
+
+class EagleDrafter(FeatureDrafter):
+    def __init__(self, ctx):
+        cfg = ctx.config
+        ref = cfg.draft_model_path
+        if not ref:
+            if not (DEMO_DRAFT.exists() and ctx.engine_config.model.path in (None, "", "demo")):
+                raise ConfigError("speculative.draft_model_path", "eagle needs a draft checkpoint (EAGLE layout) for this target")
+            ref = str(DEMO_DRAFT)
+        path = resolve_model_path(ref, cfg.draft_model_revision)
+        target = ctx.runner.model
+        self.head = load_eagle(Path(path), ctx.runner.hf_config, ctx.runner.kv.dtype)
+        self.target = target
+        self.rotary = Rotary(self.head.config, ctx.runner.max_context, ctx.runner.kv.dtype)
+        self.lm_weight = target.lm_head.weight
+        if cfg.token_map:   # FR-Spec: score only the frequent tokens
+            self.to_target = load_token_map(cfg.token_map, ctx.runner.vocab_size)
+            self.lm_weight = target.lm_head.weight.index_select(0, self.to_target)
+        super().__init__(ctx, self.head.layers[0], cfg.draft_kv_tokens or ctx.runner.allocator.num_slots)
+        logger.info("eagle draft %s%s", path, f", FR-Spec token map of {len(self.to_target)} ids" if cfg.token_map else "")
+
+    @torch.inference_mode()
+    def target_features(self, hidden, aux, rows):
+        return self.target.norm(hidden.index_select(0, rows))
+
+    @torch.inference_mode()
+    def head_forward(self, tokens, features, fb, from_target):
+        x = self.head.fc(torch.cat([self.target.embed_tokens(tokens), features], dim=-1))
+        out = self.head.layers[0](x, x, fb, self.kv, self.rotary)
+        sel = out if fb.logits_indices is None else out.index_select(0, fb.logits_indices)
+        return torch.nn.functional.linear(sel, self.lm_weight).float(), out

@@ -1,0 +1,55 @@
+"""The EAGLE (v1/v2) draft head in the published layout: ``fc.weight`` [H, 2H] (+ ``fc.bias``)
+applied to cat(embed(token), feature), then ``layers.0`` — a Llama decoder layer without
+``input_layernorm``. Embeddings and lm_head are the target's; features are the target's
+final (post-norm) hidden states. Names may carry a ``model.`` prefix."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specfw.config import ConfigError
+from specfw.models.draft_layer import DraftDecoderLayer
+
+
+class EagleHead(nn.Module):
+    def __init__(self, cfg, bias: bool):
+        super().__init__()
+        h = cfg.hidden_size
+        self.config = cfg
+        self.fc = nn.Linear(2 * h, h, bias=bias)
+        self.layers = nn.ModuleList([DraftDecoderLayer(cfg)])
+
+
+def load_eagle(path: Path, target_cfg, dtype: torch.dtype) -> EagleHead:
+    from transformers import LlamaConfig
+    from specfw.model_loader import load_state_dict
+    raw = json.loads((path / "config.json").read_text())
+    cfg = LlamaConfig(**{k: v for k, v in raw.items() if k not in ("architectures", "model_type")})
+    if cfg.hidden_size != target_cfg.hidden_size:
+        raise ConfigError("speculative.draft_model_path",
+                          f"EAGLE draft hidden_size {cfg.hidden_size} != target hidden_size {target_cfg.hidden_size}")
+    if cfg.vocab_size != target_cfg.vocab_size:
+        raise ConfigError("speculative.draft_model_path",
+                          f"EAGLE draft vocab_size {cfg.vocab_size} != target vocab_size {target_cfg.vocab_size}")
+    state = {k.removeprefix("model."): v for k, v in load_state_dict(path).items()}
+    for k in [k for k in state if k.startswith(("embed_tokens.", "lm_head.", "norm.")) or ".input_layernorm." in k]:
+        state.pop(k)   # the target's embeddings/head are used; EAGLE's layer has no input norm
+    if "fc.weight" not in state or state["fc.weight"].shape != (cfg.hidden_size, 2 * cfg.hidden_size):
+        raise ConfigError("speculative.draft_model_path", f"{path}: not an EAGLE checkpoint (fc.weight [H, 2H] missing)")
+    head = EagleHead(cfg, bias="fc.bias" in state)
+    missing, unexpected = head.load_state_dict(state, strict=False)
+    if missing:
+        raise ConfigError("speculative.draft_model_path", f"EAGLE checkpoint {path} lacks tensors: {missing[:6]}")
+    head.unexpected = unexpected
+    return head.to(dtype).eval().requires_grad_(False)
+
+
+def load_token_map(path: str, vocab_size: int) -> torch.Tensor:
+    ids = torch.load(path, map_location="cpu", weights_only=True)
+    ids = torch.as_tensor(ids, dtype=torch.long).flatten()
+    if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
+        raise ConfigError("speculative.token_map", f"{path}: token ids must be in [0, {vocab_size})")
+    return torch.unique(ids)

@@ -1,0 +1,50 @@
+"""The eagle3 algorithm runtime."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from specfw.config import ConfigError
+from specfw.model_loader import resolve_model_path
+from specfw.models.llama import Rotary
+from specfw.spec.feature_drafter import FeatureDrafter
+
+from .model import aux_layer_ids, load_eagle3
+
+logger = logging.getLogger(__name__)
+DEMO_DRAFT = Path(__file__).parent / "demo_draft"
+
+
+def default_draft_path(ctx) -> str:
+    """The committed demo draft is the default for the demo target."""
+    if DEMO_DRAFT.exists() and ctx.engine_config.model.path in (None, "", "demo"):
+        return str(DEMO_DRAFT)
+    raise ConfigError("speculative.draft_model_path", "eagle3 needs a draft checkpoint (EAGLE-3 layout) for this target")
+
+
+class Eagle3Drafter(FeatureDrafter):
+    def __init__(self, ctx):
+        cfg = ctx.config
+        if cfg.token_map:
+            logger.warning("speculative.token_map is ignored for EAGLE-3 (the draft vocabulary comes from d2t)")
+        path = resolve_model_path(cfg.draft_model_path or default_draft_path(ctx), cfg.draft_model_revision)
+        target = ctx.runner.model
+        self.head = load_eagle3(Path(path), ctx.runner.hf_config, ctx.runner.kv.dtype)
+        self.embed = target.embed_tokens
+        self.rotary = Rotary(self.head.config, ctx.runner.max_context, ctx.runner.kv.dtype)
+        self.to_target = self.head.to_target_ids()
+        ctx.capture_layers = aux_layer_ids(self.head.config, target.num_layers, cfg.aux_layers)
+        super().__init__(ctx, self.head.midlayer, cfg.draft_kv_tokens or ctx.runner.allocator.num_slots)
+        logger.info("eagle3 draft %s: draft vocab %d, target taps %s", path, self.head.draft_vocab, ctx.capture_layers)
+
+    def target_features(self, hidden, aux, rows):
+        return self.head.fc(torch.cat([a.index_select(0, rows) for a in aux], dim=-1))
+
+    @torch.inference_mode()
+    def head_forward(self, tokens, features, fb, from_target):
+        layer = self.head.midlayer
+        out = layer(layer.attn_input(self.embed(tokens), features), features, fb, self.kv, self.rotary)
+        sel = out if fb.logits_indices is None else out.index_select(0, fb.logits_indices)
+        return self.head.lm_head(self.head.norm(sel)).float(), out
