@@ -10,13 +10,14 @@ USAGE = """usage: specfw <command> [hydra overrides...]
 commands:
   generate   one-shot generation: specfw generate prompt="..." [max_new_tokens=64] [speculative=ngram]
   serve      OpenAI-compatible HTTP server: specfw serve [server.port=30000] [speculative=...]
+  train      train a draft: specfw train draft=eagle3|eagle|standalone [steps=300] [output_dir=...]
   plugins    list installed speculative algorithms (package, version)
 
 Overrides are Hydra's: key=value, group=option (speculative=<algorithm>), -m for sweeps,
 --cfg job to print the composed config.
 """
 
-COMMANDS = ("generate", "serve", "plugins")
+COMMANDS = ("generate", "serve", "train", "plugins")
 
 
 def setup_logging(level: str) -> None:
@@ -79,6 +80,14 @@ def serve_task(cfg) -> None:
     run_server(cfg)
 
 
+def train_task(cfg) -> None:
+    from .train.config import validate_train
+    from .train.run import run_training
+    validate_train(cfg)
+    setup_logging("info")
+    run_training(cfg)
+
+
 def plugins_command() -> None:
     from .plugins import plugin_manager
     pm = plugin_manager()
@@ -101,7 +110,8 @@ def main(argv: list[str] | None = None) -> None:
         plugins_command()
         return
     sys.argv = [f"specfw {command}"] + rest
-    _run_hydra(command, generate_task if command == "generate" else serve_task)
+    tasks = {"generate": generate_task, "serve": serve_task, "train": train_task}
+    _run_hydra(command, tasks[command])
 
 
 if __name__ == "__main__":

@@ -102,12 +102,14 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(fb.input_ids)
         cos, sin = self.rotary.lookup(fb.positions)
         fb.attn_plan = plan_attention(fb.seqs, x.device)
-        aux = []
+        captured = {}
         for i, layer in enumerate(self.layers):
             if i in fb.capture_layers:
-                aux.append(x)
+                captured[i] = x
             x = layer(x, fb, kv, i, cos, sin)
         hidden = x
+        captured[len(self.layers)] = x
+        aux = [captured[i] for i in fb.capture_layers]   # in the requested order (ids may repeat)
         sel = hidden if fb.logits_indices is None else hidden.index_select(0, fb.logits_indices)
         logits = self.lm_head(self.norm(sel)).float()
         return ForwardOutput(logits=logits, hidden=hidden, aux_hidden=aux)

@@ -1,0 +1,125 @@
+"""The FastAPI app (``create_app``) and ``run_server(cfg)`` behind ``specfw serve``.
+
+Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models[/{model}]``,
+``POST /generate``, ``GET /get_model_info``, ``GET /get_server_info`` (these need
+``Authorization: Bearer <server.api_key>`` when a key is set) and ``GET /health``,
+``GET /metrics`` (always open, for load balancers and Prometheus).
+"""
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import time
+
+from fastapi import FastAPI
+from fastapi.responses import Response
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.types import ASGIApp, Receive, Scope, Send
+
+from ..engine import Engine
+from . import errors
+from .async_engine import AsyncEngine
+from .errors import APIError
+from .metrics import ServerMetrics
+from .native_api import router as native_router
+from .openai_api import router as openai_router
+from .state import ServerState
+from .submission import DEFAULT_MAX_TOKENS
+
+logger = logging.getLogger("specfw.server")
+
+OPEN_PATHS = ("/health", "/metrics")
+
+
+class APIKeyMiddleware:
+    """Pure ASGI middleware (keeps streaming and disconnect detection intact): every path except
+    ``OPEN_PATHS`` needs ``Authorization: Bearer <key>``."""
+
+    def __init__(self, app: ASGIApp, api_key: str):
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in OPEN_PATHS or scope["method"] == "OPTIONS":
+            await self.app(scope, receive, send)
+            return
+        got = dict(scope["headers"]).get(b"authorization", b"")
+        if hmac.compare_digest(got, self.expected):
+            await self.app(scope, receive, send)
+            return
+        msg = "Missing API key: send 'Authorization: Bearer <key>'" if not got else "Invalid API key"
+        state = getattr(scope.get("app"), "state", None)
+        err = APIError(401, msg, None, "invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        if state is not None and hasattr(state, "specfw"):
+            state.specfw.metrics.on_error(scope["path"], 401)
+        await err.response()(scope, receive, send)
+
+
+def create_app(engine: Engine | AsyncEngine, *, api_key: str | None = None,
+               default_max_tokens: int = DEFAULT_MAX_TOKENS) -> FastAPI:
+    """An app serving ``engine``. Given an ``Engine``, the app owns a new engine thread (started
+    and stopped with the app's lifespan); given an ``AsyncEngine``, the thread is shared (started if
+    needed, never stopped by the app), so several apps can serve one engine."""
+    owns = isinstance(engine, Engine)
+    bridge = AsyncEngine(engine) if owns else engine
+    metrics = ServerMetrics(bridge, bridge.engine.model_name)
+    state = ServerState(bridge, metrics, api_key=api_key or None, default_max_tokens=default_max_tokens)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        bridge.call(lambda eng: eng.stats.observers.append(metrics.observer))
+        bridge.start()
+        logger.info("serving model %s (API key %s)", bridge.engine.model_name, "required" if api_key else "off")
+        try:
+            yield
+        finally:
+            bridge.call(lambda eng: eng.stats.observers.remove(metrics.observer)
+                        if metrics.observer in eng.stats.observers else None)
+            if owns:
+                bridge.stop()
+
+    app = FastAPI(title="specfw", version=_version(), lifespan=lifespan)
+    app.state.specfw = state
+    errors.install(app)
+    app.include_router(openai_router)
+    app.include_router(native_router)
+
+    @app.get("/health")
+    async def health():
+        if not bridge.alive:
+            return APIError(503, "engine thread is not running", None, "engine_down").response()
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    return app
+
+
+def _version() -> str:
+    try:
+        from importlib.metadata import version
+        return version("specfw")
+    except Exception:  # noqa: BLE001
+        return "0"
+
+
+def run_server(cfg) -> None:
+    """``specfw serve``: build the engine from ``cfg`` and serve it with uvicorn on
+    ``cfg.server.host:cfg.server.port``. Logging goes through the root logger configured by
+    ``cli.setup_logging`` (engine "Prefill batch"/"Decode batch" lines and uvicorn's access log)."""
+    import uvicorn
+    t0 = time.perf_counter()
+    engine = Engine(cfg)
+    app = create_app(engine, api_key=cfg.server.api_key)
+    logger.info("engine built in %.1f s; listening on http://%s:%d", time.perf_counter() - t0,
+                cfg.server.host, cfg.server.port)
+    uvicorn.run(app, host=cfg.server.host, port=int(cfg.server.port), log_config=None,
+                log_level=str(cfg.server.log_level).lower(), access_log=True, timeout_graceful_shutdown=5)
+
+
+__all__ = ["create_app", "run_server", "APIKeyMiddleware"]

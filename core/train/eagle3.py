@@ -1,0 +1,137 @@
+"""EAGLE-3 head training: fused low/mid/high target features, draft vocabulary by token
+frequency (``d2t``/``t2d``), training-time test unrolled over ``ttt_steps``, soft cross-entropy
+against the target distribution restricted to the draft vocabulary, step weights decay**j.
+
+Pair i = (token t_{i+1}, feature f_i) at position i predicts t_{i+2} (the inference convention of
+``specfw.spec.feature_drafter``). Unroll step j feeds, for origin i, token t_{i+1+j} with the
+head's own output hidden of step j-1; it attends to the real pairs of origins <= i and to its own
+earlier unroll steps (the diagonal), exactly what a depth-j draft node sees at inference.
+"""
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..models.llama import Rotary
+
+
+def draft_vocab_by_frequency(examples, vocab_size: int, k: int) -> torch.Tensor:
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for e in examples:
+        ids = torch.tensor(e.input_ids)
+        counts += torch.bincount(ids, minlength=vocab_size)
+    k = min(k, vocab_size)
+    return torch.sort(torch.topk(counts, k).indices).values
+
+
+def head_config(tcfg, draft_vocab: int, aux_layers, max_pos: int):
+    from transformers import LlamaConfig
+    cfg = LlamaConfig(hidden_size=tcfg.hidden_size, intermediate_size=tcfg.intermediate_size,
+                      num_attention_heads=tcfg.num_attention_heads, num_key_value_heads=tcfg.num_key_value_heads,
+                      head_dim=getattr(tcfg, "head_dim", None) or tcfg.hidden_size // tcfg.num_attention_heads,
+                      rms_norm_eps=tcfg.rms_norm_eps, vocab_size=tcfg.vocab_size, num_hidden_layers=1,
+                      max_position_embeddings=max(max_pos, tcfg.max_position_embeddings),
+                      rope_parameters=dict(tcfg.rope_parameters), tie_word_embeddings=False)
+    cfg.draft_vocab_size = draft_vocab
+    cfg.target_hidden_size = tcfg.hidden_size
+    cfg.eagle_config = {"eagle_aux_hidden_state_layer_ids": [a - 1 for a in aux_layers]}
+    return cfg
+
+
+class Eagle3Trainer:
+    def __init__(self, cfg, teacher, examples):
+        from specfw_plugins.eagle3.model import Eagle3Head
+        tcfg = teacher.config
+        L = tcfg.num_hidden_layers
+        self.aux_layers = tuple(cfg.draft.aux_layers or (2, L // 2, L - 3))
+        self.draft_ids = draft_vocab_by_frequency(examples, tcfg.vocab_size, cfg.draft.draft_vocab_size)
+        self.hcfg = head_config(tcfg, len(self.draft_ids), self.aux_layers, cfg.data.max_len + cfg.draft.ttt_steps + 8)
+        self.head = Eagle3Head(self.hcfg, tcfg.hidden_size, tcfg.vocab_size).float()
+        with torch.no_grad():   # start from the target's own head restricted to the draft vocabulary
+            self.head.lm_head.weight.copy_(teacher.lm_head.weight[self.draft_ids].float())
+            self.head.norm.weight.copy_(teacher.norm.weight.float())
+            self.head.d2t.copy_(self.draft_ids - torch.arange(len(self.draft_ids)))
+            self.head.t2d.zero_()
+            self.head.t2d[self.draft_ids] = True
+        self.rotary = Rotary(self.hcfg, self.hcfg.max_position_embeddings, torch.float32)
+        self.teacher, self.ttt, self.decay = teacher, cfg.draft.ttt_steps, cfg.draft.ttt_decay
+
+    def parameters(self):
+        return [p for p in self.head.parameters() if p.requires_grad]
+
+    def state_dict(self):
+        return self.head.state_dict()
+
+    def load_state_dict(self, sd):
+        self.head.load_state_dict(sd)
+
+    def _attend(self, layer, q, ks, vs):
+        """q [B,H,n,D]; ks[0]/vs[0] [B,Hkv,S0,D] real pairs (causal by origin); ks[k>0] [B,Hkv,>=n,D] diagonal."""
+        rep = layer.n_heads // layer.n_kv
+        k0, v0 = ks[0].repeat_interleave(rep, 1), vs[0].repeat_interleave(rep, 1)
+        n, S0 = q.shape[2], k0.shape[2]
+        s0 = (q @ k0.transpose(-1, -2)) * layer.scale
+        causal = torch.ones(n, S0, dtype=torch.bool).tril()
+        s0 = s0.masked_fill(~causal, float("-inf"))
+        diag = [((q * k[:, :, :n].repeat_interleave(rep, 1)).sum(-1) * layer.scale).unsqueeze(-1) for k in ks[1:]]
+        w = torch.softmax(torch.cat([s0] + diag, -1), -1)
+        out = w[..., :S0] @ v0
+        for j, v in enumerate(vs[1:]):
+            out = out + w[..., S0 + j:S0 + j + 1] * v[:, :, :n].repeat_interleave(rep, 1)
+        return out
+
+    def loss(self, ids, mask, valid):
+        hs, logits = self.teacher(ids, valid)
+        aux = torch.cat([hs[a] for a in self.aux_layers], -1).float()
+        embeds = self.teacher.embed(ids).float()
+        tgt = torch.softmax(logits[..., self.draft_ids].float(), -1)
+        tgt_top = logits.argmax(-1)
+        in_vocab = self.head.t2d[tgt_top]
+        layer, head = self.head.midlayer, self.head
+        B, S = ids.shape
+        f = head.fc(aux)
+        hid, ks, vs = f[:, : S - 2], [], []
+        total, metrics = 0.0, {}
+        for j in range(self.ttt):
+            n = S - 2 - j
+            if n <= 0:
+                break
+            hid = hid[:, :n]
+            x = layer.attn_input(embeds[:, 1 + j:1 + j + n], hid)
+            pos = torch.arange(j, j + n)
+            cos, sin = self.rotary.cos[pos][None, :, None], self.rotary.sin[pos][None, :, None]
+            q = Rotary.apply(layer.self_attn.q_proj(x).view(B, n, layer.n_heads, -1), cos, sin).transpose(1, 2)
+            k = Rotary.apply(layer.self_attn.k_proj(x).view(B, n, layer.n_kv, -1), cos, sin).transpose(1, 2)
+            v = layer.self_attn.v_proj(x).view(B, n, layer.n_kv, -1).transpose(1, 2)
+            ks.append(k)
+            vs.append(v)
+            o = self._attend(layer, q, ks, vs).transpose(1, 2).reshape(B, n, -1)
+            h = hid + layer.self_attn.o_proj(o)
+            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            logp = torch.log_softmax(head.lm_head(head.norm(h)), -1)
+            t = tgt[:, 1 + j:1 + j + n]
+            m = mask[:, 2 + j:2 + j + n] * valid[:, 2 + j:2 + j + n]
+            ce = -(t * logp).sum(-1)
+            lj = (ce * m).sum() / m.sum().clamp_min(1)
+            total = total + (self.decay ** j) * lj
+            agree = (self.draft_ids[logp.argmax(-1)] == tgt_top[:, 1 + j:1 + j + n]) & in_vocab[:, 1 + j:1 + j + n]
+            metrics[f"acc{j}"] = float((agree.float() * m).sum() / m.sum().clamp_min(1))
+            hid = h
+        metrics["loss"] = float(total)
+        return total, metrics
+
+    def export(self, out: Path, dtype: torch.dtype) -> Path:
+        from safetensors.torch import save_file
+        out.mkdir(parents=True, exist_ok=True)
+        sd = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in self.head.state_dict().items()}
+        save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+        cfg = self.hcfg.to_dict()
+        cfg.update(architectures=["LlamaForCausalLMEagle3"], model_type="llama",
+                   draft_vocab_size=len(self.draft_ids), target_hidden_size=self.hcfg.target_hidden_size,
+                   eagle_config=self.hcfg.eagle_config, torch_dtype=str(dtype).removeprefix("torch."))
+        (out / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
+        return out

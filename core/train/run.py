@@ -1,0 +1,71 @@
+"""``specfw train``: build the data, the teacher and the draft trainer, then run the loop."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+
+def make_trainer(cfg, teacher, examples):
+    kind = cfg.draft.kind
+    if kind == "eagle3":
+        from .eagle3 import Eagle3Trainer
+        return Eagle3Trainer(cfg, teacher, examples)
+    if kind == "eagle":
+        from .eagle import EagleTrainer
+        return EagleTrainer(cfg, teacher, examples)
+    if kind == "standalone":
+        from .standalone import StandaloneTrainer
+        return StandaloneTrainer(cfg, teacher, examples)
+    from ..config import ConfigError
+    raise ConfigError("draft.kind", f"'{kind}' is not one of ['eagle', 'eagle3', 'standalone']")
+
+
+def run_training(cfg) -> Path:
+    from omegaconf import OmegaConf
+    from ..config import EngineConfig, ModelConfig, SpecfwConfig, SpeculativeConfig
+    from ..demo_model import cache_dir
+    from ..engine import Engine
+    from ..model_loader import resolve_model_path
+    from .data import batches, build_examples, load_prompts
+    from .target import TargetTeacher
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    torch.manual_seed(cfg.seed)
+    target_dir = resolve_model_path(cfg.model.path, cfg.model.revision)
+    d = cfg.data
+    items = load_prompts(str(getattr(d.source, "value", d.source)), d.jsonl, d.num_prompts, d.seed)
+    responses = str(getattr(d.responses, "value", d.responses))
+    engine, cache = None, None
+    if responses in ("target", "mixed"):
+        regen_dtype = str(getattr(d.regen_dtype, "value", d.regen_dtype))
+        cache = Path(d.cache_dir) if d.cache_dir else cache_dir() / "train" / target_dir.name
+        cache = cache / f"responses-{regen_dtype}.jsonl"
+        engine = Engine(SpecfwConfig(model=ModelConfig(path=cfg.model.path, dtype=regen_dtype),
+                                     engine=EngineConfig(max_running_requests=d.regen_batch, num_threads=cfg.num_threads),
+                                     speculative=SpeculativeConfig()))
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(target_dir)
+    examples = build_examples(tok, items, responses, engine, cache, d.max_len, d.max_new_tokens, d.num_onpolicy,
+                              d.regen_batch)
+    del engine
+    logger.info("%d training sequences, %d tokens", len(examples), sum(len(e.input_ids) for e in examples))
+    teacher = TargetTeacher(target_dir, getattr(torch, str(getattr(cfg.target_dtype, "value", cfg.target_dtype))))
+    trainer = make_trainer(cfg, teacher, examples)
+    from .loop import train
+    out = Path(cfg.output_dir)
+    (out).mkdir(parents=True, exist_ok=True)
+    (out / "train_config.yaml").write_text(OmegaConf.to_yaml(cfg))
+    final = train(cfg, trainer, lambda start: batches(examples, cfg.batch_size, cfg.seed, start), out)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if kind_needs_tokenizer(cfg) and (target_dir / f).exists():
+            (final / f).write_bytes((target_dir / f).read_bytes())
+    print(f"draft written to {final} (loss plot: {out / 'loss.png'})")
+    return final
+
+
+def kind_needs_tokenizer(cfg) -> bool:
+    return cfg.draft.kind == "standalone"
