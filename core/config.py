@@ -74,10 +74,10 @@ class GenerateConfig(SpecfwConfig):
     chat: bool = True                     # wrap the prompt in the tokenizer's chat template
     max_new_tokens: int = 128             # tokens to generate
     temperature: float = 0.0              # 0 = greedy
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    seed: Optional[int] = None
+    top_p: float = 1.0                    # nucleus sampling mass
+    top_k: int = -1                       # keep the k most likely tokens (-1 = off)
+    min_p: float = 0.0                    # drop tokens below min_p x the top probability
+    seed: Optional[int] = None            # sampling seed (reproducible output)
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")

@@ -90,3 +90,33 @@ def test_third_party_package_installs_and_runs(demo_dir):
     assert "accept len" in spec.stderr
     bad = subprocess.run(args + ["speculative=bigram", "speculative.min_gap=0"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "speculative.min_gap" in bad.stderr
+
+
+def test_observer_hook_sees_every_speculative_step(tiny_model_dir):
+    """A distribution plugin implementing specfw_observe_step is called after each verify."""
+    from conftest import make_cfg
+    from specfw.engine import Engine
+    from specfw.plugins import plugin_manager
+    from specfw.sampling import SamplingParams
+    from specfw_plugins.ngram.config import NgramConfig
+
+    class Observer:
+        def __init__(self):
+            self.steps, self.accepted = 0, 0
+
+        @hookspecs.hookimpl
+        def specfw_observe_step(self, ctx, reqs, results):
+            self.steps += 1
+            self.accepted += sum(r.num_accepted for r in results)
+
+    obs = Observer()
+    pm = plugin_manager()
+    pm.register(obs, "test-observer")
+    try:
+        eng = Engine(make_cfg(model_path=str(tiny_model_dir), max_total_tokens=2048,
+                              speculative=NgramConfig(algorithm="ngram", num_draft_tokens=4)))
+        eng.generate([[5, 6, 7, 8] * 3], SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True))
+    finally:
+        pm.unregister("test-observer")
+    assert obs.steps == eng.stats.verify_forwards > 0
+    assert obs.accepted == eng.stats.accepted_draft_tokens

@@ -7,11 +7,12 @@ from specfw.config import ConfigError
 from specfw.plugins import plugin_manager
 from specfw.sampling import SamplingParams
 
-GREEDY = SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True)
-PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [300, 301, 302, 303], [1000, 20, 1000, 20, 1000], [42] * 7, [9, 99, 999, 9999]]
-TREE_SHAPES = [dict(num_steps=1, topk=1), dict(num_steps=3, topk=1), dict(num_steps=5, topk=1),
-               dict(num_steps=2, topk=2, num_draft_tokens=5), dict(num_steps=4, topk=2, num_draft_tokens=8),
-               dict(num_steps=1, topk=4, num_draft_tokens=5), dict(num_steps=3, topk=4, num_draft_tokens=8)]
+GREEDY = SamplingParams(max_new_tokens=32, temperature=0, ignore_eos=True)
+CHAT = ["Count to ten.", "Name a color.", "What is two plus two?"]   # the tiny EAGLE heads are trained on these
+RAW = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [1000, 20, 1000, 20, 1000], [9, 99, 999, 9999]]
+# topk 1/2/4 and num_steps 1..5 are all covered
+TREE_SHAPES = [dict(num_steps=1, topk=1), dict(num_steps=5, topk=1), dict(num_steps=2, topk=2, num_draft_tokens=5),
+               dict(num_steps=4, topk=2, num_draft_tokens=8), dict(num_steps=3, topk=4, num_draft_tokens=8)]
 NGRAM_SHAPES = [dict(num_draft_tokens=2), dict(num_draft_tokens=4, max_bfs_breadth=1),
                 dict(num_draft_tokens=8, max_bfs_breadth=4, min_bfs_breadth=2), dict(),
                 dict(num_draft_tokens=6, match_type="PROB")]
@@ -24,15 +25,51 @@ def tiny_draft_dir(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def plain_reference(tiny_model_dir):
+def tiny_eagle_drafts(tiny_model_dir, tmp_path_factory):
+    """EAGLE and EAGLE-3 heads for the tiny target, trained on-policy with `specfw train` on CHAT."""
+    import json
+    from hydra import compose, initialize_config_module
+    from specfw.config_store import register_configs
+    from specfw.train.run import run_training
+    root = tmp_path_factory.mktemp("tiny-eagle")
+    (root / "prompts.jsonl").write_text("\n".join(json.dumps({"prompt": p}) for p in CHAT))
+    register_configs()
+    out = {}
+    for kind, extra in [("eagle3", ["draft.aux_layers=[0,1,1]", "draft.draft_vocab_size=2048", "draft.ttt_steps=3"]),
+                        ("eagle", [])]:
+        with initialize_config_module("specfw_conf", version_base="1.3"):
+            cfg = compose("train", overrides=[f"model.path={tiny_model_dir}", f"draft={kind}", "steps=40", "batch_size=3",
+                                              "lr=3e-3", "warmup_steps=2", "data.source=jsonl", f"data.jsonl={root / 'prompts.jsonl'}",
+                                              "data.num_prompts=3", "data.max_new_tokens=48", "data.max_len=96",
+                                              "data.regen_dtype=float32", f"data.cache_dir={root}", f"output_dir={root / kind}",
+                                              "target_dtype=float32", "save_dtype=float32", "save_every=40"] + extra)
+        out[kind] = run_training(cfg)
+    return out
+
+
+@pytest.fixture(scope="module")
+def prompts(tiny_model_dir):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    chat = [list(tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True)["input_ids"])
+            for c in CHAT]
+    return chat + RAW
+
+
+@pytest.fixture(scope="module")
+def plain_reference(tiny_model_dir, prompts):
     from specfw.engine import Engine
     eng = Engine(make_cfg(model_path=str(tiny_model_dir), max_total_tokens=4096))
-    return [o.token_ids for o in eng.generate(PROMPTS, GREEDY)]
+    return [o.token_ids for o in eng.generate(prompts, GREEDY)]
 
 
-def _configs(name, tiny_draft_dir):
+def _configs(name, tiny_draft_dir, eagle_drafts):
     algo = plugin_manager().algorithms[name]
     extra = {"draft_model_path": str(tiny_draft_dir)} if name == "standalone" else {}
+    if name in eagle_drafts:
+        extra = {"draft_model_path": str(eagle_drafts[name])}
+        if name == "eagle3":
+            extra["aux_layers"] = [0, 1, 1]
     shapes = NGRAM_SHAPES if name == "ngram" else TREE_SHAPES
     out = []
     for shape in shapes:
@@ -47,13 +84,13 @@ def _configs(name, tiny_draft_dir):
 
 
 @pytest.mark.parametrize("name", sorted(plugin_manager().algorithms))
-def test_greedy_speculative_equals_plain(name, tiny_model_dir, tiny_draft_dir, plain_reference):
+def test_greedy_speculative_equals_plain(name, tiny_model_dir, tiny_draft_dir, tiny_eagle_drafts, prompts, plain_reference):
     from specfw.engine import Engine
     accepted = 0
-    for spec in _configs(name, tiny_draft_dir):
+    for spec in _configs(name, tiny_draft_dir, tiny_eagle_drafts):
         eng = Engine(make_cfg(model_path=str(tiny_model_dir), max_total_tokens=4096, max_running_requests=4, speculative=spec))
-        single = [eng.generate([p], GREEDY)[0].token_ids for p in PROMPTS]
-        batched = [o.token_ids for o in eng.generate(PROMPTS, GREEDY)]   # 5 requests, 4 running at a time
+        single = [eng.generate([p], GREEDY)[0].token_ids for p in prompts]
+        batched = [o.token_ids for o in eng.generate(prompts, GREEDY)]   # 6 requests, 4 running at a time
         assert single == plain_reference, f"{name} {spec}: batch 1 diverged"
         assert batched == plain_reference, f"{name} {spec}: batch 4 diverged"
         assert eng.runner.allocator.num_used == 0
@@ -63,7 +100,7 @@ def test_greedy_speculative_equals_plain(name, tiny_model_dir, tiny_draft_dir, p
 
 
 def test_every_algorithm_is_exercised():
-    assert {"ngram", "standalone"} <= set(plugin_manager().algorithms)
+    assert {"eagle", "eagle3", "ngram", "standalone"} <= set(plugin_manager().algorithms)
 
 
 @pytest.mark.model

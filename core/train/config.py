@@ -87,6 +87,7 @@ class TrainConfig:
     max_minutes: Optional[float] = None       # stop (and save) after this much wall time
     target_dtype: DType = DType.bfloat16      # teacher-forced target forward dtype
     save_dtype: DType = DType.bfloat16        # dtype of the exported draft
+    autocast_bf16: bool = True                # bf16 autocast for the draft's forward/backward (AMX on CPU)
     num_threads: Optional[int] = None
     seed: int = 0
 

@@ -41,7 +41,8 @@ def train(cfg, trainer, batch_iter_factory, out_dir: Path) -> Path:
         ids, mask, valid = next(batches)
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
-        loss, metrics = trainer.loss(ids, mask, valid)
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(cfg.autocast_bf16)):
+            loss, metrics = trainer.loss(ids, mask, valid)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(trainer.parameters(), cfg.grad_clip)
