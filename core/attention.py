@@ -98,13 +98,17 @@ def _attend_group(q, k_cache, v_cache, g: Group, scale) -> torch.Tensor:
     return o.transpose(1, 2).reshape(-1, *q.shape[1:])
 
 
+def _rows(item) -> int:
+    return int(item.rows.numel()) if isinstance(item, Group) else item.q_len
+
+
 def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: list[SeqSpan | Group],
            scale: float) -> torch.Tensor:
     """q: [T, H, D] (new tokens, rope applied); caches [slots, Hkv, D] already hold the new K/V.
     Returns [T, H, D]."""
-    if len(plan) == 1 and isinstance(plan[0], SeqSpan):
+    if len(plan) == 1 and isinstance(plan[0], SeqSpan) and plan[0].q_len == q.shape[0]:
         return _attend_one(q, k_cache, v_cache, plan[0], scale)
-    out = torch.empty_like(q)
+    out = torch.zeros_like(q) if sum(_rows(p) for p in plan) != q.shape[0] else torch.empty_like(q)
     for item in plan:
         if isinstance(item, Group):
             out[item.rows] = _attend_group(q, k_cache, v_cache, item, scale)
