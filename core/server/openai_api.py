@@ -49,12 +49,9 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request):
     created = int(time.time())
     if body.stream:
         return SSEResponse(_chat_stream(st, body, sub, group, rid, created, top_n), on_disconnect=group.abort)
-    try:
-        outs = await until_disconnect(raw, group.collect(), group.abort)
-    except ClientDisconnected:
+    outs = await _collect(raw, group)
+    if outs is None:
         return _disconnected()
-    finally:
-        group.abort()
     choices, completion_tokens = [], 0
     for i in range(len(group.rids)):
         seq = outs[i]
@@ -125,12 +122,9 @@ async def completions(body: CompletionRequest, raw: Request):
     want_lp = body.logprobs is not None
     if body.stream:
         return SSEResponse(_completion_stream(st, body, sub, group, rid, created, top_n), on_disconnect=group.abort)
-    try:
-        outs = await until_disconnect(raw, group.collect(), group.abort)
-    except ClientDisconnected:
+    outs = await _collect(raw, group)
+    if outs is None:
         return _disconnected()
-    finally:
-        group.abort()
     choices, completion_tokens = [], 0
     for i in range(len(group.rids)):
         seq = outs[i]
@@ -193,3 +187,13 @@ async def get_model(model: str, raw: Request):
     st.check_model(model)
     return _model_card(st)
 
+
+
+async def _collect(raw, group):
+    """Every choice's outputs, or None when the client went away (its requests are aborted)."""
+    try:
+        return await until_disconnect(raw, group.collect(), group.abort)
+    except ClientDisconnected:
+        return None
+    finally:
+        group.abort()
