@@ -411,3 +411,4 @@ def test_speculative_stats_in_generate_and_metrics():
         assert _metric(t, "specfw_spec_verify_forwards_total") == eng.stats.verify_forwards > 0
         assert _metric(t, "specfw_spec_accept_length") == pytest.approx(eng.stats.accept_length) and \
             eng.stats.accept_length >= 1
+        assert 'specfw_spec_position_accept_rate{position="0"}' in t

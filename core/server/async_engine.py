@@ -58,6 +58,7 @@ class Snapshot:
     accepted_draft_tokens: int = 0
     proposed_draft_tokens: int = 0
     accept_length: float = 0.0
+    position_accept: tuple = ()      # acceptance rate per draft depth (speculative)
     decode_steps: int = 0
     num_retracted: int = 0
     step_failures: int = 0
@@ -376,6 +377,7 @@ class AsyncEngine:
             kv_total=alloc.num_slots, kv_usage=e.runner.kv.usage(), verify_forwards=st.verify_forwards,
             accepted_draft_tokens=st.accepted_draft_tokens, proposed_draft_tokens=st.proposed_draft_tokens,
             accept_length=st.accept_length, decode_steps=st.decode_steps,
+            position_accept=tuple(a / p if p else 0.0 for a, p in zip(st.position_accepts, st.position_proposals)),
             num_retracted=e.scheduler.num_retracted, step_failures=self.step_failures)
 
 

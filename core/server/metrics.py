@@ -10,7 +10,8 @@
   ``specfw_num_running_reqs``, ``specfw_kv_cache_usage`` (0..1), ``specfw_kv_cache_used_tokens``,
   and for speculative decoding ``specfw_spec_verify_forwards_total``,
   ``specfw_spec_accepted_draft_tokens_total``, ``specfw_spec_proposed_draft_tokens_total``,
-  ``specfw_spec_accept_length`` (tokens per verify forward, cumulative), plus
+  ``specfw_spec_accept_length`` (tokens per verify forward, cumulative),
+  ``specfw_spec_position_accept_rate{position}`` (per-depth acceptance), plus
   ``specfw_decode_steps_total``, ``specfw_retracted_requests_total``, ``specfw_engine_step_failures_total``.
 
 Token counters and TTFT come from ``engine.stats.observers`` (called on the engine thread;
@@ -56,6 +57,12 @@ class _EngineCollector:
         yield counter("specfw_spec_proposed_draft_tokens", "Proposed draft tokens", s.proposed_draft_tokens)
         yield gauge("specfw_spec_accept_length", "Tokens emitted per verify forward (cumulative mean)",
                     s.accept_length)
+        pos = GaugeMetricFamily("specfw_spec_position_accept_rate",
+                                "Share of verify steps whose draft was accepted at least to this depth",
+                                labels=["position"])
+        for i, rate in enumerate(s.position_accept):
+            pos.add_metric([str(i)], rate)
+        yield pos
         yield counter("specfw_decode_steps", "Decode steps", s.decode_steps)
         yield counter("specfw_retracted_requests", "Requests retracted under KV pressure", s.num_retracted)
         yield counter("specfw_engine_step_failures", "Engine steps that raised", s.step_failures)
