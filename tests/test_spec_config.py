@@ -87,7 +87,6 @@ def test_range_rules(kw, key):
     (["speculative=ngram", "speculative.min_match_window_size=5", "speculative.max_match_window_size=3"],
      "speculative.min_match_window_size"),
     (["speculative=ngram", "speculative.num_draft_tokens=1"], "speculative.num_draft_tokens"),
-    (["speculative=standalone"], "speculative.draft_model_path"),
     (["speculative=standalone", "speculative.draft_model_path=/x", "speculative.topk=2"], "speculative.num_steps"),
 ])
 def test_startup_validation_of_composed_config(overrides, key):
@@ -95,3 +94,15 @@ def test_startup_validation_of_composed_config(overrides, key):
     with pytest.raises(ConfigError) as e:
         validate(cfg)
     assert e.value.key == key
+
+
+@pytest.mark.parametrize("name", ["standalone", "eagle", "eagle3"])
+def test_missing_draft_for_a_non_demo_target_names_the_key(name, tiny_model_dir):
+    """The committed demo drafts only serve the demo target; any other target needs a path."""
+    from conftest import make_cfg
+    from specfw.engine import Engine
+    from specfw.plugins import plugin_manager
+    spec = plugin_manager().algorithms[name].config_class(algorithm=name)
+    with pytest.raises(ConfigError) as e:
+        Engine(make_cfg(model_path=str(tiny_model_dir), max_total_tokens=256, speculative=spec))
+    assert e.value.key == "speculative.draft_model_path"

@@ -22,7 +22,7 @@ class EagleDrafter(FeatureDrafter):
         cfg = ctx.config
         ref = cfg.draft_model_path
         if not ref:
-            if not (DEMO_DRAFT.exists() and ctx.engine_config.model.path in (None, "", "demo")):
+            if not ((DEMO_DRAFT / "config.json").exists() and ctx.engine_config.model.path in (None, "", "demo")):
                 raise ConfigError("speculative.draft_model_path", "eagle needs a draft checkpoint (EAGLE layout) for this target")
             ref = str(DEMO_DRAFT)
         path = resolve_model_path(ref, cfg.draft_model_revision)

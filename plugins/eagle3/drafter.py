@@ -19,7 +19,7 @@ DEMO_DRAFT = Path(__file__).parent / "demo_draft"
 
 def default_draft_path(ctx) -> str:
     """The committed demo draft is the default for the demo target."""
-    if DEMO_DRAFT.exists() and ctx.engine_config.model.path in (None, "", "demo"):
+    if (DEMO_DRAFT / "config.json").exists() and ctx.engine_config.model.path in (None, "", "demo"):
         return str(DEMO_DRAFT)
     raise ConfigError("speculative.draft_model_path", "eagle3 needs a draft checkpoint (EAGLE-3 layout) for this target")
 

@@ -19,8 +19,5 @@ class StandaloneConfig(SpecAlgoConfig):
 
     def validate(self) -> None:
         super().validate()
-        if not self.draft_model_path:
-            raise ConfigError("speculative.draft_model_path", "standalone needs a draft model (HF directory or hub id), "
-                              "e.g. one made by `python -m specfw_plugins.standalone.make_draft OUT --layers 4`")
         if self.draft_kv_tokens is not None and self.draft_kv_tokens < 1:
             raise ConfigError("speculative.draft_kv_tokens", f"must be >= 1, got {self.draft_kv_tokens}")

@@ -8,6 +8,7 @@ afterwards, the committed prefix stays cached.
 from __future__ import annotations
 
 import logging
+from pathlib import Path
 
 import torch
 
@@ -29,6 +30,18 @@ def check_same_tokenizer(target_tok, draft_tok, draft_path) -> None:
                           f"(vocab sizes {len(draft_tok.get_vocab())} vs {len(target_tok.get_vocab())} or differing ids)")
 
 
+DEMO_DRAFT = Path(__file__).parent / "demo_draft"
+
+
+def default_draft(ctx) -> str:
+    """The committed demo draft (trained by `specfw train draft=standalone`) serves the demo target."""
+    if (DEMO_DRAFT / "config.json").exists() and ctx.engine_config.model.path in (None, "", "demo"):
+        return str(DEMO_DRAFT)
+    raise ConfigError("speculative.draft_model_path", "standalone needs a draft model (HF directory or hub id) for this "
+                      "target, e.g. one from `specfw train draft=standalone` or "
+                      "`python -m specfw_plugins.standalone.make_draft OUT --layers 4`")
+
+
 class _DraftState:
     def __init__(self):
         self.slots = SlotTable()   # draft KV of seq_ids[:len(slots)]
@@ -37,13 +50,11 @@ class _DraftState:
 class StandaloneDrafter:
     def __init__(self, ctx):
         cfg = ctx.config
-        if not cfg.draft_model_path:
-            raise ConfigError("speculative.draft_model_path", "standalone needs a draft model directory or hub id")
+        ref = cfg.draft_model_path or default_draft(ctx)
         dtype = str(getattr(ctx.engine_config.model.dtype, "value", ctx.engine_config.model.dtype))
-        loaded = load_model(cfg.draft_model_path, dtype=dtype, revision=cfg.draft_model_revision or "main"
-                            if not str(cfg.draft_model_path).startswith(("/", ".")) else None,
-                            max_positions=ctx.runner.max_context)
-        check_same_tokenizer(ctx.tokenizer, loaded.tokenizer, cfg.draft_model_path)
+        revision = (cfg.draft_model_revision or "main") if cfg.draft_model_path and not Path(ref).exists() else None
+        loaded = load_model(ref, dtype=dtype, revision=revision, max_positions=ctx.runner.max_context)
+        check_same_tokenizer(ctx.tokenizer, loaded.tokenizer, ref)
         if loaded.hf_config.vocab_size != ctx.runner.vocab_size:
             raise ConfigError("speculative.draft_model_path",
                               f"draft vocab_size {loaded.hf_config.vocab_size} != target vocab_size {ctx.runner.vocab_size}")
