@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Callable
 import pluggy
 
 if TYPE_CHECKING:  # pragma: no cover
+    import torch
+
     from .spec.types import DraftCandidates, DraftTree, SpecContext, VerifyResult
     from .request import Request
 

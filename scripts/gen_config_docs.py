@@ -30,7 +30,7 @@ def field_comments(cls) -> dict[str, str]:
 
 def table(cls, prefix: str, skip: tuple[str, ...] = ()) -> str:
     comments = field_comments(cls)
-    rows = [f"| key | default | meaning |", "|---|---|---|"]
+    rows = ["| key | default | meaning |", "|---|---|---|"]
     for f in dataclasses.fields(cls):
         if f.name in skip:
             continue

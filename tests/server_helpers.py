@@ -42,3 +42,9 @@ def wait_until(cond, timeout: float = 20.0, interval: float = 0.05) -> bool:
             return True
         time.sleep(interval)
     return cond()
+
+
+def engine_idle(server, timeout: float = 20.0) -> bool:
+    """Wait until the server's engine has no work and every KV slot is free again."""
+    e = server.engine
+    return wait_until(lambda: not e.has_work and e.runner.allocator.num_used == 0, timeout)

@@ -5,7 +5,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pluggy
 import pytest
 
 from specfw import hookspecs

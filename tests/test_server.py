@@ -16,7 +16,7 @@ import httpx2
 import openai
 import pytest
 
-from server_helpers import ServerThread, wait_until
+from server_helpers import ServerThread, wait_until, engine_idle
 from specfw.sampling import SamplingParams
 
 pytestmark = pytest.mark.model
@@ -52,11 +52,6 @@ def client(server):
 def http(server):
     with httpx2.Client(base_url=server.url, timeout=120) as c:
         yield c
-
-
-def _idle(server, timeout=20.0):
-    e = server.engine
-    return wait_until(lambda: not e.has_work and e.runner.allocator.num_used == 0, timeout)
 
 
 def _chat(client, q, **kw):
@@ -148,7 +143,7 @@ def test_concurrent_requests_equal_one_at_a_time(server, client):
     with cf.ThreadPoolExecutor(4) as ex:
         concurrent = list(ex.map(one, range(8)))
     assert concurrent == sequential * 2
-    assert _idle(server)
+    assert engine_idle(server)
 
 
 def test_n_choices_use_consecutive_seeds(server, client):
@@ -334,7 +329,7 @@ def test_disconnect_mid_stream_aborts_and_frees_kv(server, client, http):
     assert b" 200 OK" in buf.split(b"\r\n", 1)[0]
     assert server.engine.runner.allocator.num_used > 0
     s.close()
-    assert _idle(server, 15), "the aborted request kept running"
+    assert engine_idle(server, 15), "the aborted request kept running"
     after = _metric(http.get("/metrics").text, "specfw_requests_total", endpoint="/v1/chat/completions",
                     finish_reason="abort")
     assert after == before + 1
@@ -346,7 +341,7 @@ def test_disconnect_before_non_stream_response_aborts(server, client):
     assert wait_until(lambda: server.state.bridge.snapshot.running == 1, 20)
     time.sleep(0.3)
     s.close()
-    assert _idle(server, 15), "the aborted request kept running"
+    assert engine_idle(server, 15), "the aborted request kept running"
     assert _chat(client, QUESTIONS[0]).choices[0].message.content == server.refs[QUESTIONS[0]].text
 
 

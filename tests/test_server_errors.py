@@ -8,7 +8,7 @@ import httpx2
 import openai
 import pytest
 
-from server_helpers import ServerThread, wait_until
+from server_helpers import ServerThread, wait_until, engine_idle
 from specfw.sampling import SamplingParams
 from specfw.server.submission import Prompt, Submission
 
@@ -32,11 +32,6 @@ def server(demo_engine):
 def http(server):
     with httpx2.Client(base_url=server.url, timeout=60) as c:
         yield c
-
-
-def _idle(server, timeout=20.0):
-    e = server.engine
-    return wait_until(lambda: not e.has_work and e.runner.allocator.num_used == 0, timeout)
 
 
 def _err(r, status, param="<any>", code="<any>"):
@@ -234,7 +229,7 @@ def test_queue_full_is_503(server, http):
     finally:
         sched.max_running, sched.max_queued = saved
         s.close()
-    assert _idle(server)
+    assert engine_idle(server)
     assert 'specfw_request_errors_total{endpoint="/v1/completions",status="503"} 1.0' in http.get("/metrics").text
 
 
@@ -256,7 +251,7 @@ def test_engine_step_failure_fails_requests_with_500_and_keeps_serving(server, h
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["error"]["code"] == "engine_error"
     assert calls["n"] == 2
-    assert _idle(server), "slots of the failed requests were not reclaimed"
+    assert engine_idle(server), "slots of the failed requests were not reclaimed"
     monkeypatch.setattr(eng.worker, "decode", real_decode)
     r = _ok(http.post(CHAT, json=chat(max_tokens=8)))
     assert r["usage"]["completion_tokens"] == 8
@@ -292,7 +287,7 @@ def test_errors_are_counted_and_server_still_healthy(server, http):
     assert 'specfw_request_errors_total{endpoint="/v1/chat/completions",status="400"}' in t
     assert 'specfw_request_errors_total{endpoint="/v1/chat/completions",status="404"}' in t
     assert _ok(http.get("/health")) == {"status": "ok"}
-    assert _idle(server)
+    assert engine_idle(server)
 
 
 def test_duplicate_request_id_is_rejected(server, http):
@@ -303,6 +298,6 @@ def test_duplicate_request_id_is_rejected(server, http):
         lines = r.iter_lines()                        # keep a reference: closing it closes the stream
         next(lines)                                   # the first request is running
         _err(http.post(GEN, json={**body, "stream": False}), 400, "rid", "duplicate_request_id")
-    assert _idle(server)
+    assert engine_idle(server)
     assert _ok(http.post(GEN, json={**body, "stream": False, "sampling_params": {"max_new_tokens": 2}}))[
         "meta_info"]["id"] == "my-id-0"

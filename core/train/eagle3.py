@@ -10,11 +10,9 @@ earlier unroll steps (the diagonal), exactly what a depth-j draft node sees at i
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from ..models.llama import Rotary
 
