@@ -119,7 +119,7 @@ class Eagle3Trainer:
             agree = (self.draft_ids[logp.argmax(-1)] == tgt_top[:, 1 + j:1 + j + n]) & in_vocab[:, 1 + j:1 + j + n]
             metrics[f"acc{j}"] = float((agree.float() * m).sum() / m.sum().clamp_min(1))
             hid = h
-        metrics["loss"] = float(total)
+        metrics["loss"] = float(total.detach())
         return total, metrics
 
     def export(self, out: Path, dtype: torch.dtype) -> Path:
