@@ -53,7 +53,7 @@ class EagleTrainer:
         tok_loss = (-(tgt * logp).sum(-1, keepdim=True) * m).sum() / denom
         total = self.d.feature_weight * feat_loss + self.d.token_weight * tok_loss
         agree = (logp.argmax(-1) == logits[:, 1:1 + n].argmax(-1)).float().unsqueeze(-1)
-        return total, {"loss": float(total), "feat": float(feat_loss), "ce": float(tok_loss),
+        return total, {"loss": float(total.detach()), "feat": float(feat_loss.detach()), "ce": float(tok_loss.detach()),
                        "acc0": float((agree * m).sum() / denom)}
 
     def export(self, out: Path, dtype: torch.dtype) -> Path:

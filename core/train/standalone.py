@@ -46,7 +46,7 @@ class StandaloneTrainer:
         kl = (tgt * (torch.log(tgt + 1e-9) - logp)).sum(-1)
         loss = (kl * m).sum() / m.sum().clamp_min(1)
         agree = (logits[:, :-1].argmax(-1) == tlogits[:, :-1].argmax(-1)).float()
-        return loss, {"loss": float(loss), "acc0": float((agree * m).sum() / m.sum().clamp_min(1))}
+        return loss, {"loss": float(loss.detach()), "acc0": float((agree * m).sum() / m.sum().clamp_min(1))}
 
     def export(self, out: Path, dtype: torch.dtype) -> Path:
         from safetensors.torch import save_file
