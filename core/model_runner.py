@@ -6,6 +6,7 @@ import logging
 
 import torch
 
+from .cpu_linear import use_fast_linears
 from .forward_batch import ForwardBatch, ForwardOutput, SeqSpan
 from .kv_cache import KVPool
 
@@ -13,7 +14,10 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, model, hf_config, num_slots: int, dtype: torch.dtype):
+    def __init__(self, model, hf_config, num_slots: int, dtype: torch.dtype, packed_gemm: bool = True):
+        self.packed_gemm = packed_gemm
+        if packed_gemm:
+            use_fast_linears(model)
         self.model = model
         self.hf_config = hf_config
         layer0 = model.layers[0]
