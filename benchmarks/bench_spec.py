@@ -114,7 +114,8 @@ def main():
         st = eng.stats
         pos = [a / p if p else 0.0 for a, p in zip(st.position_accepts, st.position_proposals)]
         rows.append(dict(algo=spec_str, tok_s=tps, speedup=tps / base_tps, accept_len=st.accept_length,
-                         accept_rate=st.accept_rate, per_position=pos,
+                         accept_rate=st.accept_rate, per_position=pos, tree_sizes=eng.worker.budget.summary(),
+                         tree_rates={k: round(v, 1) for k, v in eng.worker.budget.rates(1).items()},
                          exact=sum(o == r for o, r in zip(outs, ref)) == len(ref)))
         del eng
 
@@ -127,6 +128,9 @@ def main():
     for r in rows:
         if r.get("per_position"):
             print(f"per-position acceptance {r['algo']}: " + " ".join(f"{p:.2f}" for p in r["per_position"]))
+        if r.get("tree_sizes"):
+            print(f"verified tree sizes (size: steps) {r['algo']}: {r['tree_sizes']}; "
+                  f"measured tok/s per size: {r['tree_rates']}")
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"spec_{args.dataset}_{time.strftime('%Y%m%d-%H%M%S')}"
     (args.out / f"{stem}.json").write_text(json.dumps(dict(args=vars(args) | {"out": str(args.out)}, rows=rows), indent=2))

@@ -54,9 +54,12 @@ def specfw_register_algorithms(register: Callable) -> None:
 def specfw_draft(ctx: "SpecContext", reqs: "list[Request]") -> "list[DraftCandidates]":
     """Propose draft candidates for each running request (one entry per request, in order).
 
-    Called once per decode step before the target's verify forward. The candidates carry
-    tokens, scores and parent links (a tree rooted at the request's last sampled token,
-    index -1); an empty candidate list means "no draft" (the step decodes one token).
+    Called once per decode step before the target's verify forward, except on steps the draft
+    budget runs without a draft (``speculative.adaptive_draft``): drafters must catch up from
+    ``req.seq_ids`` rather than assume they saw every step. The candidates carry tokens,
+    scores and parent links (a tree rooted at the request's last sampled token, index -1);
+    scores rank candidates (higher = likelier to be accepted) when the tree is cut to a
+    smaller budget. An empty candidate list means "no draft" (the step decodes one token).
     Implemented by every algorithm runtime.
 
     :param ctx: engine-wide speculative context (config, target runner, stats).
@@ -129,4 +132,5 @@ def specfw_release(ctx: "SpecContext", req: "Request") -> None:
 # ---- observers --------------------------------------------------------------------------
 @hookspec
 def specfw_observe_step(ctx: "SpecContext", reqs: "list[Request]", results: "list[VerifyResult]") -> None:
-    """Called after every speculative decode step with the verify results (metrics, logging)."""
+    """Called after every speculative decode step (drafted or not) with the verify results
+    (metrics, logging)."""

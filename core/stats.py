@@ -64,13 +64,14 @@ class EngineStats:
         self.generation_tokens += emitted
         self._emit("step", kind=batch.kind, tokens=emitted, seconds=seconds, batch_size=len(batch.reqs))
 
-    def record_positions(self, accepted_depths: list[int], max_depth: int) -> None:
-        """Per-position acceptance: a verify that accepted k draft tokens counts depths 0..k-1."""
-        while len(self.position_proposals) < max_depth:
-            self.position_proposals.append(0)
-            self.position_accepts.append(0)
-        for k in accepted_depths:
-            for d in range(max_depth):
+    def record_positions(self, verifies: list[tuple[int, int]]) -> None:
+        """Per-position acceptance from (accepted draft tokens k, tree depth) per verify: the
+        positions 0..depth-1 were proposed, 0..k-1 accepted."""
+        for k, depth in verifies:
+            while len(self.position_proposals) < depth:
+                self.position_proposals.append(0)
+                self.position_accepts.append(0)
+            for d in range(depth):
                 self.position_proposals[d] += 1
                 if d < k:
                     self.position_accepts[d] += 1

@@ -39,6 +39,7 @@ class SpecAlgoConfig(SpeculativeConfig):
     accept_threshold_single: float = 1.0        # accept a draft token if p_target >= this (1.0 = lossless)
     accept_threshold_acc: float = 1.0           # accept if coin <= accumulated p_target / this (1.0 = lossless)
     attention_mode: AttentionMode = AttentionMode.prefill  # verify/extend attention mode (prefill | decode)
+    adaptive_draft: bool = True                 # per step, verify the tree size (1 = no draft, 2, 4, .., num_draft_tokens) with the best measured tokens/s
     force_greedy_verify: bool = False           # verify greedily even for sampled requests (also SPECFW_FORCE_GREEDY_VERIFY=1)
 
     def auto_shape(self, target_arch: str) -> TreeShape:

@@ -51,6 +51,19 @@ class DraftCandidates:
     def __len__(self) -> int:
         return int(self.tokens.numel())
 
+    def best(self, n: int) -> "DraftCandidates":
+        """The ``n`` best candidates by score, closed under ancestors (parents re-indexed)."""
+        if len(self) <= n:
+            return self
+        from .tree import select_candidates
+        keep = select_candidates(self, n)
+        remap = {old: new for new, old in enumerate(keep)}
+        old_parents = self.parents.tolist()
+        parents = [remap[old_parents[i]] if old_parents[i] >= 0 else -1 for i in keep]
+        idx = torch.tensor(keep, dtype=torch.long)
+        return DraftCandidates(self.tokens[idx], torch.tensor(parents, dtype=torch.long), self.scores[idx],
+                               None if self.draft_probs is None else self.draft_probs[idx])
+
 
 @dataclass
 class DraftTree:

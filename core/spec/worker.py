@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import pluggy
 import torch
@@ -20,7 +21,8 @@ from ..request import Request
 from ..sampling import TokenLogprob
 from ..worker import SeqResult, prefill_chunks, sample_rows
 from . import defaults
-from .types import SpecContext, VerifyResult
+from .budget import DraftBudget
+from .types import DraftCandidates, SpecContext, VerifyResult
 
 logger = logging.getLogger(__name__)
 
@@ -55,6 +57,7 @@ class SpeculativeWorker:
         self.hook = self.pm.hook
         self.algorithm = algorithm.name
         self.slots_per_decode = shape.num_draft_tokens
+        self.budget = DraftBudget(shape.num_draft_tokens, adaptive=cfg.adaptive_draft)
         logger.info("speculative decoding: %s num_steps=%d topk=%d num_draft_tokens=%d", algorithm.name,
                     shape.num_steps, shape.topk, shape.num_draft_tokens)
 
@@ -73,9 +76,22 @@ class SpeculativeWorker:
 
     # ---- decode -------------------------------------------------------------------------
     def decode(self, reqs: list[Request]) -> list[SeqResult]:
-        candidates = self.hook.specfw_draft(ctx=self.ctx, reqs=reqs)
-        if candidates is None or len(candidates) != len(reqs):
-            raise RuntimeError(f"algorithm '{self.algorithm}': specfw_draft must return one DraftCandidates per request")
+        t0 = time.perf_counter()
+        size = self.budget.choose(len(reqs))
+        results = self._decode(reqs, size)
+        self.budget.observe(len(reqs), size, sum(len(r.tokens) for r in results), time.perf_counter() - t0,
+                            drafted=any(r.num_draft for r in results))
+        return results
+
+    def _decode(self, reqs: list[Request], size: int) -> list[SeqResult]:
+        if size == 1:    # the budget says drafting does not pay right now: a plain step
+            candidates = [DraftCandidates.empty() for _ in reqs]
+        else:
+            candidates = self.hook.specfw_draft(ctx=self.ctx, reqs=reqs)
+            if candidates is None or len(candidates) != len(reqs):
+                raise RuntimeError(f"algorithm '{self.algorithm}': specfw_draft must return one DraftCandidates per request")
+            if size < self.ctx.shape.num_draft_tokens:
+                candidates = [c.best(size - 1) for c in candidates]
         trees = [self.hook.specfw_build_tree(ctx=self.ctx, req=r, candidates=c) for r, c in zip(reqs, candidates)]
         chunks, slot_sets = [], []
         for r, t in zip(reqs, trees):
@@ -100,8 +116,8 @@ class SpeculativeWorker:
             offset += n
         self.hook.specfw_on_accept(ctx=self.ctx, reqs=reqs, results=results, hidden=out.hidden, aux_hidden=out.aux_hidden)
         self.hook.specfw_observe_step(ctx=self.ctx, reqs=reqs, results=results)
-        self.ctx.stats.record_positions([res.num_accepted for res in results if res.num_draft],
-                                        max(1, self.ctx.shape.num_steps))
+        self.ctx.stats.record_positions([(res.num_accepted, int(t.depth.max())) for res, t in zip(results, trees)
+                                         if res.num_draft])
         return [SeqResult(res.tokens, res.logprobs, res.num_draft, res.num_accepted) for res in results]
 
     @staticmethod

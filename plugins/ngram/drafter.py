@@ -41,8 +41,7 @@ class NgramDrafter:
         if self.cfg.match_type is MatchType.PROB or self.cfg.match_type == "PROB":
             tokens, parents, scores = self.trie.draft_prob(node, self.budget)
         else:
-            tokens, parents = self.trie.draft_bfs(node, self.budget, self._breadth(window))
-            scores = [-float(i) for i in range(len(tokens))]
+            tokens, parents, scores = self.trie.draft_bfs(node, self.budget, self._breadth(window))
         return DraftCandidates(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long),
                                torch.tensor(scores, dtype=torch.float32))
 

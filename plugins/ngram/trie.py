@@ -93,21 +93,25 @@ class NgramTrie:
     def _recent_first(node: Node) -> list[Node]:
         return sorted(node.children.values(), key=lambda c: c.uid, reverse=True)
 
-    def draft_bfs(self, start: Node, budget: int, breadth: int) -> tuple[list[int], list[int]]:
-        """Breadth-first over continuations, at most ``breadth`` most recent children per node."""
-        tokens, parents = [], []
-        frontier = [(start, -1)]
+    def draft_bfs(self, start: Node, budget: int, breadth: int) -> tuple[list[int], list[int], list[float]]:
+        """Breadth-first over continuations, at most ``breadth`` most recent children per node.
+        Scores are log path probabilities (normalised child frequencies), so a smaller budget
+        can keep the likeliest part of the tree."""
+        tokens, parents, scores = [], [], []
+        frontier = [(start, -1, 0.0)]
         while frontier and len(tokens) < budget:
             nxt = []
-            for node, idx in frontier:
+            for node, idx, logp in frontier:
+                total = sum(c.count for c in node.children.values())
                 for c in self._recent_first(node)[:breadth]:
                     if len(tokens) >= budget:
                         break
                     tokens.append(c.token)
                     parents.append(idx)
-                    nxt.append((c, len(tokens) - 1))
+                    scores.append(logp + math.log(c.count / total))
+                    nxt.append((c, len(tokens) - 1, scores[-1]))
             frontier = nxt
-        return tokens, parents
+        return tokens, parents, scores
 
     def draft_prob(self, start: Node, budget: int) -> tuple[list[int], list[int], list[float]]:
         """Best-first by path probability (product of normalised child frequencies)."""
