@@ -130,7 +130,7 @@ def main():
             print(f"per-position acceptance {r['algo']}: " + " ".join(f"{p:.2f}" for p in r["per_position"]))
         if r.get("tree_sizes"):
             print(f"verified tree sizes (size: steps) {r['algo']}: {r['tree_sizes']}; "
-                  f"measured tok/s per size: {r['tree_rates']}")
+                  f"estimated tok/s per size: {r['tree_rates']}")
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"spec_{args.dataset}_{time.strftime('%Y%m%d-%H%M%S')}"
     (args.out / f"{stem}.json").write_text(json.dumps(dict(args=vars(args) | {"out": str(args.out)}, rows=rows), indent=2))

@@ -14,50 +14,67 @@ def test_fixed_budget_always_max():
     b = DraftBudget(8, adaptive=False)
     for _ in range(20):
         assert b.choose(1) == 8
-        b.observe(1, 8, 1, 1.0)
+        b.observe(1, 8, 1.0, {1: 1, 2: 2, 4: 3, 8: 4})
     assert b.rates(1) == {}
 
 
-def _play(b, speed, steps, batch=1, drafted=True):
-    """speed: size → tokens per second the 'hardware' delivers."""
+def _play(b, cost, tokens, steps, batch=1):
+    """cost: size → seconds per step; tokens: size → tokens per step (what the hardware and the
+    draft deliver). Yields of smaller sizes are reported as the worker does."""
     for _ in range(steps):
         s = b.choose(batch)
-        b.observe(batch, s, speed[s], 1.0, drafted=drafted)
+        b.observe(batch, s, cost[s], {k: tokens[k] for k in b.sizes if k <= s})
 
 
-def test_warmup_tries_every_size_largest_first():
+def test_warmup_plays_every_size_largest_first():
     b = DraftBudget(8, warmup=2, explore=0.0)
     order = []
     for _ in range(8):
         s = b.choose(1)
         order.append(s)
-        b.observe(1, s, 1, 1.0)
+        b.observe(1, s, 1.0, {k: 1 for k in b.sizes if k <= s})
     assert order == [8, 8, 4, 4, 2, 2, 1, 1]
+
+
+COST = {1: 1.0, 2: 1.16, 4: 1.3, 8: 1.5, 16: 2.3}
 
 
 def test_converges_to_fastest_size_per_batch_size():
     b = DraftBudget(16, explore=0.0)
-    _play(b, {1: 30, 2: 40, 4: 50, 8: 45, 16: 35}, 40, batch=1)
-    _play(b, {1: 100, 2: 90, 4: 60, 8: 40, 16: 20}, 40, batch=4)
+    _play(b, COST, {1: 1, 2: 1.6, 4: 2.2, 8: 2.4, 16: 2.6}, 40, batch=1)      # 4: 1.69 tok/s per unit
+    _play(b, COST, {1: 4, 2: 4.2, 4: 4.4, 8: 4.6, 16: 4.8}, 40, batch=4)      # drafting never pays
     assert b.best(1) == 4 and b.choose(1) == 4
-    assert b.best(4) == 1      # drafting does not pay at this batch size: plain steps
+    assert b.best(4) == 1
     assert b.summary()[4] > 20
 
 
-def test_exploration_reaches_neighbours_and_tracks_change():
-    b = DraftBudget(8, explore=0.3, decay=0.8)
-    _play(b, {1: 30, 2: 40, 4: 50, 8: 45}, 60)
+def test_exploring_the_largest_size_tracks_a_change_in_the_text():
+    b = DraftBudget(16, explore=0.2, decay=0.9)
+    _play(b, COST, {1: 1, 2: 1.6, 4: 2.2, 8: 2.4, 16: 2.6}, 60)
     assert b.best(1) == 4
-    _play(b, {1: 30, 2: 40, 4: 50, 8: 70}, 200)   # e.g. the text became repetitive
+    _play(b, COST, {1: 1, 2: 1.9, 4: 2.8, 8: 4.6, 16: 5.0}, 300)   # e.g. the output became repetitive
     assert b.best(1) == 8
 
 
-def test_steps_without_a_draft_do_not_rank_sizes():
+def test_steps_without_a_draft_are_not_counted():
     b = DraftBudget(8, explore=0.0)
-    _play(b, {1: 30, 2: 40, 4: 50, 8: 45}, 40)
-    for _ in range(50):   # many undrafted steps at size 8 that happen to be slow
-        b.observe(1, 8, 1, 1.0, drafted=False)
-    assert b.best(1) == 4
+    _play(b, COST, {1: 1, 2: 1.6, 4: 2.2, 8: 2.4}, 40)
+    before = b.rates(1)
+    for _ in range(50):
+        b.observe(1, 8, 5.0, None)
+    assert b.rates(1) == before
+
+
+def test_counterfactual_yields_cut_the_accepted_path():
+    from specfw.spec.budget import counterfactual_yields
+    # chain a-b-c under the root plus a sibling x of a (scores a > b > x > c)
+    c = DraftCandidates(torch.tensor([10, 11, 12, 99]), torch.tensor([-1, 0, 1, -1]),
+                        torch.tensor([-0.1, -0.2, -0.3, -0.25]))
+    # the target accepted a, b, c: size 2 keeps {a} → 1 + bonus; size 4 keeps {a, b, x} → 2 + bonus;
+    # size 5 keeps everything → 3 + bonus
+    assert counterfactual_yields([1, 2, 4, 5], 5, [c], [[10, 11, 12]]) == {1: 1, 2: 2, 4: 3, 5: 4}
+    # only sizes up to the one played are reported; two requests add up
+    assert counterfactual_yields([1, 2, 4, 5], 2, [c, c], [[10, 11, 12], []]) == {1: 2, 2: 3}
 
 
 def test_candidates_best_keeps_ancestors_and_reindexes():
@@ -69,3 +86,16 @@ def test_candidates_best_keeps_ancestors_and_reindexes():
     assert top.parents.tolist() == [-1, 0, 1]
     assert c.best(10) is c
     assert c.best(1).tokens.tolist() == [11]
+
+
+def test_draft_depth_follows_the_step_budget():
+    from specfw.spec.config import TreeShape
+    from specfw.spec.types import SpecContext
+    ctx = SpecContext(config=None, shape=TreeShape(5, 4, 8), runner=None, tokenizer=None, engine_config=None, stats=None)
+    assert ctx.draft_depth == 5            # no budget set: the configured depth
+    ctx.draft_budget = 2
+    assert ctx.draft_depth == 1
+    ctx.draft_budget = 4
+    assert ctx.draft_depth == 3
+    ctx.draft_budget = 8
+    assert ctx.draft_depth == 5

@@ -1,21 +1,30 @@
-"""Adaptive draft budget: how many tree nodes to verify this step, learned from measured speed.
+"""Adaptive draft budget: how many tree nodes to verify this step, learned from measurements.
 
 SGLang verifies ``num_draft_tokens`` nodes every step, which suits GPUs, where a verify forward
 of 8 or 64 rows costs about the same as one of 1 row. On a CPU it does not (demo model, 2
 cores, fp32: 2 rows cost 1.16x one row, 8 rows 1.5x, 16 rows 2.3x), so the best tree size
-depends on the hardware, the draft quality and the text. ``DraftBudget`` treats the sizes
-``1, 2, 4, 8, ... , num_draft_tokens`` as arms of a bandit, per batch size: every decode step
-reports its tokens and wall time (drafting included) and the budget keeps, per size, decayed
-sums of both; their ratio is the size's tokens/s (a ratio of sums, because single steps are
-very noisy: one verify accepts nothing, the next six tokens). It tries every size during a short warm-up, then plays
-the best one and, with a small probability, a neighbouring size. Size 1 means "skip drafting
-this step" (a plain decode step), so a draft that does not pay for itself is switched off.
+depends on the hardware, the draft quality and the text. For each batch size, ``DraftBudget``
+estimates, for the sizes ``1, 2, 4, 8, ..., num_draft_tokens``:
+
+* the **cost** of a step played at that size (decayed mean wall time, drafting included);
+* the **yield**, tokens emitted per step. Yields are compared on the *same* steps: after a
+  step verified a tree of size S, the worker also reports what every smaller size would have
+  emitted (the accepted path cut to the best ``s - 1`` candidates by score, plus the bonus
+  token), so text that is easy for a while does not favour whichever size ran then.
+
+It plays the size with the best yield/cost; with a small probability it plays the largest size
+(which measures every yield). Size 1 means "skip drafting this step" (a plain decode step), so
+a draft that does not pay for itself is switched off. Steps on which no request had a draft
+(an n-gram miss) say nothing about tree sizes and are not counted.
 
 Greedy output does not depend on the sizes chosen: any tree verifies to the same tokens.
 """
 from __future__ import annotations
 
 import random
+
+from .tree import select_candidates
+from .types import DraftCandidates
 
 
 def budget_sizes(num_draft_tokens: int) -> list[int]:
@@ -27,64 +36,105 @@ def budget_sizes(num_draft_tokens: int) -> list[int]:
     return sizes
 
 
+def accepted_within(cands: DraftCandidates, accepted_tokens: list[int], keep: set[int]) -> int:
+    """How many of the accepted draft tokens (root's child first) a tree holding only the
+    candidates ``keep`` would have accepted: the accepted path's prefix inside ``keep``."""
+    child = {}
+    for i, (p, t) in enumerate(zip(cands.parents.tolist(), cands.tokens.tolist())):
+        child.setdefault((p, t), i)
+    parent, n = -1, 0
+    for tok in accepted_tokens:
+        c = child.get((parent, tok))
+        if c is None or c not in keep:
+            break
+        parent, n = c, n + 1
+    return n
+
+
+def counterfactual_yields(sizes: list[int], played: int, cands: list[DraftCandidates],
+                          accepted: list[list[int]]) -> dict[int, int]:
+    """Tokens the step would have emitted at each size <= ``played`` (summed over requests)."""
+    out = {}
+    for s in sizes:
+        if s > played:
+            break
+        total = 0
+        for c, acc in zip(cands, accepted):
+            keep = set(select_candidates(c, s - 1)) if s > 1 else set()
+            total += accepted_within(c, acc, keep) + 1
+        out[s] = total
+    return out
+
+
+class _Decayed:
+    """Decayed mean."""
+    __slots__ = ("total", "weight")
+
+    def __init__(self):
+        self.total, self.weight = 0.0, 0.0
+
+    def add(self, value: float, decay: float) -> None:
+        self.total = self.total * decay + value
+        self.weight = self.weight * decay + 1.0
+
+    @property
+    def mean(self) -> float:
+        return self.total / self.weight
+
+
 class DraftBudget:
-    def __init__(self, num_draft_tokens: int, adaptive: bool = True, warmup: int = 3,
-                 explore: float = 0.1, decay: float = 0.97, seed: int = 0):
+    def __init__(self, num_draft_tokens: int, adaptive: bool = True, warmup: int = 2,
+                 explore: float = 0.1, decay: float = 0.98, seed: int = 0):
         self.max_size = num_draft_tokens
         self.adaptive = adaptive
         self.sizes = budget_sizes(num_draft_tokens)
         self.warmup, self.explore, self.decay = warmup, explore, decay
-        self.sums: dict[int, dict[int, list[float]]] = {}   # batch size → {tree size: [tokens, seconds]}
-        self.drafted: dict[int, dict[int, list[float]]] = {}   # the same over steps that had a draft
-        self.trials: dict[int, dict[int, int]] = {}    # batch size → {tree size: steps observed}
+        self.cost: dict[int, dict[int, _Decayed]] = {}    # batch size → {tree size: seconds per step}
+        self.yields: dict[int, dict[int, _Decayed]] = {}  # batch size → {tree size: tokens per step}
+        self.played: dict[int, dict[int, int]] = {}       # batch size → {tree size: steps measured}
         self.chosen: dict[int, int] = {s: 0 for s in self.sizes}   # how often each size was played
         self._rng = random.Random(seed)
 
-    def rates(self, batch: int, drafted_only: bool = False) -> dict[int, float]:
-        """Measured tokens/s per tree size for steps of ``batch`` requests (``drafted_only``:
-        over the steps where the drafter proposed something)."""
-        table = (self.drafted if drafted_only else self.sums).get(batch, {})
-        return {s: tok / sec for s, (tok, sec) in table.items() if sec > 0}
+    def rates(self, batch: int) -> dict[int, float]:
+        """Estimated tokens/s per tree size for steps of ``batch`` requests."""
+        cost, yields = self.cost.get(batch, {}), self.yields.get(batch, {})
+        return {s: yields[s].mean / cost[s].mean for s in self.sizes if s in cost and s in yields and cost[s].mean > 0}
 
     def best(self, batch: int) -> int:
-        """Sizes > 1 are ranked on steps that had a draft (steps without one say nothing about
-        the tree size); the winner then competes with size 1 on all its steps."""
-        ranked = {s: r for s, r in self.rates(batch, drafted_only=True).items() if s > 1}
-        if not ranked:
+        rates = self.rates(batch)
+        if not rates:
             return self.max_size
-        size = max(ranked, key=lambda s: (ranked[s], s))
-        overall = self.rates(batch)
-        if 1 in overall and size in overall and overall[1] > overall[size]:
-            return 1
-        return size
+        return max(rates, key=lambda s: (rates[s], s))
 
     def choose(self, batch: int) -> int:
         """Tree size (nodes incl. the root) per request for a decode step of ``batch`` requests."""
         if not self.adaptive:
             return self.max_size
-        trials = self.trials.setdefault(batch, {s: 0 for s in self.sizes})
-        under = [s for s in self.sizes if trials[s] < self.warmup]
+        played = self.played.setdefault(batch, {s: 0 for s in self.sizes})
+        under = [s for s in self.sizes if played[s] < self.warmup]
         if under:
-            size = under[-1]   # warm up largest first: the default behaviour comes first
+            size = under[-1]   # largest first: it measures every size's yield
+        elif self._rng.random() < self.explore:
+            size = self.max_size
         else:
             size = self.best(batch)
-            if self._rng.random() < self.explore:
-                i = self.sizes.index(size)
-                size = self.sizes[max(0, min(len(self.sizes) - 1, i + self._rng.choice((-1, 1))))]
         self.chosen[size] += 1
         return size
 
-    def observe(self, batch: int, size: int, tokens: int, seconds: float, drafted: bool = True) -> None:
-        """One decode step: ``tokens`` emitted in ``seconds``; ``drafted``: any request had a draft."""
+    def observe(self, batch: int, size: int, seconds: float, yields: dict[int, int] | None) -> None:
+        """One decode step played at ``size`` took ``seconds``; ``yields``: tokens it emitted and
+        would have emitted at each smaller size (None: no request had a draft)."""
         if not self.adaptive or seconds <= 0:
             return
-        tables = [self.sums] + ([self.drafted] if drafted or size == 1 else [])
-        for table in tables:
-            acc = table.setdefault(batch, {}).setdefault(size, [0.0, 0.0])
-            acc[0] = acc[0] * self.decay + tokens
-            acc[1] = acc[1] * self.decay + seconds
-        if drafted or size == 1:
-            self.trials.setdefault(batch, {s: 0 for s in self.sizes})[size] += 1
+        if size == 1:
+            yields = {1: batch}
+        if yields is None:
+            return
+        self.cost.setdefault(batch, {}).setdefault(size, _Decayed()).add(seconds, self.decay)
+        table = self.yields.setdefault(batch, {})
+        for s, tokens in yields.items():
+            table.setdefault(s, _Decayed()).add(tokens, self.decay)
+        self.played.setdefault(batch, {s: 0 for s in self.sizes})[size] += 1
 
     def summary(self) -> dict[int, int]:
         """How often each tree size was played (sizes never played are left out)."""

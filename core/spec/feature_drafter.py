@@ -103,6 +103,6 @@ class FeatureDrafter:
             sfb = build_forward_batch(step_chunks)
             return self.head_forward(sfb.input_ids, parent_hidden, sfb, from_target=False)
 
-        return beam_search(reqs, logits, hidden[last], self.shape.topk, self.shape.num_steps,
+        return beam_search(reqs, logits, hidden[last], self.shape.topk, self.ctx.draft_depth,
                            lambda r: self.states[r.rid].slots.slots(), self.kv.allocator, step,
                            to_target=self.to_target, root_position=lambda r: r.seq_len - 2)

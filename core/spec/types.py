@@ -20,6 +20,14 @@ class SpecContext:
     stats: Any
     capture_layers: tuple[int, ...] = ()   # target layers whose input hidden states the drafter needs
     force_greedy: bool = False
+    draft_budget: int = 0            # tree nodes (incl. root) this step verifies; drafting deeper than
+                                     # draft_budget - 1 is wasted (set by the worker before specfw_draft)
+
+    @property
+    def draft_depth(self) -> int:
+        """Useful draft depth this step: ``min(num_steps, draft_budget - 1)``."""
+        budget = self.draft_budget or self.shape.num_draft_tokens
+        return max(1, min(self.shape.num_steps, budget - 1))
 
 
 @dataclass

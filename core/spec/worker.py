@@ -21,7 +21,7 @@ from ..request import Request
 from ..sampling import TokenLogprob
 from ..worker import SeqResult, prefill_chunks, sample_rows
 from . import defaults
-from .budget import DraftBudget
+from .budget import DraftBudget, counterfactual_yields
 from .types import DraftCandidates, SpecContext, VerifyResult
 
 logger = logging.getLogger(__name__)
@@ -78,15 +78,20 @@ class SpeculativeWorker:
     def decode(self, reqs: list[Request]) -> list[SeqResult]:
         t0 = time.perf_counter()
         size = self.budget.choose(len(reqs))
-        results = self._decode(reqs, size)
-        self.budget.observe(len(reqs), size, sum(len(r.tokens) for r in results), time.perf_counter() - t0,
-                            drafted=any(r.num_draft for r in results))
-        return results
+        candidates, results = self._decode(reqs, size)
+        seconds = time.perf_counter() - t0
+        if self.budget.adaptive:
+            drafted = any(len(c) for c in candidates)
+            yields = counterfactual_yields(self.budget.sizes, size, candidates,
+                                           [r.tokens[:r.num_accepted] for r in results]) if drafted else None
+            self.budget.observe(len(reqs), size, seconds, yields)
+        return [SeqResult(res.tokens, res.logprobs, res.num_draft, res.num_accepted) for res in results]
 
-    def _decode(self, reqs: list[Request], size: int) -> list[SeqResult]:
+    def _decode(self, reqs: list[Request], size: int) -> tuple[list[DraftCandidates], list[VerifyResult]]:
         if size == 1:    # the budget says drafting does not pay right now: a plain step
             candidates = [DraftCandidates.empty() for _ in reqs]
         else:
+            self.ctx.draft_budget = size
             candidates = self.hook.specfw_draft(ctx=self.ctx, reqs=reqs)
             if candidates is None or len(candidates) != len(reqs):
                 raise RuntimeError(f"algorithm '{self.algorithm}': specfw_draft must return one DraftCandidates per request")
@@ -118,7 +123,7 @@ class SpeculativeWorker:
         self.hook.specfw_observe_step(ctx=self.ctx, reqs=reqs, results=results)
         self.ctx.stats.record_positions([(res.num_accepted, int(t.depth.max())) for res, t in zip(results, trees)
                                          if res.num_draft])
-        return [SeqResult(res.tokens, res.logprobs, res.num_draft, res.num_accepted) for res in results]
+        return candidates, results
 
     @staticmethod
     def _logprobs(req: Request, rows: torch.Tensor, tokens: list[int]) -> list[TokenLogprob]:

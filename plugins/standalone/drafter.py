@@ -49,6 +49,7 @@ class _DraftState:
 
 class StandaloneDrafter:
     def __init__(self, ctx):
+        self.ctx = ctx
         cfg = ctx.config
         ref = cfg.draft_model_path or default_draft(ctx)
         dtype = str(getattr(ctx.engine_config.model.dtype, "value", ctx.engine_config.model.dtype))
@@ -115,5 +116,5 @@ class StandaloneDrafter:
         def step(step_chunks, _parent_hidden):
             return self.draft.forward(build_forward_batch(step_chunks)).logits, None
 
-        return beam_search(reqs, logits, None, self.shape.topk, self.shape.num_steps,
+        return beam_search(reqs, logits, None, self.shape.topk, self.ctx.draft_depth,
                            lambda r: self._state(r).slots.slots(), self.draft.allocator, step, self._sampled)
