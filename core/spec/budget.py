@@ -12,8 +12,8 @@ estimates, for the sizes ``1, 2, 4, 8, ..., num_draft_tokens``:
   emitted (the accepted path cut to the best ``s - 1`` candidates by score, plus the bonus
   token), so text that is easy for a while does not favour whichever size ran then.
 
-It plays the size with the best yield/cost; with a small probability it plays the largest size
-(which measures every yield). Size 1 means "skip drafting this step" (a plain decode step), so
+It plays the size with the best yield/cost; with a small probability it plays the next larger
+size (which also measures the yields of all smaller ones), and more rarely the largest. Size 1 means "skip drafting this step" (a plain decode step), so
 a draft that does not pay for itself is switched off. Steps on which no request had a draft
 (an n-gram miss) say nothing about tree sizes and are not counted.
 
@@ -114,10 +114,13 @@ class DraftBudget:
         under = [s for s in self.sizes if played[s] < self.warmup]
         if under:
             size = under[-1]   # largest first: it measures every size's yield
-        elif self._rng.random() < self.explore:
-            size = self.max_size
         else:
             size = self.best(batch)
+            u = self._rng.random()
+            if u < self.explore / 4:
+                size = self.max_size
+            elif u < self.explore and size < self.max_size:
+                size = self.sizes[self.sizes.index(size) + 1]
         self.chosen[size] += 1
         return size
 
