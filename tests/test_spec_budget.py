@@ -56,6 +56,14 @@ def test_exploring_the_largest_size_tracks_a_change_in_the_text():
     assert b.best(1) == 8
 
 
+def test_a_stale_cost_from_a_slow_warmup_step_is_refreshed():
+    b = DraftBudget(8, explore=0.2)
+    b.observe(1, 1, 5.0, None)      # the first plain steps happened to be very slow
+    b.observe(1, 1, 5.0, None)
+    _play(b, {1: 1.0, 2: 1.16, 4: 1.3, 8: 1.5}, {1: 1, 2: 1.1, 4: 1.15, 8: 1.2}, 400)
+    assert b.best(1) == 1           # drafting does not pay once plain steps are re-measured
+
+
 def test_steps_without_a_draft_are_not_counted():
     b = DraftBudget(8, explore=0.0)
     _play(b, COST, {1: 1, 2: 1.6, 4: 2.2, 8: 2.4}, 40)

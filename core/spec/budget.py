@@ -13,7 +13,8 @@ estimates, for the sizes ``1, 2, 4, 8, ..., num_draft_tokens``:
   token), so text that is easy for a while does not favour whichever size ran then.
 
 It plays the size with the best yield/cost; with a small probability it plays the next larger
-size (which also measures the yields of all smaller ones), and more rarely the largest. Size 1 means "skip drafting this step" (a plain decode step), so
+size (which also measures the yields of all smaller ones) or the next smaller one (whose cost
+may be stale), and more rarely the largest. Size 1 means "skip drafting this step" (a plain decode step), so
 a draft that does not pay for itself is switched off. Steps on which no request had a draft
 (an n-gram miss) say nothing about tree sizes and are not counted.
 
@@ -84,11 +85,13 @@ class _Decayed:
 
 class DraftBudget:
     def __init__(self, num_draft_tokens: int, adaptive: bool = True, warmup: int = 2,
-                 explore: float = 0.1, decay: float = 0.98, seed: int = 0):
+                 explore: float = 0.1, decay: float = 0.98, cost_decay: float = 0.8, seed: int = 0):
         self.max_size = num_draft_tokens
         self.adaptive = adaptive
         self.sizes = budget_sizes(num_draft_tokens)
-        self.warmup, self.explore, self.decay = warmup, explore, decay
+        # yields are noisy (0 or 6 accepted) and need a long memory; step costs are steady
+        # (hardware, context length) and a short one forgets outliers such as a cold first step
+        self.warmup, self.explore, self.decay, self.cost_decay = warmup, explore, decay, cost_decay
         self.cost: dict[int, dict[int, _Decayed]] = {}    # batch size → {tree size: seconds per step}
         self.yields: dict[int, dict[int, _Decayed]] = {}  # batch size → {tree size: tokens per step}
         self.played: dict[int, dict[int, int]] = {}       # batch size → {tree size: steps measured}
@@ -117,10 +120,13 @@ class DraftBudget:
         else:
             size = self.best(batch)
             u = self._rng.random()
+            i = self.sizes.index(size)
             if u < self.explore / 4:
                 size = self.max_size
-            elif u < self.explore and size < self.max_size:
-                size = self.sizes[self.sizes.index(size) + 1]
+            elif u < self.explore / 2 and i > 0:       # refresh a smaller size's cost (yields come free)
+                size = self.sizes[i - 1]
+            elif u < self.explore and i + 1 < len(self.sizes):
+                size = self.sizes[i + 1]
         self.chosen[size] += 1
         return size
 
@@ -133,7 +139,7 @@ class DraftBudget:
             yields = {1: batch}
         if yields is None:
             return
-        self.cost.setdefault(batch, {}).setdefault(size, _Decayed()).add(seconds, self.decay)
+        self.cost.setdefault(batch, {}).setdefault(size, _Decayed()).add(seconds, self.cost_decay)
         table = self.yields.setdefault(batch, {})
         for s, tokens in yields.items():
             table.setdefault(s, _Decayed()).add(tokens, self.decay)
