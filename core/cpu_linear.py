@@ -5,10 +5,12 @@ Xeon (AVX-512) machines with the demo model's shapes:
 
 * one row (batch-1 decode, a memory-bound GEMV): ``x @ W^T`` with ``W^T`` stored contiguous
   (``[K, N]``) is 5-25% faster than ``F.linear`` (lm_head 576x49152: 2.3 vs 3.0 ms);
-* 2..32 rows (batched decode, tree verification, drafting): MKL's packed GEMM
+* 2..16 rows (batched decode, tree verification, drafting): MKL's packed GEMM
   (``cblas_sgemm_pack`` format, through ``torch.ops.mkl``) is 1.5-3x faster than
   ``F.linear`` (576x3072 with 8 rows: 0.14 vs 0.37 ms), and one packed copy serves every row
-  count.
+  count;
+* more rows (prefill, large batches): plain ``F.linear`` again (packed is slower there:
+  whole-model forward of 32 rows 102 vs 84 ms, a 300-row 576x3072 GEMM 16 vs 14 ms).
 
 ``FastLinear`` keeps both copies (about 2x the layer's weight memory; MKL's packed buffer is
 padded but only its used pages become resident). It is inference-only and used for float32
@@ -20,6 +22,9 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+import torch.nn.functional as F
+
+PACKED_MAX_ROWS = 16   # above this, plain F.linear is faster on the measured CPUs
 
 
 def mkl_packing_available() -> bool:
@@ -47,8 +52,10 @@ class FastLinear(nn.Module):
             y = x2 @ self.weight_t
             if self.bias is not None:
                 y = y + self.bias
-        else:
+        elif rows <= PACKED_MAX_ROWS:
             y = torch.ops.mkl._mkl_linear(x2, self.packed, self.weight, self.bias, rows)
+        else:
+            y = F.linear(x2, self.weight, self.bias)
         return y.view(*x.shape[:-1], self.out_features)
 
 

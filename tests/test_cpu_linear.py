@@ -9,7 +9,7 @@ pytestmark = pytest.mark.skipif(not mkl_packing_available(), reason="needs MKL")
 
 
 @pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [1, 3, 8, 17, 64])
+@pytest.mark.parametrize("rows", [1, 3, 8, 16, 17, 64])
 def test_fast_linear_matches_linear(rows, bias):
     torch.manual_seed(rows)
     lin = nn.Linear(96, 200, bias=bias)
