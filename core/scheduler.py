@@ -94,7 +94,7 @@ class Scheduler:
             if picked and tokens + need > self.max_prefill_tokens:
                 break
             reserve_after = reserve + self.slots_per_decode * (len(picked) + 1)
-            if need + reserve_after > self.allocator.num_free:
+            if tokens + need + reserve_after > self.allocator.num_free:
                 break
             picked.append(self.waiting.popleft())
             tokens += need

@@ -42,6 +42,18 @@ def test_retraction_under_kv_pressure_keeps_outputs(tiny_model_dir, tiny_engine)
     assert small.runner.allocator.num_used == 0
 
 
+def test_admission_counts_every_prompt_of_a_prefill_batch(tiny_model_dir, tiny_engine):
+    """Prompts that fit the pool one by one but not together: admission must stop short
+    (once it only compared each prompt with the free slots, and the prefill ran out of slots)."""
+    from specfw.engine import Engine
+    prompts = [[100 + 3 * i + j for j in range(40)] for i in range(6)]
+    ref = [o.token_ids for o in tiny_engine.generate(prompts, GREEDY)]
+    eng = Engine(make_cfg(model_path=str(tiny_model_dir), max_running_requests=6, max_total_tokens=150))
+    outs = [o.token_ids for o in eng.generate(prompts, GREEDY)]
+    assert outs == ref
+    assert eng.runner.allocator.num_used == 0
+
+
 def test_lone_request_larger_than_pool_ends_with_length(tiny_model_dir):
     from specfw.engine import Engine
     eng = Engine(make_cfg(model_path=str(tiny_model_dir), max_total_tokens=16))

@@ -42,6 +42,10 @@ class Rotary:
         self.cos = (emb.cos() * rope.attention_scaling).to(dtype)
         self.sin = (emb.sin() * rope.attention_scaling).to(dtype)
 
+    def to(self, device) -> "Rotary":
+        self.cos, self.sin = self.cos.to(device), self.sin.to(device)
+        return self
+
     def lookup(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin for a forward's positions, shaped [T, 1, D] (computed once per forward)."""
         return self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)

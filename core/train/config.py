@@ -30,7 +30,7 @@ class TrainDataConfig:
     responses: Responses = Responses.target   # where responses come from
     num_onpolicy: int = 200                   # with responses=mixed: prompts whose responses the target regenerates
     regen_dtype: DType = DType.bfloat16       # target dtype for regenerating responses (bf16 batches fast on AMX)
-    regen_batch: int = 32                     # concurrent requests while regenerating
+    regen_batch: int = 32                     # concurrent requests while regenerating (on a GPU: HF generate batch)
     max_new_tokens: int = 192                 # regenerated response length cap
     max_len: int = 448                        # sequence length cap (prompt at most half)
     cache_dir: Optional[str] = None           # regenerated responses cache; null = <specfw cache>/train/<target>
@@ -89,6 +89,7 @@ class TrainConfig:
     save_dtype: DType = DType.bfloat16        # dtype of the exported draft
     autocast_bf16: bool = True                # bf16 autocast for the draft's forward/backward (AMX on CPU)
     num_threads: Optional[int] = None
+    device: str = "auto"                      # auto | cpu | cuda[:N]: where the target and the draft train
     seed: int = 0
 
 
@@ -100,6 +101,9 @@ def validate_train(cfg) -> None:
         raise ConfigError("lr", f"must be > 0, got {cfg.lr}")
     if cfg.data.num_prompts < 1:
         raise ConfigError("data.num_prompts", f"must be >= 1, got {cfg.data.num_prompts}")
+    dev = str(cfg.device)
+    if dev not in ("auto", "cpu") and not (dev == "cuda" or dev.startswith("cuda:")):
+        raise ConfigError("device", f"'{dev}' is not one of ['auto', 'cpu', 'cuda', 'cuda:N']")
     if cfg.draft.kind == "eagle3" and cfg.draft.ttt_steps < 1:
         raise ConfigError("draft.ttt_steps", f"must be >= 1, got {cfg.draft.ttt_steps}")
     if cfg.draft.kind == "standalone" and not 1 <= cfg.draft.num_layers <= 8:

@@ -22,8 +22,8 @@ class EagleTrainer:
         self.hcfg = head_config(tcfg, tcfg.vocab_size, (1,), cfg.data.max_len + 8)
         for k in ("draft_vocab_size", "target_hidden_size", "eagle_config"):
             delattr(self.hcfg, k)
-        self.head = EagleHead(self.hcfg, bias=True).float()
-        self.rotary = Rotary(self.hcfg, self.hcfg.max_position_embeddings, torch.float32)
+        self.head = EagleHead(self.hcfg, bias=True).float().to(teacher.device)
+        self.rotary = Rotary(self.hcfg, self.hcfg.max_position_embeddings, torch.float32).to(teacher.device)
         self.teacher, self.d = teacher, cfg.draft
 
     def parameters(self):
@@ -43,7 +43,7 @@ class EagleTrainer:
         f_in = feat[:, :n]
         f_in = f_in + (torch.rand_like(f_in) - 0.5) * self.d.noise_std
         x = self.head.fc(torch.cat([self.teacher.embed(ids[:, 1:1 + n]).float(), f_in], -1))
-        pos = torch.arange(n).expand(B, n)
+        pos = torch.arange(n, device=ids.device).expand(B, n)
         out = self.head.layers[0].forward_dense(x, x, pos, self.rotary)
         m = (mask[:, 2:2 + n] * valid[:, 2:2 + n]).unsqueeze(-1)
         denom = m.sum().clamp_min(1)

@@ -55,7 +55,10 @@ class Eagle3Trainer:
             self.head.d2t.copy_(self.draft_ids - torch.arange(len(self.draft_ids)))
             self.head.t2d.zero_()
             self.head.t2d[self.draft_ids] = True
-        self.rotary = Rotary(self.hcfg, self.hcfg.max_position_embeddings, torch.float32)
+        dev = teacher.device
+        self.head.to(dev)
+        self.draft_ids = self.draft_ids.to(dev)
+        self.rotary = Rotary(self.hcfg, self.hcfg.max_position_embeddings, torch.float32).to(dev)
         self.teacher, self.ttt, self.decay = teacher, cfg.draft.ttt_steps, cfg.draft.ttt_decay
 
     def parameters(self):
@@ -73,7 +76,7 @@ class Eagle3Trainer:
         k0, v0 = ks[0].repeat_interleave(rep, 1), vs[0].repeat_interleave(rep, 1)
         n, S0 = q.shape[2], k0.shape[2]
         s0 = (q @ k0.transpose(-1, -2)) * layer.scale
-        causal = torch.ones(n, S0, dtype=torch.bool).tril()
+        causal = torch.ones(n, S0, dtype=torch.bool, device=q.device).tril()
         s0 = s0.masked_fill(~causal, float("-inf"))
         diag = [((q * k[:, :, :n].repeat_interleave(rep, 1)).sum(-1) * layer.scale).unsqueeze(-1) for k in ks[1:]]
         w = torch.softmax(torch.cat([s0] + diag, -1), -1)
@@ -100,7 +103,7 @@ class Eagle3Trainer:
                 break
             hid = hid[:, :n]
             x = layer.attn_input(embeds[:, 1 + j:1 + j + n], hid)
-            pos = torch.arange(j, j + n)
+            pos = torch.arange(j, j + n, device=ids.device)
             cos, sin = self.rotary.cos[pos][None, :, None], self.rotary.sin[pos][None, :, None]
             q = Rotary.apply(layer.self_attn.q_proj(x).view(B, n, layer.n_heads, -1), cos, sin).transpose(1, 2)
             k = Rotary.apply(layer.self_attn.k_proj(x).view(B, n, layer.n_kv, -1), cos, sin).transpose(1, 2)

@@ -21,7 +21,8 @@ def lr_at(step: int, cfg) -> float:
     return cfg.lr * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(1.0, prog))))
 
 
-def train(cfg, trainer, batch_iter_factory, out_dir: Path) -> Path:
+def train(cfg, trainer, batch_iter_factory, out_dir: Path, device: torch.device | None = None) -> Path:
+    device = device or torch.device("cpu")
     ckpt_dir = out_dir / "checkpoints"
     ckpt_dir.mkdir(parents=True, exist_ok=True)
     opt = torch.optim.AdamW(trainer.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(0.9, 0.95))
@@ -38,10 +39,10 @@ def train(cfg, trainer, batch_iter_factory, out_dir: Path) -> Path:
     t0 = time.monotonic()
     bar = tqdm(total=cfg.steps, initial=step, desc=f"train {cfg.draft.kind}", unit="step")
     while step < cfg.steps:
-        ids, mask, valid = next(batches)
+        ids, mask, valid = (t.to(device, non_blocking=True) for t in next(batches))
         for g in opt.param_groups:
             g["lr"] = lr_at(step, cfg)
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bool(cfg.autocast_bf16)):
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bool(cfg.autocast_bf16)):
             loss, metrics = trainer.loss(ids, mask, valid)
         opt.zero_grad(set_to_none=True)
         loss.backward()

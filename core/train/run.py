@@ -24,6 +24,16 @@ def make_trainer(cfg, teacher, examples):
     raise ConfigError("draft.kind", f"'{kind}' is not one of ['eagle', 'eagle3', 'standalone']")
 
 
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    dev = torch.device(name)
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        from ..config import ConfigError
+        raise ConfigError("device", f"'{name}' asked for, but torch sees no CUDA device (use device=cpu or auto)")
+    return dev
+
+
 def run_training(cfg) -> Path:
     from omegaconf import OmegaConf
     from ..config import EngineConfig, ModelConfig, SpecfwConfig, SpeculativeConfig
@@ -35,6 +45,8 @@ def run_training(cfg) -> Path:
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     torch.manual_seed(cfg.seed)
+    device = resolve_device(str(cfg.device))
+    logger.info("training on %s", device)
     target_dir = resolve_model_path(cfg.model.path, cfg.model.revision)
     d = cfg.data
     items = load_prompts(str(getattr(d.source, "value", d.source)), d.jsonl, d.num_prompts, d.seed)
@@ -44,22 +56,27 @@ def run_training(cfg) -> Path:
         regen_dtype = str(getattr(d.regen_dtype, "value", d.regen_dtype))
         cache = Path(d.cache_dir) if d.cache_dir else cache_dir() / "train" / target_dir.name
         cache = cache / f"responses-{regen_dtype}.jsonl"
-        engine = Engine(SpecfwConfig(model=ModelConfig(path=cfg.model.path, dtype=regen_dtype),
-                                     engine=EngineConfig(max_running_requests=d.regen_batch, num_threads=cfg.num_threads),
-                                     speculative=SpeculativeConfig()))
+        if device.type == "cuda":
+            from .hf_regen import HFGenerator
+            engine = HFGenerator(target_dir, getattr(torch, regen_dtype), device)
+        else:
+            engine = Engine(SpecfwConfig(model=ModelConfig(path=cfg.model.path, dtype=regen_dtype),
+                                         engine=EngineConfig(max_running_requests=d.regen_batch,
+                                                             num_threads=cfg.num_threads),
+                                         speculative=SpeculativeConfig()))
     from transformers import AutoTokenizer
     tok = AutoTokenizer.from_pretrained(target_dir)
     examples = build_examples(tok, items, responses, engine, cache, d.max_len, d.max_new_tokens, d.num_onpolicy,
                               d.regen_batch)
     del engine
     logger.info("%d training sequences, %d tokens", len(examples), sum(len(e.input_ids) for e in examples))
-    teacher = TargetTeacher(target_dir, getattr(torch, str(getattr(cfg.target_dtype, "value", cfg.target_dtype))))
+    teacher = TargetTeacher(target_dir, getattr(torch, str(getattr(cfg.target_dtype, "value", cfg.target_dtype))), device)
     trainer = make_trainer(cfg, teacher, examples)
     from .loop import train
     out = Path(cfg.output_dir)
     (out).mkdir(parents=True, exist_ok=True)
     (out / "train_config.yaml").write_text(OmegaConf.to_yaml(cfg))
-    final = train(cfg, trainer, lambda start: batches(examples, cfg.batch_size, cfg.seed, start), out)
+    final = train(cfg, trainer, lambda start: batches(examples, cfg.batch_size, cfg.seed, start), out, device)
     for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         if kind_needs_tokenizer(cfg) and (target_dir / f).exists():
             (final / f).write_bytes((target_dir / f).read_bytes())

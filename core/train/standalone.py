@@ -20,7 +20,7 @@ class StandaloneTrainer:
                                rms_norm_eps=t.rms_norm_eps, rope_parameters=dict(t.rope_parameters), tie_word_embeddings=True,
                                bos_token_id=t.bos_token_id, eos_token_id=t.eos_token_id, pad_token_id=t.pad_token_id)
         self.cfg.architectures = ["LlamaForCausalLM"]
-        self.model = LlamaForCausalLM(self.cfg).float()
+        self.model = LlamaForCausalLM(self.cfg).float().to(teacher.device)
         with torch.no_grad():
             E = teacher.embed.weight.float()
             _, _, V = torch.linalg.svd(E - E.mean(0), full_matrices=False)

@@ -5,9 +5,11 @@ import torch
 
 
 class TargetTeacher:
-    def __init__(self, model_dir, dtype: torch.dtype):
+    def __init__(self, model_dir, dtype: torch.dtype, device: torch.device | str = "cpu"):
         from transformers import AutoModelForCausalLM
-        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval().requires_grad_(False)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
+        self.model.requires_grad_(False)
+        self.device = torch.device(device)
         self.config = self.model.config
         self.embed = self.model.get_input_embeddings()
         self.lm_head = self.model.get_output_embeddings()
