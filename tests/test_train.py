@@ -45,3 +45,32 @@ def test_bad_train_config_names_key(tmp_path):
     assert r.returncode == 2 and "draft.ttt_steps" in r.stderr
     r = subprocess.run([str(BIN / "specfw"), "train", "draft=eagle4"], capture_output=True, text=True, timeout=120)
     assert r.returncode != 0 and "eagle3" in r.stderr
+    r = subprocess.run([str(BIN / "specfw"), "train", "device=tpu"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "device" in r.stderr and "cuda" in r.stderr
+
+
+def test_cuda_device_without_cuda_is_a_config_error():
+    import pytest
+    import torch
+    from specfw.config import ConfigError
+    from specfw.train.run import resolve_device
+    assert resolve_device("cpu") == torch.device("cpu")
+    assert resolve_device("auto").type == ("cuda" if torch.cuda.is_available() else "cpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ConfigError, match="device"):
+            resolve_device("cuda")
+
+
+def test_gpu_regeneration_path_matches_engine_greedy(tiny_model_dir):
+    """HFGenerator (the regeneration backend on a GPU) left-pads a batch; its greedy responses
+    must equal specfw's engine's, stop at eos included (checked here on CPU, float32)."""
+    import torch
+    from conftest import make_cfg
+    from specfw.engine import Engine
+    from specfw.sampling import SamplingParams
+    from specfw.train.hf_regen import HFGenerator
+    gen = HFGenerator(tiny_model_dir, torch.float32, torch.device("cpu"))
+    prompts = [gen.tokenize_chat([{"role": "user", "content": c}]) for c in ["Hi.", "Name three fruits, please.", "Why?"]]
+    params = SamplingParams(max_new_tokens=16, temperature=0)
+    ref = Engine(make_cfg(model_path=str(tiny_model_dir), max_total_tokens=1024)).generate(prompts, params)
+    assert [g.token_ids for g in gen.generate(prompts, params)] == [o.token_ids for o in ref]
