@@ -38,7 +38,7 @@ class SpecAlgoConfig(SpeculativeConfig):
     num_draft_tokens: Optional[int] = None      # tree size incl. root; null = auto
     accept_threshold_single: float = 1.0        # accept a draft token if p_target >= this (1.0 = lossless)
     accept_threshold_acc: float = 1.0           # accept if coin <= accumulated p_target / this (1.0 = lossless)
-    attention_mode: AttentionMode = AttentionMode.prefill  # verify/extend attention mode (prefill | decode)
+    attention_mode: AttentionMode = AttentionMode.prefill  # SGLang compat: verify/extend kernel choice; specfw has one attention path, same result
     adaptive_draft: bool = True                 # per step, verify the tree size (1 = no draft, 2, 4, .., num_draft_tokens) with the best measured tokens/s
     force_greedy_verify: bool = False           # verify greedily even for sampled requests (also SPECFW_FORCE_GREEDY_VERIFY=1)
 
