@@ -57,12 +57,12 @@ class APIKeyMiddleware:
 
 
 def create_app(engine: Engine | AsyncEngine, *, api_key: str | None = None,
-               default_max_tokens: int = DEFAULT_MAX_TOKENS) -> FastAPI:
+               default_max_tokens: int = DEFAULT_MAX_TOKENS, owns: bool | None = None) -> FastAPI:
     """An app serving ``engine``. Given an ``Engine``, the app owns a new engine thread (started
     and stopped with the app's lifespan); given an ``AsyncEngine``, the thread is shared (started if
-    needed, never stopped by the app), so several apps can serve one engine."""
-    owns = isinstance(engine, Engine)
-    bridge = AsyncEngine(engine) if owns else engine
+    needed, never stopped by the app, unless ``owns=True``), so several apps can serve one engine."""
+    owns = isinstance(engine, Engine) if owns is None else owns
+    bridge = engine if isinstance(engine, AsyncEngine) else AsyncEngine(engine)
     metrics = ServerMetrics(bridge, bridge.engine.model_name)
     state = ServerState(bridge, metrics, api_key=api_key or None, default_max_tokens=default_max_tokens)
 
@@ -114,8 +114,8 @@ def run_server(cfg) -> None:
     ``cli.setup_logging`` (engine "Prefill batch"/"Decode batch" lines and uvicorn's access log)."""
     import uvicorn
     t0 = time.perf_counter()
-    engine = Engine(cfg)
-    app = create_app(engine, api_key=cfg.server.api_key)
+    bridge = AsyncEngine.build(lambda: Engine(cfg))   # all torch work on the engine thread (see build)
+    app = create_app(bridge, api_key=cfg.server.api_key, owns=True)
     logger.info("engine built in %.1f s; listening on http://%s:%d", time.perf_counter() - t0,
                 cfg.server.host, cfg.server.port)
     uvicorn.run(app, host=cfg.server.host, port=int(cfg.server.port), log_config=None,
