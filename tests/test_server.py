@@ -387,6 +387,52 @@ def test_cli_serve_end_to_end(tmp_path):
     assert "Uvicorn running" in out or "Application startup complete" in out
 
 
+def test_ctrl_c_ends_open_streams_at_once(tmp_path):
+    """SIGINT while a long stream runs: the stream ends with a 503-style `shutting_down` error
+    event, the process exits promptly (not after uvicorn's graceful timeout), no traceback."""
+    import threading
+    port = _free_port()
+    exe = Path(sys.executable).parent / "specfw"
+    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "specfw.cli"]
+    log = tmp_path / "serve.log"
+    with open(log, "wb") as f:
+        proc = subprocess.Popen(cmd + ["serve", f"server.port={port}", "engine.max_total_tokens=4096", "engine.num_threads=2"],
+                                stdout=f, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+    url = f"http://127.0.0.1:{port}"
+    lines, first = [], threading.Event()
+
+    def stream():
+        body = {"model": "default", "prompt": "Hello", "max_tokens": 3000, "ignore_eos": True, "stream": True}
+        with httpx2.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
+            for line in r.iter_lines():
+                lines.append(line)
+                first.set()
+    try:
+        def up():
+            try:
+                return httpx2.get(url + "/health", timeout=2).status_code == 200
+            except httpx2.HTTPError:
+                return proc.poll() is not None
+        assert wait_until(up, 180, 0.5) and proc.poll() is None, log.read_text()[-3000:]
+        t = threading.Thread(target=stream)
+        t.start()
+        assert first.wait(60)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        proc.wait(30)
+        t.join(30)
+        assert time.monotonic() - t0 < 4.5          # uvicorn's graceful timeout is 5 s
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    out = log.read_text()
+    assert "Traceback" not in out and "CancelledError" not in out, out[-3000:]
+    events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
+    assert events[-1]["error"]["code"] == "shutting_down" and [x for x in lines if x][-1] == "data: [DONE]"
+    assert len(events) < 3000
+
+
 # ---- speculative decoding stats ------------------------------------------------------------------------
 def test_speculative_stats_in_generate_and_metrics():
     """A speculative (ngram) engine: /generate's meta_info and /metrics carry verify/accept stats."""

@@ -118,8 +118,35 @@ def run_server(cfg) -> None:
     app = create_app(bridge, api_key=cfg.server.api_key, owns=True)
     logger.info("engine built in %.1f s; listening on http://%s:%d", time.perf_counter() - t0,
                 cfg.server.host, cfg.server.port)
-    uvicorn.run(app, host=cfg.server.host, port=int(cfg.server.port), log_config=None,
-                log_level=str(cfg.server.log_level).lower(), access_log=True, timeout_graceful_shutdown=5)
+    config = uvicorn.Config(app, host=cfg.server.host, port=int(cfg.server.port), log_config=None,
+                            log_level=str(cfg.server.log_level).lower(), access_log=True, timeout_graceful_shutdown=5)
+    try:
+        _Server(config, bridge).run()
+    except KeyboardInterrupt:      # uvicorn re-raises the captured SIGINT after its clean shutdown
+        pass
+    logger.info("specfw serve stopped")
+
+
+def _uvicorn_server_class():
+    import uvicorn
+
+    class Server(uvicorn.Server):
+        """On Ctrl-C / SIGTERM, end in-flight requests first (503 "Server is shutting down", also
+        mid-stream) so uvicorn's graceful shutdown finds no open connection to wait for or cancel."""
+
+        def __init__(self, config, bridge: AsyncEngine):
+            super().__init__(config)
+            self.bridge = bridge
+
+        def handle_exit(self, sig, frame) -> None:
+            self.bridge.request_stop()
+            super().handle_exit(sig, frame)
+
+    return Server
+
+
+def _Server(config, bridge):  # noqa: N802 - a class built lazily (uvicorn is imported only to serve)
+    return _uvicorn_server_class()(config, bridge)
 
 
 __all__ = ["create_app", "run_server", "APIKeyMiddleware"]

@@ -192,6 +192,13 @@ class AsyncEngine:
             self._thread.start()
         return self
 
+    def request_stop(self) -> None:
+        """Ask the thread to stop without waiting: pending requests fail with 503 at the end of the
+        current step, so open streams end at once (``specfw serve`` calls this on SIGINT/SIGTERM)."""
+        with self._cv:
+            self._stopping = True
+            self._cv.notify_all()
+
     def stop(self, timeout: float = 30.0) -> None:
         """Stop the thread; pending requests fail with 503 (server shutting down)."""
         with self._cv:
