@@ -4,6 +4,16 @@
 grouped into one SDPA call over a padded KV gather with a bool mask; others run one SDPA call
 each. Prefix tokens are always visible; new tokens see each other through
 ``SeqSpan.tree_mask`` (causal when None). ``attend`` runs the plan for one layer.
+
+Batch-invariant plans (``plan_attention(..., batch_invariant=True)``, the engine default):
+every decode, verify or short-extend row attends as a one-row query over exactly the keys it
+may see, in cache order (prefix, then its visible new tokens), with no padding and no mask.
+Rows with the same number of visible keys share one SDPA call (batch dimension; each
+(row, head) is computed on its own). A tree node's attention then rounds exactly like the
+plain decode step that would produce the same token: masked-out keys and padding change
+the reduction order of the softmax sums otherwise, and bf16 turns those last-bit fp32
+differences into different tokens. Prompt prefill (no prefix, or more than 16 rows) keeps
+the one-call causal path.
 """
 from __future__ import annotations
 
@@ -21,7 +31,7 @@ MAX_GROUPED_Q = 16
 class Group:
     rows: torch.Tensor       # [B*q] query rows in the flattened batch
     kv_index: torch.Tensor   # [B, kv_len] slots (padding points at slot 0 and is masked out)
-    mask: torch.Tensor       # [B, 1, q, kv_len] bool
+    mask: torch.Tensor | None  # [B, 1, q, kv_len] bool; None when every row sees all kv_len entries
     q_len: int
 
 
@@ -42,7 +52,9 @@ def _mask_for(span: SeqSpan, kv_len: int, device) -> torch.Tensor:
     return m
 
 
-def plan_attention(seqs: list[SeqSpan], device) -> list[SeqSpan | Group]:
+def plan_attention(seqs: list[SeqSpan], device, batch_invariant: bool = False) -> list[SeqSpan | Group]:
+    if batch_invariant:
+        return _plan_per_row(seqs, device)
     by_len: dict[int, list[SeqSpan]] = {}
     for s in seqs:
         by_len.setdefault(s.q_len, []).append(s)
@@ -60,6 +72,38 @@ def plan_attention(seqs: list[SeqSpan], device) -> list[SeqSpan | Group]:
             mask[i, 0] = _mask_for(s, kv_len, device)
             rows.append(torch.arange(s.q_start, s.q_start + q_len))
         plan.append(Group(torch.cat(rows).to(device), idx, mask, q_len))
+    return plan
+
+
+def _visible_slots(span: SeqSpan, device) -> list[torch.Tensor]:
+    """Per new token of ``span``: the KV slots it may attend to, in cache order."""
+    tm = _new_token_mask(span, device)
+    n, m = int(span.kv_slots.numel()), tm.shape[1]
+    prefix, tail = span.kv_slots[: n - m], span.kv_slots[n - m:]
+    return [torch.cat([prefix, tail[tm[i]]]) for i in range(span.q_len)]
+
+
+def _plan_per_row(seqs: list[SeqSpan], device) -> list[SeqSpan | Group]:
+    plan: list[SeqSpan | Group] = []
+    by_len: dict[int, list[tuple[int, torch.Tensor]]] = {}
+    singles: dict[int, SeqSpan] = {}
+    for s in seqs:
+        if s.q_len > MAX_GROUPED_Q or (s.q_len > 1 and s.prefix_len == 0 and s.tree_mask is None):
+            plan.append(s)   # prompt prefill: one causal call
+            continue
+        if s.q_len == 1:
+            n = int(s.kv_slots.numel())
+            by_len.setdefault(n, []).append((s.q_start, s.kv_slots))
+            singles.setdefault(n, s)
+            continue
+        for i, slots in enumerate(_visible_slots(s, device)):
+            by_len.setdefault(int(slots.numel()), []).append((s.q_start + i, slots))
+    for n, items in by_len.items():
+        if len(items) == 1 and n in singles and singles[n].q_start == items[0][0]:
+            plan.append(singles[n])   # a lone decode row: attends over a view of the cache, no gather
+            continue
+        rows = torch.tensor([r for r, _ in items], dtype=torch.long, device=device)
+        plan.append(Group(rows, torch.stack([sl for _, sl in items]).to(device), None, 1))
     return plan
 
 

@@ -44,7 +44,8 @@ class EngineConfig:
     max_queued_requests: int = 0          # waiting-queue bound (0 = unbounded); beyond it requests get 503
     num_threads: Optional[int] = None     # torch intra-op threads; null = torch default
     decode_log_interval: int = 40         # log a "Decode batch" line every N decode steps
-    cpu_packed_gemm: bool = True          # float32 on CPU: MKL-packed + transposed weight copies (faster, ~2x weight memory)
+    cpu_packed_gemm: bool = True          # CPU: fp32 MKL-packed + transposed weight copies (~2x weight memory); bf16 oneDNN-blocked weights
+    batch_invariant: bool = True          # a token's numerics never depend on batch or draft tree (exact greedy spec == plain, also in bf16)
 
 
 @dataclass

@@ -14,9 +14,16 @@ Xeon (AVX-512) machines with the demo model's shapes:
 
 ``FastLinear`` keeps both copies (about 2x the layer's weight memory; MKL's packed buffer is
 padded but only its used pages become resident). It is inference-only and used for float32
-on CPU when MKL is available; everything else keeps ``nn.Linear``. Results equal
-``F.linear`` up to float rounding (a different summation order), so greedy outputs of specfw
-and other implementations can differ on exact logit ties.
+on CPU when MKL is available. Results equal ``F.linear`` up to float rounding (a different
+summation order), so greedy outputs of specfw and other implementations can differ on exact
+logit ties.
+
+``PackedBF16Linear`` is the bfloat16 counterpart: the weight is reordered once into oneDNN's
+blocked layout (AMX/AVX-512-BF16 tiles) instead of on every call, as ``F.linear`` does.
+Measured on the same machines: a 576x1536 layer 0.03 vs 0.07 ms, lm_head 1.2 vs 2.2 ms, and
+the cost is flat from 1 to 16 rows -- so verifying a 16-node draft tree costs about what a
+one-token decode step does (fp32: 2.4x). No extra weight memory (the blocked copy replaces
+the plain one).
 """
 from __future__ import annotations
 
@@ -32,8 +39,13 @@ def mkl_packing_available() -> bool:
 
 
 class FastLinear(nn.Module):
-    def __init__(self, linear: nn.Linear):
+    """``batch_invariant``: send every row count through the packed GEMM, whose result for a row
+    does not depend on how many rows come with it (measured; the 1-row GEMV and ``F.linear``
+    round differently). Costs ~10% on 1-row linears."""
+
+    def __init__(self, linear: nn.Linear, batch_invariant: bool = False):
         super().__init__()
+        self.batch_invariant = batch_invariant
         w = linear.weight.detach()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.register_buffer("weight_t", w.t().contiguous(), persistent=False)   # [K, N] for GEMV
@@ -48,7 +60,9 @@ class FastLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.shape[0] if x.dim() == 2 else x.numel() // x.shape[-1]
         x2 = x.reshape(rows, self.in_features)
-        if rows == 1:
+        if self.batch_invariant:
+            y = torch.ops.mkl._mkl_linear(x2, self.packed, self.weight, self.bias, rows)
+        elif rows == 1:
             y = x2 @ self.weight_t
             if self.bias is not None:
                 y = y + self.bias
@@ -59,15 +73,67 @@ class FastLinear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
 
-def use_fast_linears(module: nn.Module) -> int:
-    """Swap every fp32 ``nn.Linear`` under ``module`` for a ``FastLinear`` (in place); returns how
-    many were swapped. No-op without MKL; bf16/fp16 layers are left alone (oneDNN handles them)."""
-    if not mkl_packing_available():
-        return 0
+def onednn_bf16_available() -> bool:
+    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+
+INVARIANT_ROW_BLOCK = 64   # oneDNN bf16 rows are invariant up to ~128 rows; some shapes split K above that
+
+
+class PackedBF16Linear(nn.Module):
+    """``batch_invariant``: run at most ``INVARIANT_ROW_BLOCK`` rows per call. A row's result then
+    never depends on the row count (measured: 576x1536 at 150-256 rows rounds some rows
+    differently, everything up to 129 rows matches the 1-row result bit for bit)."""
+
+    def __init__(self, linear: nn.Linear, batch_invariant: bool = False):
+        super().__init__()
+        self.batch_invariant = batch_invariant
+        w = linear.weight.detach().contiguous()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)   # opaque oneDNN tensor
+        self.bias = None if linear.bias is None else linear.bias.detach()
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The ``[N, K]`` weight in plain layout (a copy; for tests and inspection only)."""
+        return self.packed.to_dense() if self.packed.is_mkldnn else self.packed
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x2 = x.reshape(-1, self.in_features)
+        if not x2.is_contiguous():
+            x2 = x2.contiguous()
+        if self.batch_invariant and x2.shape[0] > INVARIANT_ROW_BLOCK:
+            y = torch.cat([self._mm(part) for part in x2.split(INVARIANT_ROW_BLOCK)])
+        else:
+            y = self._mm(x2)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def _mm(self, x2: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
+
+
+def fast_linear_for(linear: nn.Linear, batch_invariant: bool = False) -> nn.Module | None:
+    """The faster CPU replacement for ``linear``, or None where there is none."""
+    w = linear.weight
+    if type(linear) is not nn.Linear or w.device.type != "cpu":
+        return None
+    if w.dtype == torch.float32 and mkl_packing_available():
+        return FastLinear(linear, batch_invariant)
+    if w.dtype == torch.bfloat16 and onednn_bf16_available():
+        return PackedBF16Linear(linear, batch_invariant)
+    return None
+
+
+def use_fast_linears(module: nn.Module, batch_invariant: bool = False) -> int:
+    """Swap every CPU ``nn.Linear`` under ``module`` for its faster inference-only replacement
+    (fp32: ``FastLinear``; bf16: ``PackedBF16Linear``), in place; returns how many were swapped.
+    Layers with no replacement (other dtypes, other devices, no MKL/oneDNN) are left alone."""
     swapped = 0
     for parent in list(module.modules()):
         for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear and child.weight.dtype == torch.float32 and child.weight.device.type == "cpu":
-                setattr(parent, name, FastLinear(child))
+            fast = fast_linear_for(child, batch_invariant) if type(child) is nn.Linear else None
+            if fast is not None:
+                setattr(parent, name, fast)
                 swapped += 1
     return swapped

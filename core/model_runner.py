@@ -14,15 +14,20 @@ logger = logging.getLogger(__name__)
 
 
 class ModelRunner:
-    def __init__(self, model, hf_config, num_slots: int, dtype: torch.dtype, packed_gemm: bool = True):
+    def __init__(self, model, hf_config, num_slots: int, dtype: torch.dtype, packed_gemm: bool = True,
+                 batch_invariant: bool = False):
         self.packed_gemm = packed_gemm
         if packed_gemm:
-            use_fast_linears(model)
+            use_fast_linears(model, batch_invariant)
+        model.batch_invariant = batch_invariant
         self.model = model
         self.hf_config = hf_config
         layer0 = model.layers[0]
         self.kv = KVPool(model.num_layers, layer0.n_kv, layer0.head_dim, num_slots, dtype=dtype)
         self.vocab_size = hf_config.vocab_size
+        # see padded_rows; oneDNN bf16 is flat over small row counts, and the batch-invariant fp32
+        # path runs one kernel for every row count
+        self.pad_rows = dtype == torch.float32 and not batch_invariant
         self.max_context = model.rotary.cos.shape[0]
 
     @property
@@ -31,7 +36,7 @@ class ModelRunner:
 
     def forward(self, fb: ForwardBatch) -> ForwardOutput:
         T = fb.num_tokens
-        padded = padded_rows(T)
+        padded = padded_rows(T) if self.pad_rows else T
         if padded == T:
             return self.model(fb, self.kv)
         out = self.model(_pad(fb, padded, self.kv.scratch_slot), self.kv)

@@ -3,7 +3,8 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from specfw.cpu_linear import FastLinear, mkl_packing_available, use_fast_linears
+from specfw.cpu_linear import (INVARIANT_ROW_BLOCK, FastLinear, PackedBF16Linear, mkl_packing_available,
+                               onednn_bf16_available, use_fast_linears)
 
 pytestmark = pytest.mark.skipif(not mkl_packing_available(), reason="needs MKL")
 
@@ -28,11 +29,48 @@ def test_fast_linear_keeps_leading_dims():
     torch.testing.assert_close(out, lin(x), rtol=1e-5, atol=1e-5)
 
 
-def test_use_fast_linears_swaps_only_fp32_linears():
-    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 4)), nn.Linear(4, 4).to(torch.bfloat16))
-    assert use_fast_linears(model) == 2
+def test_use_fast_linears_swaps_fp32_and_bf16_linears():
+    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 4)), nn.Linear(4, 4).to(torch.float16),
+                          nn.Linear(4, 4).to(torch.bfloat16))
+    assert use_fast_linears(model) == (4 if onednn_bf16_available() else 3) - 1
     assert isinstance(model[0], FastLinear) and isinstance(model[1][0], FastLinear)
     assert type(model[2]) is nn.Linear
+    assert isinstance(model[3], PackedBF16Linear) == onednn_bf16_available()
+
+
+@pytest.mark.skipif(not onednn_bf16_available(), reason="needs oneDNN bf16")
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_bf16_linear_matches_linear(bias):
+    torch.manual_seed(0)
+    lin = nn.Linear(96, 200, bias=bias).to(torch.bfloat16)
+    fast = PackedBF16Linear(lin)
+    for rows in (1, 5, 16, 70):
+        x = torch.randn(rows, 96, dtype=torch.bfloat16)
+        torch.testing.assert_close(fast(x), F.linear(x, lin.weight, lin.bias), rtol=1.6e-2, atol=1e-2)
+    assert torch.equal(fast.weight, lin.weight)
+    assert fast(torch.randn(2, 3, 96, dtype=torch.bfloat16)).shape == (2, 3, 200)
+
+
+def _row_by_row(layer, x):
+    return torch.cat([layer(x[r:r + 1]) for r in range(x.shape[0])])
+
+
+@pytest.mark.parametrize("kind", ["fp32", "bf16"])
+def test_batch_invariant_linears_give_every_row_its_one_row_result(kind):
+    """The property batch-invariant decoding rests on: a row's output bits do not depend on how
+    many rows share the call (576x1536 in bf16 breaks it at 150-256 rows without the row blocks)."""
+    if kind == "bf16" and not onednn_bf16_available():
+        pytest.skip("needs oneDNN bf16")
+    torch.manual_seed(1)
+    dtype = torch.float32 if kind == "fp32" else torch.bfloat16
+    lin = nn.Linear(1536, 576, bias=False)
+    lin.weight.data.mul_(0.05)
+    lin = lin.to(dtype)
+    layer = FastLinear(lin, batch_invariant=True) if kind == "fp32" else PackedBF16Linear(lin, batch_invariant=True)
+    x = torch.randn(260, 1536, dtype=dtype)
+    ref = _row_by_row(layer, x)
+    for rows in (2, 3, 8, 17, INVARIANT_ROW_BLOCK + 1, 150, 200, 260):
+        assert torch.equal(layer(x[:rows]), ref[:rows]), rows
 
 
 def test_engine_greedy_same_with_and_without_packed_gemm(tiny_model_dir):

@@ -13,6 +13,7 @@ RAW = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [1000, 20, 1000, 20, 1000], [9, 99, 999, 
 # topk 1/2/4 and num_steps 1..5 are all covered
 TREE_SHAPES = [dict(num_steps=1, topk=1), dict(num_steps=5, topk=1), dict(num_steps=2, topk=2, num_draft_tokens=5),
                dict(num_steps=4, topk=2, num_draft_tokens=8), dict(num_steps=3, topk=4, num_draft_tokens=8)]
+DTYPES = ["float32", "bfloat16"]
 NGRAM_SHAPES = [dict(num_draft_tokens=2), dict(num_draft_tokens=4, max_bfs_breadth=1),
                 dict(num_draft_tokens=8, max_bfs_breadth=4, min_bfs_breadth=2), dict(),
                 dict(num_draft_tokens=6, match_type="PROB")]
@@ -57,10 +58,13 @@ def prompts(tiny_model_dir):
 
 
 @pytest.fixture(scope="module")
-def plain_reference(tiny_model_dir, prompts):
+def plain_references(tiny_model_dir, prompts):
     from specfw.engine import Engine
-    eng = Engine(make_cfg(model_path=str(tiny_model_dir), max_total_tokens=4096))
-    return [o.token_ids for o in eng.generate(prompts, GREEDY)]
+    out = {}
+    for dtype in DTYPES:
+        eng = Engine(make_cfg(model_path=str(tiny_model_dir), model_dtype=dtype, max_total_tokens=4096))
+        out[dtype] = [o.token_ids for o in eng.generate(prompts, GREEDY)]
+    return out
 
 
 def _configs(name, tiny_draft_dir, eagle_drafts):
@@ -83,12 +87,18 @@ def _configs(name, tiny_draft_dir, eagle_drafts):
     return out or [algo.config_class(algorithm=name, **extra)]
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", sorted(plugin_manager().algorithms))
-def test_greedy_speculative_equals_plain(name, tiny_model_dir, tiny_draft_dir, tiny_eagle_drafts, prompts, plain_reference):
+def test_greedy_speculative_equals_plain(name, dtype, tiny_model_dir, tiny_draft_dir, tiny_eagle_drafts, prompts,
+                                         plain_references):
+    """bfloat16 holds the contract exactly too: engine.batch_invariant (the default) makes a tree
+    node's numerics those of the decode step that would produce the same token."""
     from specfw.engine import Engine
+    plain_reference = plain_references[dtype]
     accepted = 0
     for spec in _configs(name, tiny_draft_dir, tiny_eagle_drafts):
-        eng = Engine(make_cfg(model_path=str(tiny_model_dir), max_total_tokens=4096, max_running_requests=4, speculative=spec))
+        eng = Engine(make_cfg(model_path=str(tiny_model_dir), model_dtype=dtype, max_total_tokens=4096,
+                              max_running_requests=4, speculative=spec))
         single = [eng.generate([p], GREEDY)[0].token_ids for p in prompts]
         batched = [o.token_ids for o in eng.generate(prompts, GREEDY)]   # 6 requests, 4 running at a time
         assert single == plain_reference, f"{name} {spec}: batch 1 diverged"
@@ -123,3 +133,23 @@ def test_demo_model_real_case(demo_engine, tmp_path):
         eng = Engine(make_cfg(max_total_tokens=4096, max_running_requests=4, speculative=spec))
         assert [eng.generate([p], params)[0].token_ids for p in prompts] == ref
         assert [o.token_ids for o in eng.generate(prompts, params)] == ref
+
+
+@pytest.mark.model
+def test_demo_model_bf16_eagle3_batch_invariant():
+    """bf16 on the demo model with its EAGLE-3 draft: spec batch 1 and batch 4 and plain batch 4
+    all equal plain batch 1. (Measured without engine.batch_invariant: eagle3 diverged on all 4
+    of these prompts and plain batch 4 on 2.)"""
+    from specfw.datasets import mtbench_first_turns
+    from specfw.engine import Engine
+    from specfw_plugins.eagle3.config import Eagle3Config
+    params = SamplingParams(max_new_tokens=48, temperature=0)
+    plain = Engine(make_cfg(model_dtype="bfloat16", max_total_tokens=4096, max_running_requests=4))
+    prompts = [plain.tokenize_chat([{"role": "user", "content": q}]) for q in mtbench_first_turns(4)]
+    ref = [plain.generate([p], params)[0].token_ids for p in prompts]
+    assert [o.token_ids for o in plain.generate(prompts, params)] == ref
+    eng = Engine(make_cfg(model_dtype="bfloat16", max_total_tokens=4096, max_running_requests=4,
+                          speculative=Eagle3Config(algorithm="eagle3")))
+    assert [eng.generate([p], params)[0].token_ids for p in prompts] == ref
+    assert [o.token_ids for o in eng.generate(prompts, params)] == ref
+    assert eng.stats.accepted_draft_tokens > 0

@@ -98,6 +98,7 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         self.rotary = Rotary(cfg, max_positions, dtype)
+        self.batch_invariant = False   # set by the ModelRunner (engine.batch_invariant)
 
     @property
     def num_layers(self) -> int:
@@ -107,7 +108,7 @@ class LlamaModel(nn.Module):
     def forward(self, fb: ForwardBatch, kv: KVPool) -> ForwardOutput:
         x = self.embed_tokens(fb.input_ids)
         cos, sin = self.rotary.lookup(fb.positions)
-        fb.attn_plan = plan_attention(fb.seqs, x.device)
+        fb.attn_plan = plan_attention(fb.seqs, x.device, self.batch_invariant)
         captured = {}
         for i, layer in enumerate(self.layers):
             if i in fb.capture_layers:
