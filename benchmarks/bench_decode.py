@@ -1,7 +1,10 @@
 """Decode throughput: specfw vs HF transformers `generate` (batch 1), and specfw at 8
 concurrent requests vs batch 1. Same prompts, same thread count, one run; prints ratios.
 
-    .venv/bin/python benchmarks/bench_decode.py [--prompts 8] [--new-tokens 128] [--threads 2]
+    .venv/bin/python benchmarks/bench_decode.py [--prompts 8] [--new-tokens 128] [--threads 2] [--dtype bfloat16]
+
+specfw runs with the engine defaults (``engine.batch_invariant=true``); ``--compare-invariant``
+adds the same two specfw rows with ``batch_invariant=false`` (what exactness costs).
 """
 from __future__ import annotations
 
@@ -19,6 +22,7 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--concurrency", type=int, default=8)
+    ap.add_argument("--compare-invariant", action="store_true", help="also time specfw with engine.batch_invariant=false")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
@@ -28,8 +32,12 @@ def main():
     from specfw.engine import Engine
     from specfw.sampling import SamplingParams
 
-    eng = Engine(SpecfwConfig(model=ModelConfig(dtype=args.dtype), speculative=SpeculativeConfig(),
-                              engine=EngineConfig(max_running_requests=args.concurrency, num_threads=args.threads)))
+    def build(invariant: bool) -> Engine:
+        return Engine(SpecfwConfig(model=ModelConfig(dtype=args.dtype), speculative=SpeculativeConfig(),
+                                   engine=EngineConfig(max_running_requests=args.concurrency, num_threads=args.threads,
+                                                       batch_invariant=invariant)))
+
+    eng = build(True)
     prompts = [eng.tokenize_chat([{"role": "user", "content": q}]) for q in mtbench_first_turns(args.prompts)]
     params = SamplingParams(max_new_tokens=args.new_tokens, temperature=0, ignore_eos=True)
     hf = AutoModelForCausalLM.from_pretrained(eng.model_path, dtype=getattr(torch, args.dtype)).eval()
@@ -49,7 +57,7 @@ def main():
             n += out.shape[1] - len(p)
         return n / t
 
-    def run_specfw_b1():
+    def run_specfw_b1(eng):
         n, t = 0, 0.0
         for p in tqdm(prompts, desc="specfw (batch 1)"):
             t0 = time.perf_counter()
@@ -57,18 +65,27 @@ def main():
             t += time.perf_counter() - t0
         return n / t
 
-    def run_specfw_concurrent():
+    def run_specfw_concurrent(eng):
         t0 = time.perf_counter()
         outs = eng.generate(prompts[: args.concurrency] * max(1, args.concurrency // len(prompts)), params, progress=True)
         return sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0)
 
     hf_tps = run_hf()
-    b1 = run_specfw_b1()
-    bn = run_specfw_concurrent()
+    b1 = run_specfw_b1(eng)
+    bn = run_specfw_concurrent(eng)
+    if args.compare_invariant:
+        del eng
+        loose = build(False)
+        loose.generate([prompts[0]], SamplingParams(max_new_tokens=8, temperature=0))
+        b1_loose, bn_loose = run_specfw_b1(loose), run_specfw_concurrent(loose)
     print(f"\nSmolLM2-135M-Instruct {args.dtype}, {args.threads} threads, {len(prompts)} MT-bench prompts x {args.new_tokens} new tokens")
     print(f"HF transformers generate, batch 1 : {hf_tps:8.2f} tok/s")
     print(f"specfw, batch 1                   : {b1:8.2f} tok/s   ratio vs HF: {b1 / hf_tps:.2f}x (target >= 1.3x)")
     print(f"specfw, {args.concurrency} concurrent requests     : {bn:8.2f} tok/s   ratio vs batch 1: {bn / b1:.2f}x (target >= 4x)")
+    if args.compare_invariant:
+        print(f"batch_invariant=false, batch 1    : {b1_loose:8.2f} tok/s   ratio vs HF: {b1_loose / hf_tps:.2f}x; "
+              f"invariant/loose {b1 / b1_loose:.2f}x")
+        print(f"batch_invariant=false, {args.concurrency} concurrent: {bn_loose:8.2f} tok/s   invariant/loose {bn / bn_loose:.2f}x")
 
 
 if __name__ == "__main__":

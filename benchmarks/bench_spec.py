@@ -63,6 +63,7 @@ def main():
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--algo", action="append", default=[], help="name[:key=value,...] (repeatable)")
     ap.add_argument("--hf-prompt-lookup", action="store_true", help="also time HF prompt lookup decoding")
+    ap.add_argument("--no-batch-invariant", action="store_true", help="every row with engine.batch_invariant=false")
     ap.add_argument("--out", type=Path, default=Path("bench_results"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -75,7 +76,8 @@ def main():
 
     def engine_for(spec):
         return Engine(SpecfwConfig(model=ModelConfig(dtype=args.dtype), speculative=spec,
-                                   engine=EngineConfig(max_running_requests=1, num_threads=args.threads)))
+                                   engine=EngineConfig(max_running_requests=1, num_threads=args.threads,
+                                                       batch_invariant=not args.no_batch_invariant)))
 
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0)
     plain = engine_for(SpeculativeConfig())
@@ -120,7 +122,7 @@ def main():
         del eng
 
     print(f"\n{args.dataset}: {len(prompts)} prompts x {args.max_new_tokens} new tokens, batch 1, greedy, "
-          f"{args.dtype}, {args.threads} threads")
+          f"{args.dtype}, {args.threads} threads, batch_invariant={not args.no_batch_invariant}")
     print(f"{'algorithm':<44} {'tok/s':>8} {'speedup':>8} {'accept len':>11} {'== plain':>9}")
     for r in rows:
         al = f"{r['accept_len']:.2f}" if r.get("accept_len") else "-"

@@ -12,8 +12,8 @@ Rows with the same number of visible keys share one SDPA call (batch dimension; 
 (row, head) is computed on its own). A tree node's attention then rounds exactly like the
 plain decode step that would produce the same token: masked-out keys and padding change
 the reduction order of the softmax sums otherwise, and bf16 turns those last-bit fp32
-differences into different tokens. Prompt prefill (no prefix, or more than 16 rows) keeps
-the one-call causal path.
+differences into different tokens. Prompt prefill (no prefix, causal) keeps the one-call
+causal path.
 """
 from __future__ import annotations
 
@@ -85,23 +85,22 @@ def _visible_slots(span: SeqSpan, device) -> list[torch.Tensor]:
 
 def _plan_per_row(seqs: list[SeqSpan], device) -> list[SeqSpan | Group]:
     plan: list[SeqSpan | Group] = []
-    by_len: dict[int, list[tuple[int, torch.Tensor]]] = {}
-    singles: dict[int, SeqSpan] = {}
+    by_len: dict[int, list[tuple[int, torch.Tensor | SeqSpan]]] = {}
     for s in seqs:
-        if s.q_len > MAX_GROUPED_Q or (s.q_len > 1 and s.prefix_len == 0 and s.tree_mask is None):
+        if s.q_len > 1 and s.prefix_len == 0 and s.tree_mask is None:
             plan.append(s)   # prompt prefill: one causal call
             continue
         if s.q_len == 1:
-            n = int(s.kv_slots.numel())
-            by_len.setdefault(n, []).append((s.q_start, s.kv_slots))
-            singles.setdefault(n, s)
+            by_len.setdefault(int(s.kv_slots.numel()), []).append((s.q_start, s))
             continue
         for i, slots in enumerate(_visible_slots(s, device)):
             by_len.setdefault(int(slots.numel()), []).append((s.q_start + i, slots))
-    for n, items in by_len.items():
-        if len(items) == 1 and n in singles and singles[n].q_start == items[0][0]:
-            plan.append(singles[n])   # a lone decode row: attends over a view of the cache, no gather
+    for items in by_len.values():
+        if len(items) == 1:   # a lone row: a view of the cache when its slots are one run, no gather
+            row, slots = items[0]
+            plan.append(slots if isinstance(slots, SeqSpan) else SeqSpan(q_start=row, q_len=1, kv_slots=slots))
             continue
+        items = [(r, sl.kv_slots if isinstance(sl, SeqSpan) else sl) for r, sl in items]
         rows = torch.tensor([r for r, _ in items], dtype=torch.long, device=device)
         plan.append(Group(rows, torch.stack([sl for _, sl in items]).to(device), None, 1))
     return plan

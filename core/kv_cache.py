@@ -111,6 +111,13 @@ class KVPool:
         self.k[layer].index_copy_(0, slots, k)
         self.v[layer].index_copy_(0, slots, v)
 
+    def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Copy every layer's K/V at ``src`` slots to ``dst`` slots (reads all sources first, so
+        the two may overlap)."""
+        for layer in range(self.num_layers):
+            self.k[layer].index_copy_(0, dst, self.k[layer].index_select(0, src))
+            self.v[layer].index_copy_(0, dst, self.v[layer].index_select(0, src))
+
     @property
     def num_slots(self) -> int:
         return self.allocator.num_slots

@@ -25,9 +25,9 @@ class ModelRunner:
         layer0 = model.layers[0]
         self.kv = KVPool(model.num_layers, layer0.n_kv, layer0.head_dim, num_slots, dtype=dtype)
         self.vocab_size = hf_config.vocab_size
-        # see padded_rows; oneDNN bf16 is flat over small row counts, and the batch-invariant fp32
-        # path runs one kernel for every row count
-        self.pad_rows = dtype == torch.float32 and not batch_invariant
+        # see padded_rows (padding rows never changes the real rows: packed GEMM rows are
+        # row-count invariant); oneDNN bf16 is flat over small row counts, no padding needed
+        self.pad_rows = dtype == torch.float32
         self.max_context = model.rotary.cos.shape[0]
 
     @property

@@ -69,3 +69,36 @@ def test_no_leak_after_abort_and_finish(tiny_engine):
         eng.step()
     assert eng.runner.allocator.num_free == free0
     assert [r.finish_reason for r in reqs] == ["length", "abort", "length", "length"]
+
+
+def test_move_copies_every_layer_and_allows_overlap():
+    pool = KVPool(num_layers=3, num_kv_heads=2, head_dim=4, num_slots=16)
+    for layer in range(3):
+        pool.k[layer][:16] = torch.arange(16.0)[:, None, None] + layer * 100
+        pool.v[layer][:16] = -pool.k[layer][:16]
+    pool.move(torch.tensor([4, 6, 9]), torch.tensor([4, 5, 6]))   # slot 6 is read before it is overwritten
+    for layer in range(3):
+        assert pool.k[layer][4:7, 0, 0].tolist() == [4 + layer * 100, 6 + layer * 100, 9 + layer * 100]
+        assert torch.equal(pool.v[layer][4:7], -pool.k[layer][4:7])
+
+
+def test_commit_kv_keeps_a_request_in_one_run():
+    """After a verify accepts a path off the first branch, the request's KV is still one
+    ascending run of slots (attention reads it as a view) and nothing leaks."""
+    from types import SimpleNamespace
+    from specfw.kv_cache import SlotTable
+    from specfw.spec.worker import SpeculativeWorker
+    pool = KVPool(num_layers=2, num_kv_heads=1, head_dim=2, num_slots=32)
+    req = SimpleNamespace(slots=SlotTable())
+    req.slots.append(pool.allocator.alloc(10))
+    tree = pool.allocator.alloc(6)
+    for layer in range(2):
+        pool.k[layer][tree] = tree.float()[:, None, None]
+    worker = SimpleNamespace(runner=SimpleNamespace(kv=pool, allocator=pool.allocator))
+    SpeculativeWorker._commit_kv(worker, req, tree, torch.tensor([0, 2, 5]))
+    slots = req.slots.slots()
+    assert torch.equal(slots, torch.arange(int(slots[0]), int(slots[0]) + 13))
+    assert pool.k[1][slots[10:], 0, 0].tolist() == [float(tree[0]), float(tree[2]), float(tree[5])]
+    assert pool.allocator.num_used == 13
+    nxt = pool.allocator.alloc(4)   # the next tree continues the run
+    assert int(nxt[0]) == int(slots[-1]) + 1

@@ -4,7 +4,7 @@
     trees      = build_tree(req, candidates)  # default in spec/tree.py unless overridden
     logits     = target forward over every tree node (ancestor masks), KV written per node
     results    = verify(req, tree, logits)    # default in spec/verify.py unless overridden
-    commit KV (accepted path kept in order, rest freed); on_accept(...) → drafter catches up
+    commit KV (accepted path moved to the front of the tree's slots, rest freed); on_accept(...) → drafter catches up
 """
 from __future__ import annotations
 
@@ -110,10 +110,7 @@ class SpeculativeWorker:
             logits = out.logits[offset:offset + n]
             res: VerifyResult = self.hook.specfw_verify(ctx=self.ctx, req=r, tree=t, logits=logits)
             keep = torch.tensor(res.accepted_nodes, dtype=torch.long)
-            kept = torch.zeros(n, dtype=torch.bool)
-            kept[keep] = True
-            r.slots.append(slots[keep])
-            self.runner.allocator.free(slots[~kept])
+            self._commit_kv(r, slots, keep)
             res.node_rows = offset + keep
             if r.params.logprobs:
                 res.logprobs = self._logprobs(r, logits[keep], res.tokens)
@@ -124,6 +121,17 @@ class SpeculativeWorker:
         self.ctx.stats.record_positions([(res.num_accepted, int(t.depth.max())) for res, t in zip(results, trees)
                                          if res.num_draft])
         return candidates, results
+
+    def _commit_kv(self, req: Request, slots: torch.Tensor, keep: torch.Tensor) -> None:
+        """Keep the accepted path's KV and free the rest. The path's entries move to the first
+        ``len(keep)`` slots of the tree's allocation (path nodes come in tree order, so each moves
+        to an earlier or the same slot): a request's KV stays one ascending run where it was one,
+        and attention reads it as a view instead of gathering it."""
+        k = int(keep.numel())
+        if not torch.equal(keep, torch.arange(k)):
+            self.runner.kv.move(slots[keep], slots[:k])
+        req.slots.append(slots[:k])
+        self.runner.allocator.free(slots[k:])
 
     @staticmethod
     def _logprobs(req: Request, rows: torch.Tensor, tokens: list[int]) -> list[TokenLogprob]:

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from specfw.cpu_linear import fast_linear_for, use_fast_linears
 from specfw.config import ConfigError
 from specfw.model_loader import resolve_model_path
 from specfw.models.llama import Rotary
@@ -30,10 +31,16 @@ class EagleDrafter(FeatureDrafter):
         self.head = load_eagle(Path(path), ctx.runner.hf_config, ctx.runner.kv.dtype)
         self.target = target
         self.rotary = Rotary(self.head.config, ctx.runner.max_context, ctx.runner.kv.dtype)
-        self.lm_weight = target.lm_head.weight
+        self.lm_head = target.lm_head   # shared with the target
         if cfg.token_map:   # FR-Spec: score only the frequent tokens
             self.to_target = load_token_map(cfg.token_map, ctx.runner.vocab_size)
-            self.lm_weight = target.lm_head.weight.index_select(0, self.to_target)
+            self.lm_head = torch.nn.Linear(self.head.config.hidden_size, len(self.to_target), bias=False,
+                                           dtype=ctx.runner.kv.dtype)
+            self.lm_head.weight = torch.nn.Parameter(target.lm_head.weight.index_select(0, self.to_target),
+                                                     requires_grad=False)
+        if ctx.runner.packed_gemm:
+            use_fast_linears(self.head)   # CPU: packed fp32 / oneDNN-blocked bf16 weights (no-op elsewhere)
+            self.lm_head = fast_linear_for(self.lm_head) or self.lm_head
         super().__init__(ctx, self.head.layers[0], cfg.draft_kv_tokens or ctx.runner.allocator.num_slots)
         logger.info("eagle draft %s%s", path, f", FR-Spec token map of {len(self.to_target)} ids" if cfg.token_map else "")
 
@@ -46,4 +53,4 @@ class EagleDrafter(FeatureDrafter):
         x = self.head.fc(torch.cat([self.target.embed_tokens(tokens), features], dim=-1))
         out = self.head.layers[0](x, x, fb, self.kv, self.rotary)
         sel = out if fb.logits_indices is None else out.index_select(0, fb.logits_indices)
-        return torch.nn.functional.linear(sel, self.lm_weight).float(), out
+        return self.lm_head(sel).float(), out

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import torch
 
+from specfw.cpu_linear import use_fast_linears
 from specfw.config import ConfigError
 from specfw.model_loader import resolve_model_path
 from specfw.models.llama import Rotary
@@ -32,6 +33,8 @@ class Eagle3Drafter(FeatureDrafter):
         path = resolve_model_path(cfg.draft_model_path or default_draft_path(ctx), cfg.draft_model_revision)
         target = ctx.runner.model
         self.head = load_eagle3(Path(path), ctx.runner.hf_config, ctx.runner.kv.dtype)
+        if ctx.runner.packed_gemm:
+            use_fast_linears(self.head)   # CPU: packed fp32 / oneDNN-blocked bf16 weights (no-op elsewhere)
         self.embed = target.embed_tokens
         self.rotary = Rotary(self.head.config, ctx.runner.max_context, ctx.runner.kv.dtype)
         self.to_target = self.head.to_target_ids()
