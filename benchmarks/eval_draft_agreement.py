@@ -30,8 +30,10 @@ def sequences(args, tokenizer_engine):
         with opener(args.responses, "rt") as f:
             recs = [json.loads(line) for line in f if line.strip()]
         random.Random(0).shuffle(recs)
-        return [Example((r["prompt_ids"] + r["response_ids"])[:args.max_len],
-                        ([0] * len(r["prompt_ids"]) + [1] * len(r["response_ids"]))[:args.max_len]) for r in recs[:args.n]]
+        cut = args.response_tokens or None
+        return [Example((r["prompt_ids"] + r["response_ids"][:cut])[:args.max_len],
+                        ([0] * len(r["prompt_ids"]) + [1] * len(r["response_ids"][:cut]))[:args.max_len])
+                for r in recs[:args.n]]
     from specfw.datasets import mtbench_first_turns
     from specfw.sampling import SamplingParams
     eng = tokenizer_engine()
@@ -47,6 +49,8 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--max-len", type=int, default=320, help="sequence cap for --responses records")
     ap.add_argument("--responses", default=None, help="regenerated-responses cache (.jsonl or .jsonl.gz) instead of MT-bench")
+    ap.add_argument("--response-tokens", type=int, default=0,
+                    help="score only the first N response tokens of --responses records (0 = all), like MT-bench's 64")
     ap.add_argument("--steps", type=int, default=6, help="unroll depth")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
@@ -78,7 +82,8 @@ def main() -> None:
             for k, v in metrics.items():
                 if k.startswith("acc"):
                     sums[k] = sums.get(k, 0.0) + v * w
-    src = args.responses or f"MT-bench first turns x {args.max_new_tokens} greedy tokens"
+    src = (f"{args.responses} (first {args.response_tokens or 'all'} response tokens)" if args.responses else
+           f"MT-bench first turns x {args.max_new_tokens} greedy tokens")
     print(f"draft {draft}; {len(exs)} sequences from {src}; {int(weight)} scored tokens")
     print("top-1 agreement per unroll step: " + " ".join(f"{sums[k] / weight:.3f}" for k in sorted(sums)))
 

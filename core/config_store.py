@@ -12,9 +12,9 @@ def register_configs() -> ConfigStore:
     cs.store(name="generate_schema", node=GenerateConfig)
     cs.store(name="serve_schema", node=SpecfwConfig)
     cs.store(group="speculative", name="none", node=SpeculativeConfig(algorithm="none"))
-    from .train.config import Eagle3TrainConfig, EagleTrainConfig, StandaloneTrainConfig, TrainConfig
+    from .train.config import Eagle3TrainConfig, EagleTrainConfig, MtpTrainConfig, StandaloneTrainConfig, TrainConfig
     cs.store(name="train_schema", node=TrainConfig)
-    for node in (Eagle3TrainConfig(), EagleTrainConfig(), StandaloneTrainConfig()):
+    for node in (Eagle3TrainConfig(), EagleTrainConfig(), MtpTrainConfig(), StandaloneTrainConfig()):
         cs.store(group="draft", name=node.kind, node=node)
     for algo in plugin_manager().describe():
         cs.store(group="speculative", name=algo.name, node=algo.config_class(algorithm=algo.name),

@@ -55,11 +55,18 @@ def sharegpt_conversations(limit: int | None = None) -> list[list[dict]]:
     return out
 
 
-def jsonl_prompts(path: str | Path, field: str = "prompt") -> list[str]:
-    """Prompts from a JSONL file (one object per line with a ``prompt`` field, or plain strings)."""
+def jsonl_messages(path: str | Path) -> list[list[dict]]:
+    """Chat contexts from a JSONL file: per line ``{"messages": [...]}`` (ending with a user turn),
+    ``{"prompt": str}`` or a plain string (one user turn)."""
     out = []
-    for line in Path(path).read_text().splitlines():
+    for line in Path(path).read_text(encoding="utf-8").split("\n"):   # not splitlines: U+2028 is text
         if line.strip():
             obj = json.loads(line)
-            out.append(obj if isinstance(obj, str) else obj[field])
+            if isinstance(obj, dict) and "messages" in obj:
+                msgs = obj["messages"]
+                if not msgs or msgs[-1].get("role") != "user":
+                    raise ValueError(f"{path}: a 'messages' list must end with a user turn")
+                out.append(msgs)
+            else:
+                out.append([{"role": "user", "content": obj if isinstance(obj, str) else obj["prompt"]}])
     return out

@@ -16,7 +16,7 @@ from .models.llama import LlamaModel
 
 logger = logging.getLogger(__name__)
 
-SUPPORTED_ARCHS = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"}
+SUPPORTED_ARCHS = {"LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "MiMoForCausalLM"}
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -97,7 +97,11 @@ def _fuse_into(model: LlamaModel, state: dict[str, torch.Tensor]) -> None:
             layer.down_proj.weight.copy_(take(lp + "mlp.down_proj.weight"))
             layer.input_layernorm.weight.copy_(take(lp + "input_layernorm.weight"))
             layer.post_attention_layernorm.weight.copy_(take(lp + "post_attention_layernorm.weight"))
-    leftover = [k for k in state if "rotary_emb" not in k]
+    mtp = [k for k in state if k.startswith(f"{p}mtp_layers.")
+           or (k.startswith(f"{p}layers.") and int(k.split(".")[2]) >= len(model.layers))]
+    if mtp:
+        logger.info("%d MTP/NextN tensors left for speculative=mtp", len(mtp))
+    leftover = [k for k in state if "rotary_emb" not in k and k not in set(mtp)]
     if leftover:
         logger.warning("ignored %d unexpected tensors, e.g. %s", len(leftover), leftover[:3])
 
@@ -112,7 +116,7 @@ def load_model(ref: str | None, dtype: str = "float32", revision: str | None = N
     archs = set(getattr(cfg, "architectures", None) or ["LlamaForCausalLM"])
     if not archs & SUPPORTED_ARCHS:
         raise ModelLoadError(f"model architecture {sorted(archs)} is not supported; supported: {sorted(SUPPORTED_ARCHS)}")
-    if getattr(cfg, "model_type", "llama") == "qwen2":
+    if getattr(cfg, "model_type", "llama") in ("qwen2", "mimo"):   # MiMo = Qwen2 + MTP layers
         cfg.attention_bias = True
     tdtype = DTYPES[dtype]
     npos = max_positions or cfg.max_position_embeddings

@@ -27,7 +27,8 @@ def tiny_draft_dir(tiny_model_dir, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tiny_eagle_drafts(tiny_model_dir, tmp_path_factory):
-    """EAGLE and EAGLE-3 heads for the tiny target, trained on-policy with `specfw train` on CHAT."""
+    """EAGLE and EAGLE-3 heads and a NextN (MTP) layer for the tiny target, trained on-policy with
+    `specfw train` on CHAT."""
     import json
     from hydra import compose, initialize_config_module
     from specfw.config_store import register_configs
@@ -37,7 +38,7 @@ def tiny_eagle_drafts(tiny_model_dir, tmp_path_factory):
     register_configs()
     out = {}
     for kind, extra in [("eagle3", ["draft.aux_layers=[0,1,1]", "draft.draft_vocab_size=2048", "draft.ttt_steps=3"]),
-                        ("eagle", [])]:
+                        ("eagle", []), ("mtp", [])]:
         with initialize_config_module("specfw_conf", version_base="1.3"):
             cfg = compose("train", overrides=[f"model.path={tiny_model_dir}", f"draft={kind}", "steps=40", "batch_size=3",
                                               "lr=3e-3", "warmup_steps=2", "data.source=jsonl", f"data.jsonl={root / 'prompts.jsonl'}",
@@ -110,7 +111,7 @@ def test_greedy_speculative_equals_plain(name, dtype, tiny_model_dir, tiny_draft
 
 
 def test_every_algorithm_is_exercised():
-    assert {"eagle", "eagle3", "ngram", "standalone"} <= set(plugin_manager().algorithms)
+    assert {"eagle", "eagle3", "mtp", "ngram", "standalone"} <= set(plugin_manager().algorithms)
 
 
 @pytest.mark.model

@@ -74,3 +74,107 @@ def test_gpu_regeneration_path_matches_engine_greedy(tiny_model_dir):
     params = SamplingParams(max_new_tokens=16, temperature=0)
     ref = Engine(make_cfg(model_path=str(tiny_model_dir), max_total_tokens=1024)).generate(prompts, params)
     assert [g.token_ids for g in gen.generate(prompts, params)] == [o.token_ids for o in ref]
+
+
+def test_conversation_prompts_first_and_all_turns():
+    from specfw.train import data
+    conv = [{"role": "user", "content": "Q1"}, {"role": "assistant", "content": "A1"},
+            {"role": "user", "content": "Q2"}, {"role": "assistant", "content": "A2"},
+            {"role": "user", "content": "  "}, {"role": "assistant", "content": "A3"},
+            {"role": "user", "content": "Q4"}]
+    first = data.conversation_prompts(conv, "first")
+    assert first == [{"messages": conv[:1], "response": "A1"}]
+    every = data.conversation_prompts(conv, "all")
+    assert [p["messages"] for p in every] == [conv[:1], conv[:3], conv[:7]]   # the blank turn is skipped
+    assert [p["response"] for p in every] == ["A1", "A2", None]
+    assert data.prompt_key(conv[:1]) == "Q1" and json.loads(data.prompt_key(conv[:3])) == conv[:3]
+
+
+def test_long_context_keeps_the_latest_characters(monkeypatch):
+    from specfw.train import data
+    monkeypatch.setattr(data, "CONTEXT_CHARS", 10)
+    conv = [{"role": "user", "content": "u" * 8}, {"role": "assistant", "content": "abcdefgh"},
+            {"role": "user", "content": "next"}]
+    msgs = data.conversation_prompts(conv, "all")[1]["messages"]
+    # the assistant turn (8 chars) fits whole; the oldest user turn is cut to its last 2 characters
+    assert msgs == [{"role": "user", "content": "uu"}, conv[1], conv[2]]
+
+
+def test_jsonl_messages_formats_and_errors(tmp_path):
+    import pytest
+    from specfw.datasets import jsonl_messages
+    sep = "line\u2028separator"                      # a Unicode line separator inside the text is not a record break
+    lines = [json.dumps("plain"), json.dumps({"prompt": "p"}),
+             json.dumps({"messages": [{"role": "user", "content": sep}]}, ensure_ascii=False)]
+    (tmp_path / "m.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    assert jsonl_messages(tmp_path / "m.jsonl") == [[{"role": "user", "content": "plain"}],
+                                                   [{"role": "user", "content": "p"}],
+                                                   [{"role": "user", "content": sep}]]
+    (tmp_path / "bad.jsonl").write_text(json.dumps({"messages": [{"role": "assistant", "content": "x"}]}))
+    with pytest.raises(ValueError, match="must end with a user turn"):
+        jsonl_messages(tmp_path / "bad.jsonl")
+
+
+def test_regenerate_resumes_past_a_cut_off_line(tmp_path):
+    from specfw.train.data import regenerate
+
+    class Echo:                                       # a stand-in engine: response = reversed prompt ids
+        calls = 0
+        def tokenize_chat(self, messages):
+            return [len(m["content"]) for m in messages]
+        def generate(self, prompts, params):
+            Echo.calls += len(prompts)
+            return [type("G", (), {"token_ids": p[::-1]}) for p in prompts]
+
+    items = [{"messages": [{"role": "user", "content": "a" * n}], "prompt": "a" * n} for n in (1, 2, 3)]
+    cache = tmp_path / "r.jsonl"
+    regenerate(Echo(), items[:2], cache, 4, 8)
+    cache.write_text(cache.read_text() + '{"prompt": "aaa", "prompt_i')    # a run killed mid-write
+    recs = regenerate(Echo(), items, cache, 4, 8)
+    assert Echo.calls == 3 and [r["prompt_ids"] for r in recs] == [[1], [2], [3]]
+
+
+def test_init_draft_starts_from_a_published_draft(tiny_model_dir, tmp_path):
+    """init_draft loads an exported draft (weights and, for EAGLE-3, its d2t vocabulary); a draft that
+    does not fit is a config error naming the key."""
+    import pytest
+    import torch
+    from types import SimpleNamespace
+    from safetensors.torch import load_file
+    from specfw.config import ConfigError
+    from specfw.train.data import Example
+    from specfw.train.eagle3 import Eagle3Trainer
+    from specfw.train.target import TargetTeacher
+    teacher = TargetTeacher(tiny_model_dir, torch.float32, torch.device("cpu"))
+    cfg = SimpleNamespace(draft=SimpleNamespace(aux_layers=None, draft_vocab_size=16, ttt_steps=2, ttt_decay=0.8),
+                          data=SimpleNamespace(max_len=32))
+    torch.manual_seed(0)
+    a = Eagle3Trainer(cfg, teacher, [Example(list(range(40, 60)), [1] * 20)])
+    a.export(tmp_path / "a", torch.float32)
+    torch.manual_seed(1)
+    b = Eagle3Trainer(cfg, teacher, [Example(list(range(3, 30)), [1] * 27)])    # another vocabulary, other weights
+    assert not torch.equal(a.draft_ids, b.draft_ids)
+    b.init_from(load_file(str(tmp_path / "a" / "model.safetensors")))
+    assert torch.equal(a.draft_ids, b.draft_ids)
+    assert all(torch.equal(v, b.state_dict()[k]) for k, v in a.state_dict().items())
+    cfg.draft.draft_vocab_size = 8
+    c = Eagle3Trainer(cfg, teacher, [Example(list(range(40, 60)), [1] * 20)])
+    with pytest.raises(ConfigError, match="draft.draft_vocab_size=16"):
+        c.init_from(load_file(str(tmp_path / "a" / "model.safetensors")))
+
+
+def test_init_draft_on_the_command_line(tiny_model_dir, tmp_path):
+    (tmp_path / "a").mkdir()
+    first = _train(tiny_model_dir, tmp_path / "a", 2)
+    assert len(first) == 2
+    out = tmp_path / "b"
+    out.mkdir()
+    # lr so small that one step leaves the bf16 export unchanged: the run must have started from draft a
+    _train(tiny_model_dir, out, 1, [f"init_draft={tmp_path / 'a' / 'out' / 'draft'}", "lr=1e-12", "warmup_steps=1"])
+    from safetensors.torch import load_file
+    a = load_file(str(tmp_path / "a" / "out" / "draft" / "model.safetensors"))
+    b = load_file(str(out / "out" / "draft" / "model.safetensors"))
+    assert a.keys() == b.keys() and all(a[k].equal(b[k]) for k in a)
+    r = subprocess.run([str(BIN / "specfw"), "train", f"init_draft={tmp_path / 'nowhere'}"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "init_draft" in r.stderr

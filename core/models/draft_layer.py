@@ -15,11 +15,11 @@ from .llama import RMSNorm, Rotary
 
 
 class _Attn(nn.Module):
-    def __init__(self, in_dim: int, hidden: int, n_heads: int, n_kv: int, head_dim: int):
+    def __init__(self, in_dim: int, hidden: int, n_heads: int, n_kv: int, head_dim: int, bias: bool = False):
         super().__init__()
-        self.q_proj = nn.Linear(in_dim, n_heads * head_dim, bias=False)
-        self.k_proj = nn.Linear(in_dim, n_kv * head_dim, bias=False)
-        self.v_proj = nn.Linear(in_dim, n_kv * head_dim, bias=False)
+        self.q_proj = nn.Linear(in_dim, n_heads * head_dim, bias=bias)
+        self.k_proj = nn.Linear(in_dim, n_kv * head_dim, bias=bias)
+        self.v_proj = nn.Linear(in_dim, n_kv * head_dim, bias=bias)
         self.o_proj = nn.Linear(n_heads * head_dim, hidden, bias=False)
 
 
@@ -35,12 +35,12 @@ class _MLP(nn.Module):
 
 
 class DraftDecoderLayer(nn.Module):
-    def __init__(self, cfg, in_dim: int | None = None):
+    def __init__(self, cfg, in_dim: int | None = None, attn_bias: bool = False):
         super().__init__()
         h = cfg.hidden_size
         self.n_heads, self.n_kv = cfg.num_attention_heads, cfg.num_key_value_heads
         self.head_dim = getattr(cfg, "head_dim", None) or h // self.n_heads
-        self.self_attn = _Attn(in_dim or h, h, self.n_heads, self.n_kv, self.head_dim)
+        self.self_attn = _Attn(in_dim or h, h, self.n_heads, self.n_kv, self.head_dim, attn_bias)   # bias: Qwen2-style q/k/v
         self.mlp = _MLP(h, cfg.intermediate_size)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.scale = self.head_dim ** -0.5

@@ -18,6 +18,7 @@ class SpecContext:
     tokenizer: Any
     engine_config: Any
     stats: Any
+    target_path: Any = None          # the target's resolved checkpoint directory (MTP reads its NextN layers)
     capture_layers: tuple[int, ...] = ()   # target layers whose input hidden states the drafter needs
     force_greedy: bool = False
     draft_budget: int = 0            # tree nodes (incl. root) this step verifies; drafting deeper than

@@ -42,7 +42,7 @@ class SpeculativeWorker:
         shape = cfg.resolve_shape(arch)
         self.runner = engine.runner
         self.ctx = SpecContext(config=cfg, shape=shape, runner=engine.runner, tokenizer=engine.tokenizer,
-                               engine_config=engine.cfg, stats=engine.stats,
+                               engine_config=engine.cfg, stats=engine.stats, target_path=engine.loaded.path,
                                force_greedy=cfg.force_greedy_verify or _env_flag("SPECFW_FORCE_GREEDY_VERIFY"))
         # per-engine hook relay: core defaults + the active algorithm's runtime + observers
         self.pm = pluggy.PluginManager(hookspecs.PROJECT)

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from ..models.llama import Rotary
-from .eagle3 import head_config
+from .eagle3 import head_config, load_matching
 
 
 class EagleTrainer:
@@ -34,6 +34,10 @@ class EagleTrainer:
 
     def load_state_dict(self, sd):
         self.head.load_state_dict(sd)
+
+    def init_from(self, sd: dict) -> None:
+        """Start from a published EAGLE draft (``fc``, ``layers.0``)."""
+        load_matching(self.head, sd)
 
     def loss(self, ids, mask, valid):
         hs, logits = self.teacher(ids, valid)

@@ -40,6 +40,20 @@ def head_config(tcfg, draft_vocab: int, aux_layers, max_pos: int):
     return cfg
 
 
+def load_matching(module: torch.nn.Module, sd: dict) -> None:
+    """Load ``sd`` into ``module`` (cast to each parameter's dtype); every tensor must be present with
+    its shape, else a ConfigError naming ``init_draft`` and the first mismatch."""
+    from ..config import ConfigError
+    own = module.state_dict()
+    for k, v in own.items():
+        if k not in sd:
+            raise ConfigError("init_draft", f"the draft has no tensor '{k}' (is it a draft of this kind?)")
+        if tuple(sd[k].shape) != tuple(v.shape):
+            raise ConfigError("init_draft", f"tensor '{k}' has shape {tuple(sd[k].shape)}, this draft config "
+                                            f"needs {tuple(v.shape)}")
+    module.load_state_dict({k: sd[k].to(v.dtype) for k, v in own.items()})
+
+
 class Eagle3Trainer:
     def __init__(self, cfg, teacher, examples):
         from specfw_plugins.eagle3.model import Eagle3Head
@@ -69,6 +83,16 @@ class Eagle3Trainer:
 
     def load_state_dict(self, sd):
         self.head.load_state_dict(sd)
+
+    def init_from(self, sd: dict) -> None:
+        """Start from a published EAGLE-3 draft: its weights and its draft vocabulary (``d2t``)."""
+        from ..config import ConfigError
+        d2t = sd["d2t"].long()
+        if len(d2t) != len(self.draft_ids):
+            raise ConfigError("draft.draft_vocab_size", f"init_draft has a {len(d2t)}-token draft vocabulary; "
+                                                        f"set draft.draft_vocab_size={len(d2t)}")
+        self.draft_ids = (d2t + torch.arange(len(d2t))).to(self.draft_ids.device)
+        load_matching(self.head, sd)
 
     def _attend(self, layer, q, ks, vs):
         """q [B,H,n,D]; ks[0]/vs[0] [B,Hkv,S0,D] real pairs (causal by origin); ks[k>0] [B,Hkv,>=n,D] diagonal."""

@@ -17,11 +17,29 @@ def make_trainer(cfg, teacher, examples):
     if kind == "eagle":
         from .eagle import EagleTrainer
         return EagleTrainer(cfg, teacher, examples)
+    if kind == "mtp":
+        from .mtp import MtpTrainer
+        return MtpTrainer(cfg, teacher, examples)
     if kind == "standalone":
         from .standalone import StandaloneTrainer
         return StandaloneTrainer(cfg, teacher, examples)
     from ..config import ConfigError
-    raise ConfigError("draft.kind", f"'{kind}' is not one of ['eagle', 'eagle3', 'standalone']")
+    raise ConfigError("draft.kind", f"'{kind}' is not one of ['eagle', 'eagle3', 'mtp', 'standalone']")
+
+
+def init_from_draft(trainer, cfg) -> None:
+    """Load the weights of ``cfg.init_draft`` (a draft directory, or "demo": the committed draft
+    of this kind) into the fresh trainer; a resumed checkpoint still takes precedence."""
+    from importlib import import_module
+    from safetensors.torch import load_file
+    path = Path(cfg.init_draft)
+    if cfg.init_draft == "demo":
+        path = getattr(import_module(f"specfw_plugins.{cfg.draft.kind}.drafter"), "DEMO_DRAFT", None)
+        if path is None:
+            from ..config import ConfigError
+            raise ConfigError("init_draft", f"there is no committed demo draft of kind '{cfg.draft.kind}'; give a directory")
+    trainer.init_from(load_file(str(path / "model.safetensors")))
+    logger.info("initialised the %s draft from %s", cfg.draft.kind, path)
 
 
 def resolve_device(name: str) -> torch.device:
@@ -49,7 +67,8 @@ def run_training(cfg) -> Path:
     logger.info("training on %s", device)
     target_dir = resolve_model_path(cfg.model.path, cfg.model.revision)
     d = cfg.data
-    items = load_prompts(str(getattr(d.source, "value", d.source)), d.jsonl, d.num_prompts, d.seed)
+    items = load_prompts(str(getattr(d.source, "value", d.source)), d.jsonl, d.num_prompts, d.seed,
+                         str(getattr(d.turns, "value", d.turns)))
     responses = str(getattr(d.responses, "value", d.responses))
     engine, cache = None, None
     if responses in ("target", "mixed"):
@@ -72,6 +91,8 @@ def run_training(cfg) -> Path:
     logger.info("%d training sequences, %d tokens", len(examples), sum(len(e.input_ids) for e in examples))
     teacher = TargetTeacher(target_dir, getattr(torch, str(getattr(cfg.target_dtype, "value", cfg.target_dtype))), device)
     trainer = make_trainer(cfg, teacher, examples)
+    if cfg.init_draft:
+        init_from_draft(trainer, cfg)
     from .loop import train
     out = Path(cfg.output_dir)
     (out).mkdir(parents=True, exist_ok=True)

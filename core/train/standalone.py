@@ -37,6 +37,13 @@ class StandaloneTrainer:
     def load_state_dict(self, sd):
         self.model.load_state_dict(sd)
 
+    def init_from(self, sd: dict) -> None:
+        """Start from a standalone draft of the same shape (lm_head tied to the embeddings)."""
+        from .eagle3 import load_matching
+        sd = dict(sd)
+        sd.setdefault("lm_head.weight", sd.get("model.embed_tokens.weight"))
+        load_matching(self.model, sd)
+
     def loss(self, ids, mask, valid):
         _, tlogits = self.teacher(ids, valid)
         logits = self.model(input_ids=ids, attention_mask=valid.long()).logits

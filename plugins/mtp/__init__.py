@@ -1,0 +1,14 @@
+"""MTP / NextN speculative decoding: the target checkpoint's built-in multi-token-prediction
+layers (DeepSeek-V3 ``eh_proj`` or MiMo ``mtp_layers`` layout) draft for it; no separate draft
+model. Registered through the ``specfw`` entry-point group."""
+from __future__ import annotations
+
+from specfw.hookspecs import hookimpl
+
+from .config import MtpConfig
+from .drafter import MtpDrafter
+
+
+@hookimpl
+def specfw_register_algorithms(register):
+    register("mtp", MtpConfig, MtpDrafter, "MTP/NextN: the target's built-in multi-token-prediction layers draft")

@@ -1,0 +1,92 @@
+"""MTP / NextN layer training for a target that has none: one DeepSeek-V3-style NextN layer
+(``enorm``, ``hnorm``, ``eh_proj``, a decoder layer, ``shared_head.norm``; the target's embeddings
+and lm_head) trained with soft cross-entropy against the target's next-next-token distribution.
+
+Pair i = (token t_{i+1}, the target's final post-norm hidden f_i) predicts t_{i+2}, the inference
+convention of ``specfw_plugins.mtp``. The decoder layer starts as a copy of the target's last
+layer and the output norm as the target's final norm. The export is a NextN-only checkpoint:
+the layer's tensors under ``model.layers.{num_hidden_layers}.`` plus the target's config with
+``num_nextn_predict_layers: 1`` (the layout SGLang reads for DeepSeek NextN drafts), which
+``speculative=mtp speculative.draft_model_path=DIR`` loads."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from ..models.llama import Rotary
+from .eagle3 import load_matching
+
+
+class MtpTrainer:
+    def __init__(self, cfg, teacher, examples):
+        from transformers import LlamaConfig
+        from specfw_plugins.mtp.model import DEEPSEEK, MtpHead
+        t = teacher.config
+        keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "rms_norm_eps", "vocab_size", "rope_parameters")
+        self.hcfg = LlamaConfig(**{k: getattr(t, k) for k in keys if getattr(t, k, None) is not None},
+                                max_position_embeddings=max(cfg.data.max_len + 8, t.max_position_embeddings))
+        bias = bool(getattr(t, "attention_bias", False)) or getattr(t, "model_type", "") == "qwen2"
+        self.head = MtpHead(self.hcfg, DEEPSEEK, has_head=False, attn_bias=bias).float()
+        last = teacher.model.model.layers[-1]
+        with torch.no_grad():
+            for name, p in self.head.layer.named_parameters():
+                if name.startswith("self_attn.") or name.startswith("mlp.") or name.startswith("post_attention"):
+                    p.copy_(last.get_parameter(name).float())
+            self.head.input_layernorm.weight.copy_(last.input_layernorm.weight.float())
+            self.head.final_norm.weight.copy_(teacher.norm.weight.float())
+        self.head.to(teacher.device)
+        self.rotary = Rotary(self.hcfg, self.hcfg.max_position_embeddings, torch.float32).to(teacher.device)
+        self.teacher = teacher
+        self.num_layers = t.num_hidden_layers
+
+    def parameters(self):
+        return list(self.head.parameters())
+
+    def state_dict(self):
+        return self.head.state_dict()
+
+    def load_state_dict(self, sd):
+        self.head.load_state_dict(sd)
+
+    def init_from(self, sd: dict) -> None:
+        """Start from a NextN checkpoint of this layout (as exported below)."""
+        from specfw_plugins.mtp.model import _names, find_mtp_layers
+        layers = find_mtp_layers(sd, self.num_layers)
+        if not layers:
+            from ..config import ConfigError
+            raise ConfigError("init_draft", "the checkpoint has no NextN layer (model.layers.{num_hidden_layers}.eh_proj)")
+        layout, prefix = layers[min(layers)]
+        names = _names(layout, prefix, self.head.layer.self_attn.q_proj.bias is not None)
+        load_matching(self.head, {own: sd[name] for own, name in names.items() if name in sd})
+
+    def loss(self, ids, mask, valid):
+        hs, logits = self.teacher(ids, valid)
+        feat = hs[-1].float()                          # final post-norm hidden states
+        B, S = ids.shape
+        n = S - 2
+        x = self.head.fuse(self.teacher.embed(ids[:, 1:1 + n]).float(), feat[:, :n])
+        pos = torch.arange(n, device=ids.device).expand(B, n)
+        out = self.head.layer.forward_dense(self.head.input_layernorm(x), x, pos, self.rotary)
+        w = self.teacher.lm_head.weight
+        logp = torch.log_softmax((self.head.final_norm(out).to(w.dtype) @ w.T).float(), -1)
+        tgt = torch.softmax(logits[:, 1:1 + n].float(), -1)
+        m = mask[:, 2:2 + n] * valid[:, 2:2 + n]
+        denom = m.sum().clamp_min(1)
+        loss = (-(tgt * logp).sum(-1) * m).sum() / denom
+        agree = (logp.argmax(-1) == logits[:, 1:1 + n].argmax(-1)).float()
+        return loss, {"loss": float(loss.detach()), "acc0": float((agree * m).sum() / denom)}
+
+    def export(self, out: Path, dtype: torch.dtype) -> Path:
+        from safetensors.torch import save_file
+        from specfw_plugins.mtp.model import DEEPSEEK, _names
+        out.mkdir(parents=True, exist_ok=True)
+        names = _names(DEEPSEEK, f"model.layers.{self.num_layers}.", self.head.layer.self_attn.q_proj.bias is not None)
+        sd = {names[k]: v.to(dtype).contiguous() for k, v in self.head.state_dict().items()}
+        save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
+        cfg = self.teacher.config.to_dict()
+        cfg.update(num_nextn_predict_layers=1, torch_dtype=str(dtype).removeprefix("torch."))
+        (out / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
+        return out

@@ -1,0 +1,19 @@
+"""``speculative=mtp`` options."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from specfw.spec.config import SpecAlgoConfig, TreeShape
+
+
+@dataclass
+class MtpConfig(SpecAlgoConfig):
+    # draft_model_path: null = the target checkpoint itself (its built-in NextN layers); or a
+    # NextN-only checkpoint holding the same tensor names (as published for DeepSeek-V3/R1).
+    mtp_layer: int = 0                     # which NextN layer drafts (each step reuses it, as SGLang does)
+    draft_kv_tokens: Optional[int] = None  # draft KV pool size in tokens; null = same as the target's pool
+
+    def auto_shape(self, target_arch: str) -> TreeShape:
+        """A chain of 3 (SGLang's recommendation for DeepSeek MTP): one NextN layer reused per step."""
+        return TreeShape(3, 1, 4)

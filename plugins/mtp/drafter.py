@@ -1,0 +1,51 @@
+"""The mtp algorithm runtime: the target's own NextN layer drafts, EAGLE-style.
+
+Pair i = (token t_{i+1}, the target's final hidden state at i) → the NextN layer → its norm and
+the target's lm_head (or the layer's own ``shared_head.head``) predict t_{i+2}; deeper steps feed
+the layer's own output hidden back, reusing the one layer (SGLang does the same with DeepSeek's
+single NextN layer). Drafting, the KV of the layer and tree search are the shared
+``FeatureDrafter``'s."""
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from specfw.cpu_linear import fast_linear_for, use_fast_linears
+from specfw.model_loader import resolve_model_path
+from specfw.models.llama import Rotary
+from specfw.spec.feature_drafter import FeatureDrafter
+
+from .model import load_mtp
+
+logger = logging.getLogger(__name__)
+
+
+class MtpDrafter(FeatureDrafter):
+    def __init__(self, ctx):
+        cfg = ctx.config
+        path = Path(resolve_model_path(cfg.draft_model_path, cfg.draft_model_revision) if cfg.draft_model_path
+                    else ctx.target_path)
+        target = ctx.runner.model
+        self.head = load_mtp(path, ctx.runner.hf_config, ctx.runner.kv.dtype, cfg.mtp_layer)
+        self.target = target
+        if ctx.runner.packed_gemm:
+            use_fast_linears(self.head)   # CPU: packed fp32 / oneDNN-blocked bf16 weights (no-op elsewhere)
+        self.lm_head = self.head.head if self.head.head is not None else target.lm_head
+        if ctx.runner.packed_gemm:
+            self.lm_head = fast_linear_for(self.lm_head) or self.lm_head
+        self.rotary = Rotary(self.head.config, ctx.runner.max_context, ctx.runner.kv.dtype)
+        super().__init__(ctx, self.head.layer, cfg.draft_kv_tokens or ctx.runner.allocator.num_slots)
+        logger.info("mtp: NextN layer %d of %s (%s layout)", cfg.mtp_layer, path, self.head.layout)
+
+    @torch.inference_mode()
+    def target_features(self, hidden, aux, rows):
+        return self.target.norm(hidden.index_select(0, rows))
+
+    @torch.inference_mode()
+    def head_forward(self, tokens, features, fb, from_target):
+        x = self.head.fuse(self.target.embed_tokens(tokens), features)
+        out = self.head.layer(self.head.input_layernorm(x), x, fb, self.kv, self.rotary)
+        sel = out if fb.logits_indices is None else out.index_select(0, fb.logits_indices)
+        return self.lm_head(self.head.final_norm(sel)).float(), out

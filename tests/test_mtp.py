@@ -1,0 +1,169 @@
+"""speculative=mtp: NextN layers read from the target checkpoint (DeepSeek-V3 and MiMo layouts) or
+a NextN-only checkpoint; the layer computes the documented formula; errors name the key."""
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from conftest import make_cfg
+from specfw.config import ConfigError
+from specfw.sampling import SamplingParams
+from specfw_plugins.mtp.config import MtpConfig
+from specfw_plugins.mtp.model import DEEPSEEK, MIMO, _names, find_mtp_layers, load_mtp
+
+GREEDY = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8], [1000, 20, 1000, 20, 1000], [9, 99, 999, 9999], [42] * 6]
+
+
+def _target_cfg(tiny_model_dir):
+    from transformers import AutoConfig
+    return AutoConfig.from_pretrained(tiny_model_dir)
+
+
+def _random_mtp(cfg, layout, seed=0):
+    """Random NextN tensors for the tiny target, in ``layout``'s names at index 0."""
+    from transformers import LlamaConfig
+    from specfw_plugins.mtp.model import MtpHead
+    torch.manual_seed(seed)
+    head = MtpHead(LlamaConfig(**cfg.to_dict()), layout, has_head=False)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn_like(p) * (0.3 if p.dim() == 1 else 0.1) + (1.0 if p.dim() == 1 else 0.0))
+    prefix = f"model.layers.{cfg.num_hidden_layers}." if layout == DEEPSEEK else "model.mtp_layers.0."
+    names = _names(layout, prefix, False)
+    return {names[k]: v.contiguous() for k, v in head.state_dict().items()}, head
+
+
+@pytest.fixture(scope="module")
+def target_with_mtp(tiny_model_dir, tmp_path_factory):
+    """The tiny target with a built-in DeepSeek-style NextN layer (an extra safetensors shard)."""
+    out = tmp_path_factory.mktemp("tiny-mtp")
+    for f in tiny_model_dir.iterdir():
+        shutil.copy(f, out / f.name)
+    cfg = _target_cfg(tiny_model_dir)
+    tensors, _ = _random_mtp(cfg, DEEPSEEK)
+    save_file(tensors, str(out / "model-mtp.safetensors"))
+    raw = json.loads((out / "config.json").read_text())
+    raw["num_nextn_predict_layers"] = 1
+    (out / "config.json").write_text(json.dumps(raw))
+    return out
+
+
+@pytest.fixture(scope="module")
+def trained_nextn(tiny_model_dir, tmp_path_factory):
+    """A NextN-only checkpoint for the tiny target, trained on-policy with `specfw train draft=mtp`."""
+    from hydra import compose, initialize_config_module
+    from specfw.config_store import register_configs
+    from specfw.train.run import run_training
+    root = tmp_path_factory.mktemp("tiny-nextn")
+    (root / "p.jsonl").write_text("\n".join(json.dumps({"prompt": p}) for p in ["Count to ten.", "Name a color."]))
+    register_configs()
+    with initialize_config_module("specfw_conf", version_base="1.3"):
+        cfg = compose("train", overrides=[f"model.path={tiny_model_dir}", "draft=mtp", "steps=30", "batch_size=2", "lr=3e-3",
+                                          "warmup_steps=2", "data.source=jsonl", f"data.jsonl={root / 'p.jsonl'}",
+                                          "data.num_prompts=2", "data.max_new_tokens=48", "data.max_len=96",
+                                          "data.regen_dtype=float32", f"data.cache_dir={root}", f"output_dir={root / 'out'}",
+                                          "target_dtype=float32", "save_dtype=float32", "save_every=30"])
+    return run_training(cfg)
+
+
+def _engine(model_dir, **spec):
+    from specfw.engine import Engine
+    sp = MtpConfig(algorithm="mtp", **spec) if spec is not None else None
+    return Engine(make_cfg(model_path=str(model_dir), max_total_tokens=4096, max_running_requests=4, speculative=sp))
+
+
+def _plain(model_dir):
+    from specfw.engine import Engine
+    return [o.token_ids for o in Engine(make_cfg(model_path=str(model_dir), max_total_tokens=4096)).generate(PROMPTS, GREEDY)]
+
+
+@pytest.mark.parametrize("shape", [dict(), dict(num_steps=1, topk=1), dict(num_steps=3, topk=2, num_draft_tokens=6)])
+def test_builtin_nextn_greedy_equals_plain(target_with_mtp, shape):
+    plain = _plain(target_with_mtp)          # the NextN tensors do not disturb the target's own load
+    eng = _engine(target_with_mtp, **shape)
+    assert [eng.generate([p], GREEDY)[0].token_ids for p in PROMPTS] == plain
+    assert [o.token_ids for o in eng.generate(PROMPTS, GREEDY)] == plain
+    assert eng.stats.verify_forwards > 0 and eng.runner.allocator.num_used == 0
+
+
+def test_trained_nextn_checkpoint_is_accepted(tiny_model_dir, trained_nextn):
+    """`specfw train draft=mtp` exports a NextN-only checkpoint that speculative=mtp loads by path;
+    trained on these chats, its drafts are accepted, and output still equals plain greedy."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    chats = [list(tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True,
+                                          tokenize=True)["input_ids"]) for c in ["Count to ten.", "Name a color."]]
+    from specfw.engine import Engine
+    plain = [o.token_ids for o in Engine(make_cfg(model_path=str(tiny_model_dir), max_total_tokens=4096)).generate(chats, GREEDY)]
+    for shape in (dict(num_steps=1, topk=1), dict(num_steps=3, topk=2, num_draft_tokens=6)):
+        eng = _engine(tiny_model_dir, draft_model_path=str(trained_nextn), **shape)
+        assert [o.token_ids for o in eng.generate(chats, GREEDY)] == plain
+        assert eng.stats.accepted_draft_tokens > 0
+    from safetensors import safe_open
+    with safe_open(str(trained_nextn / "model.safetensors"), "pt") as fh:
+        assert find_mtp_layers(list(fh.keys()), 2) == {0: (DEEPSEEK, "model.layers.2.")}
+    assert json.loads((trained_nextn / "config.json").read_text())["num_nextn_predict_layers"] == 1
+
+
+@pytest.mark.parametrize("layout", [DEEPSEEK, MIMO])
+def test_layer_computes_the_documented_formula(tiny_model_dir, tmp_path, layout):
+    """The loaded head against a reference written from the layout description with transformers'
+    own decoder layer: proj(cat(...)) (embedding first for DeepSeek, hidden first for MiMo) → decoder
+    layer → final norm."""
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+    cfg = _target_cfg(tiny_model_dir)
+    tensors, _ = _random_mtp(cfg, layout, seed=3)
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
+    head = load_mtp(tmp_path, cfg, torch.float32)
+    assert head.layout == layout
+    p = f"model.layers.{cfg.num_hidden_layers}." if layout == DEEPSEEK else "model.mtp_layers.0."
+    n = {DEEPSEEK: ("enorm", "hnorm", "eh_proj", "shared_head.norm"),
+         MIMO: ("token_layernorm", "hidden_layernorm", "input_proj", "final_layernorm")}[layout]
+    torch.manual_seed(1)
+    T = 7
+    emb, hid = torch.randn(T, cfg.hidden_size), torch.randn(T, cfg.hidden_size)
+    lcfg = LlamaConfig(**cfg.to_dict())
+    def norm(name, x):                                   # RMSNorm by its definition
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps) * tensors[p + name + ".weight"]
+    e, h = norm(n[0], emb), norm(n[1], hid)
+    x = torch.cat([e, h] if layout == DEEPSEEK else [h, e], -1) @ tensors[p + n[2] + ".weight"].T
+    ref_layer = LlamaDecoderLayer(lcfg, layer_idx=0).eval()
+    ref_layer.load_state_dict({k.removeprefix(p): v for k, v in tensors.items()
+                               if k.removeprefix(p).split(".")[0] in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")})
+    pos = torch.arange(T)[None]
+    cos_sin = LlamaRotaryEmbedding(lcfg)(x[None], pos)
+    mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
+    with torch.no_grad():
+        ref = ref_layer(x[None], attention_mask=mask, position_embeddings=cos_sin, position_ids=pos)
+        ref = ref[0] if isinstance(ref, tuple) else ref
+        ref = norm(n[3], ref[0])
+        from specfw.models.llama import Rotary
+        rot = Rotary(head.config, 64, torch.float32)
+        y = head.fuse(emb, hid)
+        out = head.layer.forward_dense(head.input_layernorm(y)[None], y[None], pos, rot)[0]
+        got = head.final_norm(out)
+    torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_errors_name_the_key(tiny_model_dir, target_with_mtp, tmp_path):
+    with pytest.raises(ConfigError, match="speculative.draft_model_path.*no MTP/NextN layers"):
+        _engine(tiny_model_dir)                              # the plain tiny target has none
+    with pytest.raises(ConfigError, match="speculative.mtp_layer"):
+        _engine(target_with_mtp, mtp_layer=1)
+    cfg = _target_cfg(tiny_model_dir)
+    tensors, _ = _random_mtp(cfg, DEEPSEEK)
+    tensors = {k: (torch.randn(v.shape[0], 2 * v.shape[1] + 2) if k.endswith("eh_proj.weight") else v) for k, v in tensors.items()}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text(json.dumps(cfg.to_dict()))
+    with pytest.raises(ConfigError, match="eh_proj.weight' has shape"):
+        load_mtp(tmp_path, cfg, torch.float32)
+    bad = cfg.to_dict() | {"hidden_size": 32}
+    (tmp_path / "config.json").write_text(json.dumps(bad))
+    with pytest.raises(ConfigError, match="hidden_size 32 != target hidden_size 64"):
+        load_mtp(tmp_path, cfg, torch.float32)
