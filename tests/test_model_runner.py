@@ -58,3 +58,21 @@ def test_ragged_batch_equals_separate(tiny_model_dir):
     both = r.forward(build_forward_batch(chunks, last_only=True)).logits
     for i in range(3):
         assert torch.allclose(both[i], sep[i], atol=1e-5)
+
+
+def test_rmsnorm_is_bitwise_hf_in_every_dtype():
+    """specfw's RMSNorm takes fused paths; each must round exactly as transformers' LlamaRMSNorm."""
+    import torch
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+    from specfw.models.llama import RMSNorm
+    torch.manual_seed(0)
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        ours, ref = RMSNorm(576, 1e-5), LlamaRMSNorm(576, eps=1e-5)
+        with torch.no_grad():
+            ours.weight.copy_(torch.rand(576) + 0.5)
+            ref.weight.copy_(ours.weight)
+        ours, ref = ours.to(dtype), ref.to(dtype)
+        for rows in (1, 3, 64):
+            x = (torch.randn(rows, 576) * 4).to(dtype)
+            with torch.no_grad():
+                assert torch.equal(ours(x), ref(x)), f"{dtype}, {rows} rows"
