@@ -12,10 +12,11 @@ import torch
 import torch.nn.functional as F
 
 from ..models.llama import Rotary
-from .eagle3 import head_config, load_matching
+from .common import ModuleTrainer, load_matching
+from .eagle3 import head_config
 
 
-class EagleTrainer:
+class EagleTrainer(ModuleTrainer):
     def __init__(self, cfg, teacher, examples):
         from specfw_plugins.eagle.model import EagleHead
         tcfg = teacher.config
@@ -26,14 +27,9 @@ class EagleTrainer:
         self.rotary = Rotary(self.hcfg, self.hcfg.max_position_embeddings, torch.float32).to(teacher.device)
         self.teacher, self.d = teacher, cfg.draft
 
-    def parameters(self):
-        return list(self.head.parameters())
-
-    def state_dict(self):
-        return self.head.state_dict()
-
-    def load_state_dict(self, sd):
-        self.head.load_state_dict(sd)
+    @property
+    def module(self):
+        return self.head
 
     def init_from(self, sd: dict) -> None:
         """Start from a published EAGLE draft (``fc``, ``layers.0``)."""

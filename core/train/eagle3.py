@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 
 from ..models.llama import Rotary
+from .common import ModuleTrainer, load_matching
 
 
 def draft_vocab_by_frequency(examples, vocab_size: int, k: int) -> torch.Tensor:
@@ -40,21 +41,7 @@ def head_config(tcfg, draft_vocab: int, aux_layers, max_pos: int):
     return cfg
 
 
-def load_matching(module: torch.nn.Module, sd: dict) -> None:
-    """Load ``sd`` into ``module`` (cast to each parameter's dtype); every tensor must be present with
-    its shape, else a ConfigError naming ``init_draft`` and the first mismatch."""
-    from ..config import ConfigError
-    own = module.state_dict()
-    for k, v in own.items():
-        if k not in sd:
-            raise ConfigError("init_draft", f"the draft has no tensor '{k}' (is it a draft of this kind?)")
-        if tuple(sd[k].shape) != tuple(v.shape):
-            raise ConfigError("init_draft", f"tensor '{k}' has shape {tuple(sd[k].shape)}, this draft config "
-                                            f"needs {tuple(v.shape)}")
-    module.load_state_dict({k: sd[k].to(v.dtype) for k, v in own.items()})
-
-
-class Eagle3Trainer:
+class Eagle3Trainer(ModuleTrainer):
     def __init__(self, cfg, teacher, examples):
         from specfw_plugins.eagle3.model import Eagle3Head
         tcfg = teacher.config
@@ -75,14 +62,9 @@ class Eagle3Trainer:
         self.rotary = Rotary(self.hcfg, self.hcfg.max_position_embeddings, torch.float32).to(dev)
         self.teacher, self.ttt, self.decay = teacher, cfg.draft.ttt_steps, cfg.draft.ttt_decay
 
-    def parameters(self):
-        return [p for p in self.head.parameters() if p.requires_grad]
-
-    def state_dict(self):
-        return self.head.state_dict()
-
-    def load_state_dict(self, sd):
-        self.head.load_state_dict(sd)
+    @property
+    def module(self):
+        return self.head
 
     def init_from(self, sd: dict) -> None:
         """Start from a published EAGLE-3 draft: its weights and its draft vocabulary (``d2t``)."""

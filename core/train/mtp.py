@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 
 from ..models.llama import Rotary
-from .eagle3 import load_matching
+from .common import ModuleTrainer, load_matching
 
 
-class MtpTrainer:
+class MtpTrainer(ModuleTrainer):
     def __init__(self, cfg, teacher, examples):
         from transformers import LlamaConfig
         from specfw_plugins.mtp.model import DEEPSEEK, MtpHead
@@ -42,14 +42,9 @@ class MtpTrainer:
         self.teacher = teacher
         self.num_layers = t.num_hidden_layers
 
-    def parameters(self):
-        return list(self.head.parameters())
-
-    def state_dict(self):
-        return self.head.state_dict()
-
-    def load_state_dict(self, sd):
-        self.head.load_state_dict(sd)
+    @property
+    def module(self):
+        return self.head
 
     def init_from(self, sd: dict) -> None:
         """Start from a NextN checkpoint of this layout (as exported below)."""

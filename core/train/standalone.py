@@ -9,8 +9,10 @@ from pathlib import Path
 
 import torch
 
+from .common import ModuleTrainer, load_matching
 
-class StandaloneTrainer:
+
+class StandaloneTrainer(ModuleTrainer):
     def __init__(self, cfg, teacher, examples):
         from transformers import LlamaConfig, LlamaForCausalLM
         t, d = teacher.config, cfg.draft
@@ -28,18 +30,12 @@ class StandaloneTrainer:
             self.model.model.embed_tokens.weight.copy_(proj / proj.std() * 0.02 * 20)
         self.teacher, self.temp = teacher, d.temperature
 
-    def parameters(self):
-        return list(self.model.parameters())
-
-    def state_dict(self):
-        return self.model.state_dict()
-
-    def load_state_dict(self, sd):
-        self.model.load_state_dict(sd)
+    @property
+    def module(self):
+        return self.model
 
     def init_from(self, sd: dict) -> None:
         """Start from a standalone draft of the same shape (lm_head tied to the embeddings)."""
-        from .eagle3 import load_matching
         sd = dict(sd)
         sd.setdefault("lm_head.weight", sd.get("model.embed_tokens.weight"))
         load_matching(self.model, sd)
