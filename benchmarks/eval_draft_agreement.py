@@ -4,6 +4,7 @@ teacher-forced exactly as in training (``specfw.train.eagle3``), on held-out tex
     .venv/bin/python benchmarks/eval_draft_agreement.py                       # demo draft, MT-bench
     .venv/bin/python benchmarks/eval_draft_agreement.py --draft drafts/eagle3/draft --n 40
     .venv/bin/python benchmarks/eval_draft_agreement.py --responses ~/.cache/specfw/train/SmolLM2-135M-Instruct/responses-bfloat16.jsonl
+    .venv/bin/python benchmarks/eval_draft_agreement.py --responses CACHE --response-tokens 64   # like MT-bench's 64
 
 The sequences are the target's own greedy answers (on-policy) to MT-bench first turns, or records
 of a regenerated-responses cache (``--responses``: training data, to compare). Step j's agreement
