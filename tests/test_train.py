@@ -178,3 +178,17 @@ def test_init_draft_on_the_command_line(tiny_model_dir, tmp_path):
     r = subprocess.run([str(BIN / "specfw"), "train", f"init_draft={tmp_path / 'nowhere'}"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "init_draft" in r.stderr
+
+
+def test_sharegpt_all_turns_from_the_package():
+    """data.turns=all on the real salvaged ShareGPT: every later user turn becomes a prompt that ends
+    with that turn, carries at most CONTEXT_CHARS of earlier text, and first turns keep their keys."""
+    from specfw.train.data import CONTEXT_CHARS, load_prompts
+    first = load_prompts("sharegpt", None, 10 ** 9, 0, "first")
+    every = load_prompts("sharegpt", None, 10 ** 9, 0, "all")
+    assert len(first) > 10_000 and len(every) > 3 * len(first)
+    assert {it["prompt"] for it in first} <= {it["prompt"] for it in every}
+    for it in every[:2000]:
+        msgs = it["messages"]
+        assert msgs[-1]["role"] == "user" and msgs[-1]["content"].strip()
+        assert sum(len(m["content"]) for m in msgs[:-1]) <= CONTEXT_CHARS
