@@ -106,13 +106,26 @@ def _fuse_into(model: LlamaModel, state: dict[str, torch.Tensor]) -> None:
         logger.warning("ignored %d unexpected tensors, e.g. %s", len(leftover), leftover[:3])
 
 
+def load_config(path: Path):
+    """The target's transformers config. MiMo checkpoints (``model_type: mimo``, remote code in
+    transformers) are Qwen2 plus MTP layers: their config loads as a Qwen2Config."""
+    import json
+    from transformers import AutoConfig, Qwen2Config
+    raw = json.loads((Path(path) / "config.json").read_text())
+    if raw.get("model_type") == "mimo":
+        cfg = Qwen2Config(**{k: v for k, v in raw.items() if k not in ("model_type", "auto_map")})
+        cfg.model_type = "mimo"
+        return cfg
+    return AutoConfig.from_pretrained(path)
+
+
 def load_model(ref: str | None, dtype: str = "float32", revision: str | None = None,
                max_positions: int | None = None) -> LoadedModel:
-    from transformers import AutoConfig, AutoTokenizer
+    from transformers import AutoTokenizer
     if dtype not in DTYPES:
         raise ModelLoadError(f"model.dtype: '{dtype}' is not one of {sorted(DTYPES)}")
     path = resolve_model_path(ref, revision)
-    cfg = AutoConfig.from_pretrained(path)
+    cfg = load_config(path)
     archs = set(getattr(cfg, "architectures", None) or ["LlamaForCausalLM"])
     if not archs & SUPPORTED_ARCHS:
         raise ModelLoadError(f"model architecture {sorted(archs)} is not supported; supported: {sorted(SUPPORTED_ARCHS)}")

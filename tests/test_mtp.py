@@ -167,3 +167,37 @@ def test_errors_name_the_key(tiny_model_dir, target_with_mtp, tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(bad))
     with pytest.raises(ConfigError, match="hidden_size 32 != target hidden_size 64"):
         load_mtp(tmp_path, cfg, torch.float32)
+
+
+def test_mimo_target_with_mtp_layers(demo_dir, tmp_path):
+    """A MiMo-style target (``model_type: mimo``: Qwen2 with q/k/v biases, no transformers class)
+    loads, and its ``model.mtp_layers.0`` (biases too) drafts: greedy == plain."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import LlamaConfig
+    from specfw_plugins.mtp.model import MtpHead
+    cfg = Qwen2Config(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True, eos_token_id=2)
+    torch.manual_seed(0)
+    model = Qwen2ForCausalLM(cfg)
+    with torch.no_grad():
+        model.model.embed_tokens.weight.mul_(40)
+    model.save_pretrained(tmp_path)
+    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        if (demo_dir / f).exists():
+            shutil.copy(demo_dir / f, tmp_path / f)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    raw.update(model_type="mimo", architectures=["MiMoForCausalLM"], num_nextn_predict_layers=1)
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    head = MtpHead(LlamaConfig(**cfg.to_dict()), MIMO, has_head=False, attn_bias=True)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn_like(p) * 0.1 + (1.0 if p.dim() == 1 and p.shape[0] == 64 else 0.0))
+    names = _names(MIMO, "model.mtp_layers.0.", True)
+    save_file({names[k]: v.contiguous() for k, v in head.state_dict().items()}, str(tmp_path / "model-mtp.safetensors"))
+    loaded = load_mtp(tmp_path, cfg, torch.float32)
+    assert loaded.layout == MIMO and loaded.layer.self_attn.q_proj.bias is not None
+    assert torch.equal(loaded.layer.self_attn.q_proj.bias, head.layer.self_attn.q_proj.bias)
+    plain = _plain(tmp_path)
+    eng = _engine(tmp_path, num_steps=2, topk=2, num_draft_tokens=4)
+    assert [o.token_ids for o in eng.generate(PROMPTS, GREEDY)] == plain
+    assert eng.stats.verify_forwards > 0
