@@ -201,3 +201,29 @@ def test_mimo_target_with_mtp_layers(demo_dir, tmp_path):
     eng = _engine(tmp_path, num_steps=2, topk=2, num_draft_tokens=4)
     assert [o.token_ids for o in eng.generate(PROMPTS, GREEDY)] == plain
     assert eng.stats.verify_forwards > 0
+
+
+def test_mtp_trainer_unrolls_the_chain(tiny_model_dir):
+    """draft.ttt_steps: step 0 of the unroll is the plain causal layer (same numbers as the dense
+    path), deeper steps add their own loss terms and agreement metrics."""
+    from types import SimpleNamespace
+    from specfw.train.common import unrolled_layer_step
+    from specfw.train.mtp import MtpTrainer
+    from specfw.train.target import TargetTeacher
+    teacher = TargetTeacher(tiny_model_dir, torch.float32, torch.device("cpu"))
+    ids = torch.randint(0, 49152, (2, 12))
+    mask, valid = torch.ones(2, 12), torch.ones(2, 12, dtype=torch.bool)
+    losses = {}
+    for ttt in (1, 3):
+        cfg = SimpleNamespace(draft=SimpleNamespace(ttt_steps=ttt, ttt_decay=0.8), data=SimpleNamespace(max_len=32))
+        torch.manual_seed(0)
+        tr = MtpTrainer(cfg, teacher, [])
+        with torch.no_grad():
+            losses[ttt], metrics = tr.loss(ids, mask, valid)
+        assert sorted(k for k in metrics if k.startswith("acc")) == [f"acc{j}" for j in range(ttt)]
+    assert losses[3] > losses[1] > 0
+    x = torch.randn(2, 10, 64)
+    with torch.no_grad():
+        dense = tr.head.layer.forward_dense(tr.head.input_layernorm(x), x, torch.arange(10).expand(2, 10), tr.rotary)
+        step0 = unrolled_layer_step(tr.head.layer, tr.head.input_layernorm(x), x, 0, [], [], tr.rotary)
+    torch.testing.assert_close(step0, dense, rtol=1e-5, atol=1e-5)

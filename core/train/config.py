@@ -68,6 +68,8 @@ class EagleTrainConfig(DraftTrainConfig):
 @dataclass
 class MtpTrainConfig(DraftTrainConfig):
     kind: str = "mtp"                         # one DeepSeek-style NextN layer, exported as a NextN-only checkpoint
+    ttt_steps: int = 3                        # unroll depth: the layer is reused for this many chain steps
+    ttt_decay: float = 0.8                    # loss weight of unroll step j is decay**j
 
 
 @dataclass
@@ -121,7 +123,7 @@ def validate_train(cfg) -> None:
         if not (Path(cfg.init_draft) / "config.json").exists():
             raise ConfigError("init_draft", f"'{cfg.init_draft}' is not a draft directory (no config.json); "
                                             "give a directory in the published layout or 'demo'")
-    if cfg.draft.kind == "eagle3" and cfg.draft.ttt_steps < 1:
+    if cfg.draft.kind in ("eagle3", "mtp") and cfg.draft.ttt_steps < 1:
         raise ConfigError("draft.ttt_steps", f"must be >= 1, got {cfg.draft.ttt_steps}")
     if cfg.draft.kind == "standalone" and not 1 <= cfg.draft.num_layers <= 8:
         raise ConfigError("draft.num_layers", f"must be in 1..8, got {cfg.draft.num_layers}")

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ..models.llama import Rotary
-from .common import ModuleTrainer, load_matching
+from .common import ModuleTrainer, load_matching, unrolled_layer_step
 
 
 def draft_vocab_by_frequency(examples, vocab_size: int, k: int) -> torch.Tensor:
@@ -76,21 +76,6 @@ class Eagle3Trainer(ModuleTrainer):
         self.draft_ids = (d2t + torch.arange(len(d2t))).to(self.draft_ids.device)
         load_matching(self.head, sd)
 
-    def _attend(self, layer, q, ks, vs):
-        """q [B,H,n,D]; ks[0]/vs[0] [B,Hkv,S0,D] real pairs (causal by origin); ks[k>0] [B,Hkv,>=n,D] diagonal."""
-        rep = layer.n_heads // layer.n_kv
-        k0, v0 = ks[0].repeat_interleave(rep, 1), vs[0].repeat_interleave(rep, 1)
-        n, S0 = q.shape[2], k0.shape[2]
-        s0 = (q @ k0.transpose(-1, -2)) * layer.scale
-        causal = torch.ones(n, S0, dtype=torch.bool, device=q.device).tril()
-        s0 = s0.masked_fill(~causal, float("-inf"))
-        diag = [((q * k[:, :, :n].repeat_interleave(rep, 1)).sum(-1) * layer.scale).unsqueeze(-1) for k in ks[1:]]
-        w = torch.softmax(torch.cat([s0] + diag, -1), -1)
-        out = w[..., :S0] @ v0
-        for j, v in enumerate(vs[1:]):
-            out = out + w[..., S0 + j:S0 + j + 1] * v[:, :, :n].repeat_interleave(rep, 1)
-        return out
-
     def loss(self, ids, mask, valid):
         hs, logits = self.teacher(ids, valid)
         aux = torch.cat([hs[a] for a in self.aux_layers], -1).float()
@@ -109,16 +94,7 @@ class Eagle3Trainer(ModuleTrainer):
                 break
             hid = hid[:, :n]
             x = layer.attn_input(embeds[:, 1 + j:1 + j + n], hid)
-            pos = torch.arange(j, j + n, device=ids.device)
-            cos, sin = self.rotary.cos[pos][None, :, None], self.rotary.sin[pos][None, :, None]
-            q = Rotary.apply(layer.self_attn.q_proj(x).view(B, n, layer.n_heads, -1), cos, sin).transpose(1, 2)
-            k = Rotary.apply(layer.self_attn.k_proj(x).view(B, n, layer.n_kv, -1), cos, sin).transpose(1, 2)
-            v = layer.self_attn.v_proj(x).view(B, n, layer.n_kv, -1).transpose(1, 2)
-            ks.append(k)
-            vs.append(v)
-            o = self._attend(layer, q, ks, vs).transpose(1, 2).reshape(B, n, -1)
-            h = hid + layer.self_attn.o_proj(o)
-            h = h + layer.mlp(layer.post_attention_layernorm(h))
+            h = unrolled_layer_step(layer, x, hid, j, ks, vs, self.rotary)
             logp = torch.log_softmax(head.lm_head(head.norm(h)), -1)
             t = tgt[:, 1 + j:1 + j + n]
             m = mask[:, 2 + j:2 + j + n] * valid[:, 2 + j:2 + j + n]

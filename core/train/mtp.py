@@ -3,7 +3,8 @@
 and lm_head) trained with soft cross-entropy against the target's next-next-token distribution.
 
 Pair i = (token t_{i+1}, the target's final post-norm hidden f_i) predicts t_{i+2}, the inference
-convention of ``specfw_plugins.mtp``. The decoder layer starts as a copy of the target's last
+convention of ``specfw_plugins.mtp``; with ``ttt_steps > 1`` the layer is also trained on its own
+outputs, as the drafter reuses it for deeper chain steps (EAGLE-3's training-time test). The decoder layer starts as a copy of the target's last
 layer and the output norm as the target's final norm. The export is a NextN-only checkpoint:
 the layer's tensors under ``model.layers.{num_hidden_layers}.`` plus the target's config with
 ``num_nextn_predict_layers: 1`` (the layout SGLang reads for DeepSeek NextN drafts), which
@@ -16,7 +17,7 @@ from pathlib import Path
 import torch
 
 from ..models.llama import Rotary
-from .common import ModuleTrainer, load_matching
+from .common import ModuleTrainer, load_matching, unrolled_layer_step
 
 
 class MtpTrainer(ModuleTrainer):
@@ -41,6 +42,7 @@ class MtpTrainer(ModuleTrainer):
         self.rotary = Rotary(self.hcfg, self.hcfg.max_position_embeddings, torch.float32).to(teacher.device)
         self.teacher = teacher
         self.num_layers = t.num_hidden_layers
+        self.ttt, self.decay = cfg.draft.ttt_steps, cfg.draft.ttt_decay
 
     @property
     def module(self):
@@ -58,21 +60,34 @@ class MtpTrainer(ModuleTrainer):
         load_matching(self.head, {own: sd[name] for own, name in names.items() if name in sd})
 
     def loss(self, ids, mask, valid):
+        """Unroll step j feeds, for origin i, token t_{i+1+j} with the layer's own output of step j-1
+        (the target's feature at j = 0) and predicts t_{i+2+j}: what a depth-j chain node sees."""
         hs, logits = self.teacher(ids, valid)
         feat = hs[-1].float()                          # final post-norm hidden states
-        B, S = ids.shape
-        n = S - 2
-        x = self.head.fuse(self.teacher.embed(ids[:, 1:1 + n]).float(), feat[:, :n])
-        pos = torch.arange(n, device=ids.device).expand(B, n)
-        out = self.head.layer.forward_dense(self.head.input_layernorm(x), x, pos, self.rotary)
+        embeds = self.teacher.embed(ids).float()
+        tgt = torch.softmax(logits.float(), -1)
+        tgt_top = logits.argmax(-1)
         w = self.teacher.lm_head.weight
-        logp = torch.log_softmax((self.head.final_norm(out).to(w.dtype) @ w.T).float(), -1)
-        tgt = torch.softmax(logits[:, 1:1 + n].float(), -1)
-        m = mask[:, 2:2 + n] * valid[:, 2:2 + n]
-        denom = m.sum().clamp_min(1)
-        loss = (-(tgt * logp).sum(-1) * m).sum() / denom
-        agree = (logp.argmax(-1) == logits[:, 1:1 + n].argmax(-1)).float()
-        return loss, {"loss": float(loss.detach()), "acc0": float((agree * m).sum() / denom)}
+        S = ids.shape[1]
+        hid, ks, vs = feat[:, : S - 2], [], []
+        total, metrics = 0.0, {}
+        for j in range(self.ttt):
+            n = S - 2 - j
+            if n <= 0:
+                break
+            hid = hid[:, :n]
+            x = self.head.fuse(embeds[:, 1 + j:1 + j + n], hid)
+            h = unrolled_layer_step(self.head.layer, self.head.input_layernorm(x), x, j, ks, vs, self.rotary)
+            logp = torch.log_softmax((self.head.final_norm(h).to(w.dtype) @ w.T).float(), -1)
+            m = mask[:, 2 + j:2 + j + n] * valid[:, 2 + j:2 + j + n]
+            denom = m.sum().clamp_min(1)
+            lj = (-(tgt[:, 1 + j:1 + j + n] * logp).sum(-1) * m).sum() / denom
+            total = total + (self.decay ** j) * lj
+            agree = (logp.argmax(-1) == tgt_top[:, 1 + j:1 + j + n]).float()
+            metrics[f"acc{j}"] = float((agree * m).sum() / denom)
+            hid = h
+        metrics["loss"] = float(total.detach())
+        return total, metrics
 
     def export(self, out: Path, dtype: torch.dtype) -> Path:
         from safetensors.torch import save_file
