@@ -68,3 +68,20 @@ def unrolled_layer_step(layer, attn_in: torch.Tensor, residual: torch.Tensor, j:
     o = _ttt_attention(layer, q, ks, vs).transpose(1, 2).reshape(B, n, -1)
     h = residual + layer.self_attn.o_proj(o)
     return h + layer.mlp(layer.post_attention_layernorm(h))
+
+
+def unroll(first_hidden: torch.Tensor, steps: int, decay: float, step) -> tuple[torch.Tensor, dict]:
+    """The training-time-test loop: origins 0..n-1 (n = first_hidden's length) go ``steps`` deep; step
+    j runs ``step(j, n_j, hidden)`` on the n_j = n - j origins that still have a target token, with
+    the previous step's output hidden (``first_hidden`` at j = 0), and returns (output hidden,
+    loss_j, top-1 agreement_j). Loss = sum decay**j * loss_j."""
+    total, metrics, hid = 0.0, {}, first_hidden
+    for j in range(steps):
+        n = first_hidden.shape[1] - j
+        if n <= 0:
+            break
+        hid, lj, acc = step(j, n, hid[:, :n])
+        total = total + (decay ** j) * lj
+        metrics[f"acc{j}"] = acc
+    metrics["loss"] = float(total.detach())
+    return total, metrics

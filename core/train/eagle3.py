@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from ..models.llama import Rotary
-from .common import ModuleTrainer, load_matching, unrolled_layer_step
+from .common import ModuleTrainer, load_matching, unroll, unrolled_layer_step
 
 
 def draft_vocab_by_frequency(examples, vocab_size: int, k: int) -> torch.Tensor:
@@ -84,28 +84,19 @@ class Eagle3Trainer(ModuleTrainer):
         tgt_top = logits.argmax(-1)
         in_vocab = self.head.t2d[tgt_top]
         layer, head = self.head.midlayer, self.head
-        B, S = ids.shape
-        f = head.fc(aux)
-        hid, ks, vs = f[:, : S - 2], [], []
-        total, metrics = 0.0, {}
-        for j in range(self.ttt):
-            n = S - 2 - j
-            if n <= 0:
-                break
-            hid = hid[:, :n]
+        S = ids.shape[1]
+
+        def step(j, n, hid):
             x = layer.attn_input(embeds[:, 1 + j:1 + j + n], hid)
             h = unrolled_layer_step(layer, x, hid, j, ks, vs, self.rotary)
             logp = torch.log_softmax(head.lm_head(head.norm(h)), -1)
-            t = tgt[:, 1 + j:1 + j + n]
             m = mask[:, 2 + j:2 + j + n] * valid[:, 2 + j:2 + j + n]
-            ce = -(t * logp).sum(-1)
-            lj = (ce * m).sum() / m.sum().clamp_min(1)
-            total = total + (self.decay ** j) * lj
+            lj = (-(tgt[:, 1 + j:1 + j + n] * logp).sum(-1) * m).sum() / m.sum().clamp_min(1)
             agree = (self.draft_ids[logp.argmax(-1)] == tgt_top[:, 1 + j:1 + j + n]) & in_vocab[:, 1 + j:1 + j + n]
-            metrics[f"acc{j}"] = float((agree.float() * m).sum() / m.sum().clamp_min(1))
-            hid = h
-        metrics["loss"] = float(total.detach())
-        return total, metrics
+            return h, lj, float((agree.float() * m).sum() / m.sum().clamp_min(1))
+
+        ks, vs = [], []
+        return unroll(head.fc(aux)[:, : S - 2], self.ttt, self.decay, step)
 
     def export(self, out: Path, dtype: torch.dtype) -> Path:
         from safetensors.torch import save_file

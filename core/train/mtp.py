@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 
 from ..models.llama import Rotary
-from .common import ModuleTrainer, load_matching, unrolled_layer_step
+from .common import ModuleTrainer, load_matching, unroll, unrolled_layer_step
 
 
 class MtpTrainer(ModuleTrainer):
@@ -69,25 +69,19 @@ class MtpTrainer(ModuleTrainer):
         tgt_top = logits.argmax(-1)
         w = self.teacher.lm_head.weight
         S = ids.shape[1]
-        hid, ks, vs = feat[:, : S - 2], [], []
-        total, metrics = 0.0, {}
-        for j in range(self.ttt):
-            n = S - 2 - j
-            if n <= 0:
-                break
-            hid = hid[:, :n]
+
+        def step(j, n, hid):
             x = self.head.fuse(embeds[:, 1 + j:1 + j + n], hid)
             h = unrolled_layer_step(self.head.layer, self.head.input_layernorm(x), x, j, ks, vs, self.rotary)
             logp = torch.log_softmax((self.head.final_norm(h).to(w.dtype) @ w.T).float(), -1)
             m = mask[:, 2 + j:2 + j + n] * valid[:, 2 + j:2 + j + n]
             denom = m.sum().clamp_min(1)
             lj = (-(tgt[:, 1 + j:1 + j + n] * logp).sum(-1) * m).sum() / denom
-            total = total + (self.decay ** j) * lj
             agree = (logp.argmax(-1) == tgt_top[:, 1 + j:1 + j + n]).float()
-            metrics[f"acc{j}"] = float((agree * m).sum() / denom)
-            hid = h
-        metrics["loss"] = float(total.detach())
-        return total, metrics
+            return h, lj, float((agree * m).sum() / denom)
+
+        ks, vs = [], []
+        return unroll(feat[:, : S - 2], self.ttt, self.decay, step)
 
     def export(self, out: Path, dtype: torch.dtype) -> Path:
         from safetensors.torch import save_file
