@@ -67,10 +67,13 @@ def _expand(req, logits: torch.Tensor, beams: list[tuple[int, float, int]], k: i
 def beam_search(reqs, first_logits: torch.Tensor, first_hidden: torch.Tensor | None, topk: int, num_steps: int,
                 committed_slots: Callable, allocator, step: Callable, sampled: Callable = lambda r: False,
                 to_target: torch.Tensor | None = None,
-                root_position: Callable = lambda r: r.seq_len - 1) -> list[DraftCandidates]:
+                root_position: Callable = lambda r: r.seq_len - 1,
+                score_floor: float = float("-inf")) -> list[DraftCandidates]:
     """``first_logits[i]``/``first_hidden[i]``: the drafter's output at request i's root.
     ``committed_slots(req)`` → its draft KV slots (prefix incl. root). ``to_target`` maps a
-    reduced draft vocabulary to target ids (FR-Spec / EAGLE-3 ``d2t``)."""
+    reduced draft vocabulary to target ids (FR-Spec / EAGLE-3 ``d2t``). Beams scoring below
+    ``score_floor`` are not expanded (their children would score no higher and be pruned);
+    drafting stops early when no beam is left."""
     cands = [_Cands() for _ in reqs]
     beams = [_expand(r, first_logits[i:i + 1], [(-1, 0.0, 0)], topk, cands[i], sampled(r), to_target)
              for i, r in enumerate(reqs)]
@@ -80,8 +83,13 @@ def beam_search(reqs, first_logits: torch.Tensor, first_hidden: torch.Tensor | N
     row_of = [dict() for _ in reqs]       # candidate index → position in drafted[i]
     try:
         for depth in range(1, num_steps):
+            beams = [[b for b in bs if b[1] >= score_floor] for bs in beams]
+            live = [i for i, bs in enumerate(beams) if bs]
+            if not live:
+                break
             chunks, parent_rows = [], []
-            for i, r in enumerate(reqs):
+            for i in live:
+                r = reqs[i]
                 bs, prev = beams[i], len(drafted[i])
                 mask = torch.zeros(len(bs), prev + len(bs), dtype=torch.bool)
                 for j, (c, _, _) in enumerate(bs):
@@ -100,8 +108,8 @@ def beam_search(reqs, first_logits: torch.Tensor, first_hidden: torch.Tensor | N
             parent_hidden = hidden[torch.tensor(parent_rows)] if hidden is not None else None
             logits, hidden = step(chunks, parent_hidden)
             off = 0
-            for i, r in enumerate(reqs):
-                n = len(beams[i])
+            for i in live:
+                r, n = reqs[i], len(beams[i])
                 beams[i] = _expand(r, logits[off:off + n], [(c, s, j) for j, (c, s, _) in enumerate(beams[i])],
                                    topk, cands[i], sampled(r), to_target)
                 row_base[i] = off

@@ -37,18 +37,29 @@ def budget_sizes(num_draft_tokens: int) -> list[int]:
     return sizes
 
 
-def accepted_within(cands: DraftCandidates, accepted_tokens: list[int], keep: set[int]) -> int:
-    """How many of the accepted draft tokens (root's child first) a tree holding only the
-    candidates ``keep`` would have accepted: the accepted path's prefix inside ``keep``."""
+def accepted_path(cands: DraftCandidates, accepted_tokens: list[int]) -> list[int]:
+    """Indices of the candidates the accepted draft tokens (root's child first) went through."""
     child = {}
     for i, (p, t) in enumerate(zip(cands.parents.tolist(), cands.tokens.tolist())):
         child.setdefault((p, t), i)
-    parent, n = -1, 0
+    path, parent = [], -1
     for tok in accepted_tokens:
         c = child.get((parent, tok))
-        if c is None or c not in keep:
+        if c is None:
             break
-        parent, n = c, n + 1
+        path.append(c)
+        parent = c
+    return path
+
+
+def accepted_within(cands: DraftCandidates, accepted_tokens: list[int], keep: set[int]) -> int:
+    """How many of the accepted draft tokens (root's child first) a tree holding only the
+    candidates ``keep`` would have accepted: the accepted path's prefix inside ``keep``."""
+    n = 0
+    for c in accepted_path(cands, accepted_tokens):
+        if c not in keep:
+            break
+        n += 1
     return n
 
 

@@ -40,6 +40,7 @@ class SpecAlgoConfig(SpeculativeConfig):
     accept_threshold_acc: float = 1.0           # accept if coin <= accumulated p_target / this (1.0 = lossless)
     attention_mode: AttentionMode = AttentionMode.prefill  # SGLang compat: verify/extend kernel choice; specfw has one attention path, same result
     adaptive_draft: bool = True                 # per step, verify the tree size (1 = no draft, 2, 4, .., num_draft_tokens) with the best measured tokens/s
+    confidence_pruning: bool = True             # with adaptive_draft: per step, drop draft nodes whose learned acceptance probability is below tokens/s x seconds per verified node
     force_greedy_verify: bool = False           # verify greedily even for sampled requests (also SPECFW_FORCE_GREEDY_VERIFY=1)
 
     def auto_shape(self, target_arch: str) -> TreeShape:

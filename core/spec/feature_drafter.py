@@ -105,4 +105,5 @@ class FeatureDrafter:
 
         return beam_search(reqs, logits, hidden[last], self.shape.topk, self.ctx.draft_depth,
                            lambda r: self.states[r.rid].slots.slots(), self.kv.allocator, step,
-                           to_target=self.to_target, root_position=lambda r: r.seq_len - 2)
+                           to_target=self.to_target, root_position=lambda r: r.seq_len - 2,
+                           score_floor=self.ctx.draft_score_floor)

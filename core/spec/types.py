@@ -23,6 +23,8 @@ class SpecContext:
     force_greedy: bool = False
     draft_budget: int = 0            # tree nodes (incl. root) this step verifies; drafting deeper than
                                      # draft_budget - 1 is wasted (set by the worker before specfw_draft)
+    draft_score_floor: float = float("-inf")   # candidates scoring below this will be pruned this step
+                                               # (spec/confidence.py): expanding such beams is wasted
 
     @property
     def draft_depth(self) -> int:

@@ -22,6 +22,7 @@ from ..sampling import TokenLogprob
 from ..worker import SeqResult, prefill_chunks, sample_rows
 from . import defaults
 from .budget import DraftBudget, counterfactual_yields
+from .confidence import ConfidencePruning
 from .types import DraftCandidates, SpecContext, VerifyResult
 
 logger = logging.getLogger(__name__)
@@ -58,6 +59,7 @@ class SpeculativeWorker:
         self.algorithm = algorithm.name
         self.slots_per_decode = shape.num_draft_tokens
         self.budget = DraftBudget(shape.num_draft_tokens, adaptive=cfg.adaptive_draft)
+        self.pruning = ConfidencePruning(enabled=cfg.adaptive_draft and getattr(cfg, "confidence_pruning", True))
         logger.info("speculative decoding: %s num_steps=%d topk=%d num_draft_tokens=%d", algorithm.name,
                     shape.num_steps, shape.topk, shape.num_draft_tokens)
 
@@ -77,26 +79,35 @@ class SpeculativeWorker:
     # ---- decode -------------------------------------------------------------------------
     def decode(self, reqs: list[Request]) -> list[SeqResult]:
         t0 = time.perf_counter()
-        size = self.budget.choose(len(reqs))
-        candidates, results = self._decode(reqs, size)
+        batch = len(reqs)
+        size = self.budget.choose(batch)
+        threshold = self.pruning.plan(batch, self.budget.rates(batch).get(size)) if size > 1 else 0.0
+        drafted, candidates, results = self._decode(reqs, size, threshold)
         seconds = time.perf_counter() - t0
-        if self.budget.adaptive:
-            drafted = any(len(c) for c in candidates)
-            yields = counterfactual_yields(self.budget.sizes, size, candidates,
-                                           [r.tokens[:r.num_accepted] for r in results]) if drafted else None
-            self.budget.observe(len(reqs), size, seconds, yields)
+        if self.budget.adaptive and drafted:
+            accepted = [r.tokens[:r.num_accepted] for r in results]
+            self.budget.observe(batch, size, seconds, counterfactual_yields(self.budget.sizes, size, candidates, accepted))
+            self.pruning.observe(batch, candidates, accepted, seconds)
+        elif self.budget.adaptive and size == 1:
+            self.budget.observe(batch, size, seconds, None)
         return [SeqResult(res.tokens, res.logprobs, res.num_draft, res.num_accepted) for res in results]
 
-    def _decode(self, reqs: list[Request], size: int) -> tuple[list[DraftCandidates], list[VerifyResult]]:
+    def _draft(self, reqs: list[Request], size: int, threshold: float) -> tuple[bool, list[DraftCandidates]]:
+        """The candidates to verify (cut to ``size - 1`` nodes and pruned below ``threshold``),
+        and whether the drafter proposed anything before pruning."""
         if size == 1:    # the budget says drafting does not pay right now: a plain step
-            candidates = [DraftCandidates.empty() for _ in reqs]
-        else:
-            self.ctx.draft_budget = size
-            candidates = self.hook.specfw_draft(ctx=self.ctx, reqs=reqs)
-            if candidates is None or len(candidates) != len(reqs):
-                raise RuntimeError(f"algorithm '{self.algorithm}': specfw_draft must return one DraftCandidates per request")
-            if size < self.ctx.shape.num_draft_tokens:
-                candidates = [c.best(size - 1) for c in candidates]
+            return False, [DraftCandidates.empty() for _ in reqs]
+        self.ctx.draft_budget = size
+        self.ctx.draft_score_floor = self.pruning.score_floor(threshold)
+        candidates = self.hook.specfw_draft(ctx=self.ctx, reqs=reqs)
+        if candidates is None or len(candidates) != len(reqs):
+            raise RuntimeError(f"algorithm '{self.algorithm}': specfw_draft must return one DraftCandidates per request")
+        drafted = any(len(c) for c in candidates)
+        return drafted, [self.pruning.prune(c.best(size - 1), threshold) for c in candidates]
+
+    def _decode(self, reqs: list[Request], size: int,
+                threshold: float = 0.0) -> tuple[bool, list[DraftCandidates], list[VerifyResult]]:
+        drafted, candidates = self._draft(reqs, size, threshold)
         trees = [self.hook.specfw_build_tree(ctx=self.ctx, req=r, candidates=c) for r, c in zip(reqs, candidates)]
         chunks, slot_sets = [], []
         for r, t in zip(reqs, trees):
@@ -120,7 +131,7 @@ class SpeculativeWorker:
         self.hook.specfw_observe_step(ctx=self.ctx, reqs=reqs, results=results)
         self.ctx.stats.record_positions([(res.num_accepted, int(t.depth.max())) for res, t in zip(results, trees)
                                          if res.num_draft])
-        return candidates, results
+        return drafted, candidates, results
 
     def _commit_kv(self, req: Request, slots: torch.Tensor, keep: torch.Tensor) -> None:
         """Keep the accepted path's KV and free the rest. The path's entries move to the first

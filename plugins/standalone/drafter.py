@@ -117,4 +117,5 @@ class StandaloneDrafter:
             return self.draft.forward(build_forward_batch(step_chunks)).logits, None
 
         return beam_search(reqs, logits, None, self.shape.topk, self.ctx.draft_depth,
-                           lambda r: self._state(r).slots.slots(), self.draft.allocator, step, self._sampled)
+                           lambda r: self._state(r).slots.slots(), self.draft.allocator, step, self._sampled,
+                           score_floor=self.ctx.draft_score_floor)

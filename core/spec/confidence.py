@@ -1,0 +1,160 @@
+"""Confidence pruning: per step, verify only the draft nodes that are expected to pay for themselves.
+
+The draft budget (``spec/budget.py``) picks one tree size per step from measured averages; but
+how good a draft is varies from step to step, and the drafter knows it: a node whose draft
+probability is 0.9 is accepted most of the time, one at 0.01 almost never. On hardware where
+every verified row costs time (CPUs), verifying the unlikely nodes loses more than it wins.
+
+* ``AcceptanceCalibration`` maps a candidate's score (EAGLE-style drafters: the cumulative draft
+  log-probability; its ``exp`` is the draft's own probability that the node is on the target's
+  path) to the probability that the target accepts it, learned online from verified trees:
+  decayed acceptance counts in probability bins, starting from the draft's own probability.
+* ``NodeCost`` learns the marginal seconds one more verified node adds to a step (drafting it
+  included): a decayed least-squares fit of step time on verified nodes, per batch size.
+* A node adds P(accept) tokens to the step and ``NodeCost.slope`` seconds, so it raises the
+  step's tokens/s exactly when ``P(accept) >= tokens/s now x seconds per node`` -- the
+  **threshold**. ``ConfidencePruning.prune`` keeps each request's candidates in score order
+  (the tree builder's ranking, closed under ancestors) up to the first one below the threshold;
+  ``score_floor`` gives drafters the score below which expanding a beam is wasted
+  (``SpecContext.draft_score_floor``), so low-confidence steps also draft less deeply.
+
+A small share of steps (``explore``) verifies the whole tree, so the calibration keeps seeing
+low-probability nodes and the cost fit keeps seeing large trees. Greedy output never depends on
+any of this: any tree verifies to the same tokens.
+"""
+from __future__ import annotations
+
+import bisect
+import math
+import random
+
+import torch
+
+from .budget import accepted_path
+from .types import DraftCandidates
+
+# bin edges on the draft probability exp(score); finer where the pruning decision usually falls
+PROB_EDGES = (0.0, 0.01, 0.02, 0.04, 0.07, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
+
+
+class AcceptanceCalibration:
+    """P(target accepts a node | its draft probability), learned from verified nodes."""
+
+    def __init__(self, prior_weight: float = 4.0, decay: float = 0.995):
+        self.prior_weight, self.decay = prior_weight, decay
+        n = len(PROB_EDGES)
+        upper = PROB_EDGES[1:] + (1.0,)
+        self.prior = [(lo + hi) / 2 for lo, hi in zip(PROB_EDGES, upper)]
+        self.accepted = [0.0] * n
+        self.seen = [0.0] * n
+
+    @staticmethod
+    def bin_of(score: float) -> int:
+        p = math.exp(min(score, 0.0))
+        return bisect.bisect_right(PROB_EDGES, p) - 1
+
+    def prob_in_bin(self, b: int) -> float:
+        return (self.accepted[b] + self.prior_weight * self.prior[b]) / (self.seen[b] + self.prior_weight)
+
+    def prob(self, score: float) -> float:
+        return self.prob_in_bin(self.bin_of(score))
+
+    def observe(self, score: float, accepted: bool) -> None:
+        b = self.bin_of(score)
+        self.accepted[b] = self.accepted[b] * self.decay + float(accepted)
+        self.seen[b] = self.seen[b] * self.decay + 1.0
+
+    def score_floor(self, threshold: float) -> float:
+        """The lowest score whose bin, and every bin above it, clears ``threshold``
+        (-inf when every bin does)."""
+        floor = -math.inf
+        for b in range(len(PROB_EDGES) - 1, -1, -1):
+            if self.prob_in_bin(b) < threshold:
+                return floor
+            floor = math.log(PROB_EDGES[b]) if PROB_EDGES[b] > 0 else -math.inf
+        return floor
+
+
+class NodeCost:
+    """Marginal seconds per verified node: decayed least squares of step seconds on nodes."""
+
+    def __init__(self, decay: float = 0.98, min_spread: float = 1.0):
+        self.decay, self.min_spread = decay, min_spread
+        self.w = self.sx = self.sy = self.sxx = self.sxy = 0.0
+
+    def observe(self, nodes: int, seconds: float) -> None:
+        d = self.decay
+        self.w = self.w * d + 1.0
+        self.sx = self.sx * d + nodes
+        self.sy = self.sy * d + seconds
+        self.sxx = self.sxx * d + nodes * nodes
+        self.sxy = self.sxy * d + nodes * seconds
+
+    @property
+    def slope(self) -> float | None:
+        """Seconds per node, or None while the nodes seen vary too little to fit a slope."""
+        if self.w <= 0:
+            return None
+        var = self.sxx / self.w - (self.sx / self.w) ** 2
+        if var < self.min_spread:
+            return None
+        cov = self.sxy / self.w - (self.sx / self.w) * (self.sy / self.w)
+        return max(cov / var, 0.0)
+
+
+class ConfidencePruning:
+    def __init__(self, enabled: bool = True, explore: float = 0.05, seed: int = 1):
+        self.enabled = enabled
+        self.explore = explore
+        self.calibration = AcceptanceCalibration()
+        self.costs: dict[int, NodeCost] = {}
+        self._rng = random.Random(seed)
+        self.pruned_nodes = 0
+        self.kept_nodes = 0
+
+    def threshold(self, batch: int, tokens_per_s: float | None) -> float:
+        """Minimum acceptance probability for a node to raise tokens/s (0: keep everything)."""
+        cost = self.costs.get(batch)
+        slope = cost.slope if cost else None
+        if not self.enabled or slope is None or not tokens_per_s:
+            return 0.0
+        return tokens_per_s * slope
+
+    def plan(self, batch: int, tokens_per_s: float | None) -> float:
+        """This step's threshold: 0 on an exploring step (the whole tree is verified)."""
+        if not self.enabled or self._rng.random() < self.explore:
+            return 0.0
+        return self.threshold(batch, tokens_per_s)
+
+    def score_floor(self, threshold: float) -> float:
+        return self.calibration.score_floor(threshold) if threshold > 0 else -math.inf
+
+    def prune(self, cands: DraftCandidates, threshold: float) -> DraftCandidates:
+        """Candidates in score order up to the first one whose acceptance probability is below
+        ``threshold`` (closed under ancestors: a child never outscores its parent)."""
+        if threshold <= 0 or len(cands) == 0:
+            return cands
+        order = torch.argsort(cands.scores, descending=True, stable=True).tolist()
+        scores = cands.scores.tolist()
+        keep = 0
+        for i in order:
+            if self.calibration.prob(scores[i]) < threshold:
+                break
+            keep += 1
+        self.kept_nodes += keep
+        self.pruned_nodes += len(cands) - keep
+        return cands.best(keep) if keep else DraftCandidates.empty()
+
+    def observe(self, batch: int, cands: list[DraftCandidates], accepted: list[list[int]], seconds: float) -> None:
+        """One drafted step: the verified candidates per request, the draft tokens the target
+        accepted (root's child first), and the step's wall time."""
+        nodes = 0
+        for c, acc in zip(cands, accepted):
+            nodes += len(c)
+            if not len(c):
+                continue
+            on_path = set(accepted_path(c, acc))
+            for i, s in enumerate(c.scores.tolist()):
+                self.calibration.observe(s, i in on_path)
+        self.costs.setdefault(batch, NodeCost()).observe(nodes, seconds)
+
