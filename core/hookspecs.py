@@ -62,6 +62,10 @@ def specfw_draft(ctx: "SpecContext", reqs: "list[Request]") -> "list[DraftCandid
     smaller budget. An empty candidate list means "no draft" (the step decodes one token).
     Implemented by every algorithm runtime.
 
+    ``ctx.draft_depth`` is the useful depth this step and ``ctx.draft_score_floor`` the score
+    below which candidates will be pruned (confidence pruning): beams scoring below it need not
+    be expanded.
+
     :param ctx: engine-wide speculative context (config, target runner, stats).
     :param reqs: running requests; ``req.seq_ids[-1]`` is the root token (sampled, no KV yet).
     """

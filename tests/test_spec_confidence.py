@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from specfw.spec.confidence import AcceptanceCalibration, ConfidencePruning, NodeCost
+from specfw.spec.confidence import AcceptanceCalibration, ConfidencePruning, Cut, NodeCost
 from specfw.spec.types import DraftCandidates
 
 
@@ -41,14 +41,28 @@ def test_node_cost_fits_the_marginal_seconds_per_node():
 
 
 def test_threshold_is_tokens_per_second_times_seconds_per_node():
-    p = ConfidencePruning()
+    p = ConfidencePruning(explore=0.0)
     assert p.threshold(1, 50.0) == 0.0          # no cost fit yet: keep everything
     p.costs[1] = NodeCost()
     for i in range(50):
         p.costs[1].observe(i % 8, 0.030 + 0.002 * (i % 8))
     assert p.threshold(1, 50.0) == pytest.approx(0.1)
     assert p.threshold(4, 50.0) == 0.0          # each batch size has its own fit
-    assert ConfidencePruning(enabled=False).plan(1, 50.0) == 0.0
+    assert ConfidencePruning(enabled=False).plan(1, 50.0, 7) == Cut()
+    assert p.plan(1, 50.0, 7).threshold == pytest.approx(0.1) and p.plan(1, 50.0, 7).keep is None
+
+
+def test_exploring_steps_keep_a_random_number_of_the_best_nodes():
+    p = ConfidencePruning(explore=1.0)
+    keeps = {p.plan(1, 50.0, 7).keep for _ in range(200)}
+    assert keeps == set(range(8))
+    cold = ConfidencePruning(explore=0.0)        # before the cost fit has data, every step explores
+    assert cold.plan(1, 50.0, 7).keep is not None
+    for i in range(10):
+        cold.observe(1, [DraftCandidates.empty()], [[]], 0.03)
+        cold.costs[1].observe(i % 8, 0.03 + 0.002 * (i % 8))
+    assert cold.plan(1, 50.0, 7).keep is None
+    assert p.prune(_tree(), Cut(keep=2)).tokens.tolist() == [10, 11]
 
 
 def _tree():
@@ -59,11 +73,11 @@ def _tree():
 
 def test_prune_keeps_the_best_nodes_down_to_the_first_below_threshold():
     p = ConfidencePruning()
-    kept = p.prune(_tree(), 0.3)               # prior calibration: bin midpoints 0.85, 0.45, 0.35 pass, 0.125 fails
+    kept = p.prune(_tree(), Cut(threshold=0.3))               # prior calibration: bin midpoints 0.85, 0.45, 0.35 pass, 0.125 fails
     assert kept.tokens.tolist() == [10, 11, 13]
     assert kept.parents.tolist() == [-1, 0, 0]
-    assert p.prune(_tree(), 0.0).tokens.tolist() == [10, 11, 12, 99, 13]
-    assert len(p.prune(_tree(), 0.99)) == 0
+    assert p.prune(_tree(), Cut()).tokens.tolist() == [10, 11, 12, 99, 13]
+    assert len(p.prune(_tree(), Cut(threshold=0.99))) == 0
     assert (p.kept_nodes, p.pruned_nodes) == (3 + 0, 2 + 5)
 
 
@@ -128,7 +142,7 @@ def test_greedy_equals_plain_with_pruning_active_on_the_demo_eagle3_draft():
                           speculative=Eagle3Config(algorithm="eagle3")))
     w = eng.worker
     w.budget.choose = lambda batch: w.budget.max_size
-    w.pruning.plan = lambda batch, rate: 0.3      # a high threshold: most trees are cut, most beams stop early
+    w.pruning.plan = lambda batch, rate, n: Cut(threshold=0.3)     # a high threshold: most trees are cut, most beams stop early
     assert [eng.generate([p], params)[0].token_ids for p in prompts] == ref
     assert [o.token_ids for o in eng.generate(prompts, params)] == ref
     assert w.pruning.pruned_nodes > 0 and w.pruning.kept_nodes > 0

@@ -96,10 +96,11 @@ class _Decayed:
 
 class DraftBudget:
     def __init__(self, num_draft_tokens: int, adaptive: bool = True, warmup: int = 2,
-                 explore: float = 0.1, decay: float = 0.98, cost_decay: float = 0.8, seed: int = 0):
+                 explore: float = 0.1, decay: float = 0.98, cost_decay: float = 0.8, seed: int = 0,
+                 sizes: list[int] | None = None):
         self.max_size = num_draft_tokens
         self.adaptive = adaptive
-        self.sizes = budget_sizes(num_draft_tokens)
+        self.sizes = sizes or budget_sizes(num_draft_tokens)
         # yields are noisy (0 or 6 accepted) and need a long memory; step costs are steady
         # (hardware, context length) and a short one forgets outliers such as a cold first step
         self.warmup, self.explore, self.decay, self.cost_decay = warmup, explore, decay, cost_decay

@@ -18,8 +18,10 @@ every verified row costs time (CPUs), verifying the unlikely nodes loses more th
   ``score_floor`` gives drafters the score below which expanding a beam is wasted
   (``SpecContext.draft_score_floor``), so low-confidence steps also draft less deeply.
 
-A small share of steps (``explore``) verifies the whole tree, so the calibration keeps seeing
-low-probability nodes and the cost fit keeps seeing large trees. Greedy output never depends on
+A small share of steps (``explore``) verifies a random number of the best nodes instead, so the
+calibration keeps seeing nodes below the threshold and the cost fit sees every tree size. With
+pruning on, the draft budget only decides whether to draft at all (sizes 1 and
+``num_draft_tokens``): the tree size is this module's per-step decision. Greedy output never depends on
 any of this: any tree verifies to the same tokens.
 """
 from __future__ import annotations
@@ -27,6 +29,7 @@ from __future__ import annotations
 import bisect
 import math
 import random
+from dataclasses import dataclass
 
 import torch
 
@@ -102,6 +105,14 @@ class NodeCost:
         return max(cov / var, 0.0)
 
 
+@dataclass(frozen=True)
+class Cut:
+    """How one step cuts each request's candidates: below ``threshold`` (acceptance probability),
+    or to the ``keep`` best (exploring steps). The default keeps everything."""
+    threshold: float = 0.0
+    keep: int | None = None
+
+
 class ConfidencePruning:
     def __init__(self, enabled: bool = True, explore: float = 0.05, seed: int = 1):
         self.enabled = enabled
@@ -120,27 +131,34 @@ class ConfidencePruning:
             return 0.0
         return tokens_per_s * slope
 
-    def plan(self, batch: int, tokens_per_s: float | None) -> float:
-        """This step's threshold: 0 on an exploring step (the whole tree is verified)."""
-        if not self.enabled or self._rng.random() < self.explore:
-            return 0.0
-        return self.threshold(batch, tokens_per_s)
+    def plan(self, batch: int, tokens_per_s: float | None, max_nodes: int) -> "Cut":
+        """This step's cut. An exploring step (and every step until the cost fit for this batch
+        size has data) keeps a random number (0..max_nodes) of the best nodes instead: the
+        calibration sees nodes below the threshold and the cost fit sees every tree size."""
+        if not self.enabled:
+            return Cut()
+        cost = self.costs.get(batch)
+        if cost is None or cost.slope is None or self._rng.random() < self.explore:   # no cost fit yet: explore
+            return Cut(keep=self._rng.randint(0, max_nodes))
+        return Cut(threshold=self.threshold(batch, tokens_per_s))
 
-    def score_floor(self, threshold: float) -> float:
-        return self.calibration.score_floor(threshold) if threshold > 0 else -math.inf
+    def score_floor(self, cut: "Cut") -> float:
+        return self.calibration.score_floor(cut.threshold) if cut.threshold > 0 else -math.inf
 
-    def prune(self, cands: DraftCandidates, threshold: float) -> DraftCandidates:
+    def prune(self, cands: DraftCandidates, cut: "Cut") -> DraftCandidates:
         """Candidates in score order up to the first one whose acceptance probability is below
-        ``threshold`` (closed under ancestors: a child never outscores its parent)."""
-        if threshold <= 0 or len(cands) == 0:
+        the cut's threshold (closed under ancestors: a child never outscores its parent), or the
+        cut's ``keep`` best ones."""
+        if len(cands) == 0 or (cut.threshold <= 0 and cut.keep is None):
             return cands
-        order = torch.argsort(cands.scores, descending=True, stable=True).tolist()
-        scores = cands.scores.tolist()
-        keep = 0
-        for i in order:
-            if self.calibration.prob(scores[i]) < threshold:
-                break
-            keep += 1
+        keep = cut.keep
+        if keep is None:
+            keep = 0
+            for s in sorted(cands.scores.tolist(), reverse=True):
+                if self.calibration.prob(s) < cut.threshold:
+                    break
+                keep += 1
+        keep = min(keep, len(cands))
         self.kept_nodes += keep
         self.pruned_nodes += len(cands) - keep
         return cands.best(keep) if keep else DraftCandidates.empty()

@@ -22,7 +22,7 @@ from ..sampling import TokenLogprob
 from ..worker import SeqResult, prefill_chunks, sample_rows
 from . import defaults
 from .budget import DraftBudget, counterfactual_yields
-from .confidence import ConfidencePruning
+from .confidence import ConfidencePruning, Cut
 from .types import DraftCandidates, SpecContext, VerifyResult
 
 logger = logging.getLogger(__name__)
@@ -58,8 +58,11 @@ class SpeculativeWorker:
         self.hook = self.pm.hook
         self.algorithm = algorithm.name
         self.slots_per_decode = shape.num_draft_tokens
-        self.budget = DraftBudget(shape.num_draft_tokens, adaptive=cfg.adaptive_draft)
         self.pruning = ConfidencePruning(enabled=cfg.adaptive_draft and getattr(cfg, "confidence_pruning", True))
+        # with pruning, the tree size is decided per step from the draft's confidence; the budget
+        # only decides whether drafting pays at all
+        self.budget = DraftBudget(shape.num_draft_tokens, adaptive=cfg.adaptive_draft,
+                                  sizes=[1, shape.num_draft_tokens] if self.pruning.enabled else None)
         logger.info("speculative decoding: %s num_steps=%d topk=%d num_draft_tokens=%d", algorithm.name,
                     shape.num_steps, shape.topk, shape.num_draft_tokens)
 
@@ -81,8 +84,8 @@ class SpeculativeWorker:
         t0 = time.perf_counter()
         batch = len(reqs)
         size = self.budget.choose(batch)
-        threshold = self.pruning.plan(batch, self.budget.rates(batch).get(size)) if size > 1 else 0.0
-        drafted, candidates, results = self._decode(reqs, size, threshold)
+        cut = self.pruning.plan(batch, self.budget.rates(batch).get(size), size - 1) if size > 1 else Cut()
+        drafted, candidates, results = self._decode(reqs, size, cut)
         seconds = time.perf_counter() - t0
         if self.budget.adaptive and drafted:
             accepted = [r.tokens[:r.num_accepted] for r in results]
@@ -92,22 +95,22 @@ class SpeculativeWorker:
             self.budget.observe(batch, size, seconds, None)
         return [SeqResult(res.tokens, res.logprobs, res.num_draft, res.num_accepted) for res in results]
 
-    def _draft(self, reqs: list[Request], size: int, threshold: float) -> tuple[bool, list[DraftCandidates]]:
-        """The candidates to verify (cut to ``size - 1`` nodes and pruned below ``threshold``),
+    def _draft(self, reqs: list[Request], size: int, cut: Cut) -> tuple[bool, list[DraftCandidates]]:
+        """The candidates to verify (cut to ``size - 1`` nodes, then by confidence),
         and whether the drafter proposed anything before pruning."""
         if size == 1:    # the budget says drafting does not pay right now: a plain step
             return False, [DraftCandidates.empty() for _ in reqs]
         self.ctx.draft_budget = size
-        self.ctx.draft_score_floor = self.pruning.score_floor(threshold)
+        self.ctx.draft_score_floor = self.pruning.score_floor(cut)
         candidates = self.hook.specfw_draft(ctx=self.ctx, reqs=reqs)
         if candidates is None or len(candidates) != len(reqs):
             raise RuntimeError(f"algorithm '{self.algorithm}': specfw_draft must return one DraftCandidates per request")
         drafted = any(len(c) for c in candidates)
-        return drafted, [self.pruning.prune(c.best(size - 1), threshold) for c in candidates]
+        return drafted, [self.pruning.prune(c.best(size - 1), cut) for c in candidates]
 
     def _decode(self, reqs: list[Request], size: int,
-                threshold: float = 0.0) -> tuple[bool, list[DraftCandidates], list[VerifyResult]]:
-        drafted, candidates = self._draft(reqs, size, threshold)
+                cut: Cut = Cut()) -> tuple[bool, list[DraftCandidates], list[VerifyResult]]:
+        drafted, candidates = self._draft(reqs, size, cut)
         trees = [self.hook.specfw_build_tree(ctx=self.ctx, req=r, candidates=c) for r, c in zip(reqs, candidates)]
         chunks, slot_sets = [], []
         for r, t in zip(reqs, trees):
