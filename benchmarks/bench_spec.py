@@ -118,6 +118,7 @@ def main():
         rows.append(dict(algo=spec_str, tok_s=tps, speedup=tps / base_tps, accept_len=st.accept_length,
                          accept_rate=st.accept_rate, per_position=pos, tree_sizes=eng.worker.budget.summary(),
                          tree_rates={k: round(v, 1) for k, v in eng.worker.budget.rates(1).items()},
+                         pruning=pruning_summary(eng.worker.pruning),
                          exact=sum(o == r for o, r in zip(outs, ref)) == len(ref)))
         del eng
 
@@ -130,6 +131,11 @@ def main():
     for r in rows:
         if r.get("per_position"):
             print(f"per-position acceptance {r['algo']}: " + " ".join(f"{p:.2f}" for p in r["per_position"]))
+        if r.get("pruning") and r["pruning"]["kept_nodes"] + r["pruning"]["pruned_nodes"]:
+            pr = r["pruning"]
+            print(f"confidence pruning {r['algo']}: kept {pr['kept_nodes']} of {pr['kept_nodes'] + pr['pruned_nodes']} "
+                  f"draft nodes, threshold {pr['threshold']:.3f}; learned acceptance by draft probability: "
+                  + " ".join(f"{lo:g}+:{p:.2f}" for lo, p in pr["calibration"]))
         if r.get("tree_sizes"):
             print(f"verified tree sizes (size: steps) {r['algo']}: {r['tree_sizes']}; "
                   f"estimated tok/s per size: {r['tree_rates']}")
@@ -137,7 +143,43 @@ def main():
     stem = f"spec_{args.dataset}_{time.strftime('%Y%m%d-%H%M%S')}"
     (args.out / f"{stem}.json").write_text(json.dumps(dict(args=vars(args) | {"out": str(args.out)}, rows=rows), indent=2))
     plot(rows, args.out / f"{stem}.png", f"{args.dataset}, batch 1, {args.dtype}")
+    if plot_calibration(rows, args.out / f"{stem}_calibration.png"):
+        print(f"wrote {args.out / stem}_calibration.png")
     print(f"wrote {args.out / stem}.json and .png")
+
+
+def pruning_summary(pruning) -> dict:
+    """Confidence pruning's state after a run: nodes kept/pruned, the batch-1 threshold at the
+    end, the learned acceptance probability per draft-probability bin."""
+    from specfw.spec.confidence import PROB_EDGES
+    cal = pruning.calibration
+    return dict(kept_nodes=pruning.kept_nodes, pruned_nodes=pruning.pruned_nodes,
+                threshold=pruning.last_threshold.get(1, 0.0),
+                calibration=[(lo, round(cal.prob_in_bin(b), 3)) for b, lo in enumerate(PROB_EDGES)])
+
+
+def plot_calibration(rows, path) -> bool:
+    """Learned acceptance probability against the draft's own probability, per pruned row."""
+    rows = [r for r in rows if r.get("pruning") and r["pruning"]["kept_nodes"]]
+    if not rows:
+        return False
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from specfw.spec.confidence import PROB_EDGES
+    mids = [(lo + hi) / 2 for lo, hi in zip(PROB_EDGES, PROB_EDGES[1:] + (1.0,))]
+    fig, ax = plt.subplots(figsize=(5.5, 4.5))
+    ax.plot([0, 1], [0, 1], color="gray", lw=0.8, ls="--", label="calibrated draft")
+    for r in rows:
+        ax.plot(mids, [p for _, p in r["pruning"]["calibration"]], marker="o", ms=3, label=r["algo"])
+        ax.axhline(r["pruning"]["threshold"], lw=0.6, ls=":", color=ax.lines[-1].get_color())
+    ax.set_xlabel("draft probability of the node (exp score)")
+    ax.set_ylabel("learned P(target accepts it)")
+    ax.set_title("confidence pruning: calibration (dotted: threshold)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    return True
 
 
 def plot(rows, path, title):

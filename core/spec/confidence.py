@@ -108,7 +108,8 @@ class NodeCost:
 @dataclass(frozen=True)
 class Cut:
     """How one step cuts each request's candidates: below ``threshold`` (acceptance probability),
-    or to the ``keep`` best (exploring steps). The default keeps everything."""
+    or, when ``keep`` is set (exploring steps), to the ``keep`` best. Drafting stops below the
+    threshold's score floor either way. The default keeps everything."""
     threshold: float = 0.0
     keep: int | None = None
 
@@ -122,6 +123,7 @@ class ConfidencePruning:
         self._rng = random.Random(seed)
         self.pruned_nodes = 0
         self.kept_nodes = 0
+        self.last_threshold: dict[int, float] = {}   # batch size → the threshold of its last pruned step
 
     def threshold(self, batch: int, tokens_per_s: float | None) -> float:
         """Minimum acceptance probability for a node to raise tokens/s (0: keep everything)."""
@@ -133,14 +135,17 @@ class ConfidencePruning:
 
     def plan(self, batch: int, tokens_per_s: float | None, max_nodes: int) -> "Cut":
         """This step's cut. An exploring step (and every step until the cost fit for this batch
-        size has data) keeps a random number (0..max_nodes) of the best nodes instead: the
-        calibration sees nodes below the threshold and the cost fit sees every tree size."""
+        size has data) keeps a random number (0..max_nodes) of the best drafted nodes instead:
+        the calibration sees nodes below the threshold and the cost fit sees every tree size.
+        Drafting stops at the threshold's score floor on every step."""
         if not self.enabled:
             return Cut()
+        threshold = self.threshold(batch, tokens_per_s)
         cost = self.costs.get(batch)
         if cost is None or cost.slope is None or self._rng.random() < self.explore:   # no cost fit yet: explore
-            return Cut(keep=self._rng.randint(0, max_nodes))
-        return Cut(threshold=self.threshold(batch, tokens_per_s))
+            return Cut(threshold=threshold, keep=self._rng.randint(0, max_nodes))
+        self.last_threshold[batch] = threshold
+        return Cut(threshold=threshold)
 
     def score_floor(self, cut: "Cut") -> float:
         return self.calibration.score_floor(cut.threshold) if cut.threshold > 0 else -math.inf

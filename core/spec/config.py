@@ -39,7 +39,7 @@ class SpecAlgoConfig(SpeculativeConfig):
     accept_threshold_single: float = 1.0        # accept a draft token if p_target >= this (1.0 = lossless)
     accept_threshold_acc: float = 1.0           # accept if coin <= accumulated p_target / this (1.0 = lossless)
     attention_mode: AttentionMode = AttentionMode.prefill  # SGLang compat: verify/extend kernel choice; specfw has one attention path, same result
-    adaptive_draft: bool = True                 # per step, verify the tree size (1 = no draft, 2, 4, .., num_draft_tokens) with the best measured tokens/s
+    adaptive_draft: bool = True                 # per step, draft or not and the tree size to verify, from measured tokens/s (sizes 1 = no draft, 2, 4, .., num_draft_tokens; with confidence_pruning: 1 or a per-step size)
     confidence_pruning: bool = True             # with adaptive_draft: per step, drop draft nodes whose learned acceptance probability is below tokens/s x seconds per verified node
     force_greedy_verify: bool = False           # verify greedily even for sampled requests (also SPECFW_FORCE_GREEDY_VERIFY=1)
 

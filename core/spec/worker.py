@@ -61,8 +61,9 @@ class SpeculativeWorker:
         self.pruning = ConfidencePruning(enabled=cfg.adaptive_draft and getattr(cfg, "confidence_pruning", True))
         # with pruning, the tree size is decided per step from the draft's confidence; the budget
         # only decides whether drafting pays at all
+        # (a pruned step's cost varies with the text like its yield does: average both alike)
         self.budget = DraftBudget(shape.num_draft_tokens, adaptive=cfg.adaptive_draft,
-                                  sizes=[1, shape.num_draft_tokens] if self.pruning.enabled else None)
+                                  **(dict(sizes=[1, shape.num_draft_tokens], cost_decay=0.95) if self.pruning.enabled else {}))
         logger.info("speculative decoding: %s num_steps=%d topk=%d num_draft_tokens=%d", algorithm.name,
                     shape.num_steps, shape.topk, shape.num_draft_tokens)
 
