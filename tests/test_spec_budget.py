@@ -107,3 +107,12 @@ def test_draft_depth_follows_the_step_budget():
     assert ctx.draft_depth == 3
     ctx.draft_budget = 8
     assert ctx.draft_depth == 5
+
+
+def test_a_step_with_an_unrepresentative_time_counts_its_yield_only():
+    b = DraftBudget(8, sizes=[1, 8], explore=0.0)
+    assert b.sizes == [1, 8]
+    b.observe(1, 8, 0.030, {1: 1, 8: 3})
+    b.observe(1, 8, None, {1: 1, 8: 1})     # e.g. the drafter caught up after plain steps
+    assert b.cost[1][8].mean == 0.030
+    assert b.yields[1][8].mean < 3 and b.played[1][8] == 2

@@ -54,10 +54,14 @@ def test_threshold_is_tokens_per_second_times_seconds_per_node():
 
 def test_exploring_steps_keep_a_random_number_of_the_best_nodes():
     p = ConfidencePruning(explore=1.0)
+    p.costs[1] = NodeCost()
+    for i in range(50):
+        p.costs[1].observe(i % 8, 0.030 + 0.002 * (i % 8))
     keeps = {p.plan(1, 50.0, 7).keep for _ in range(200)}
     assert keeps == set(range(8))
     cold = ConfidencePruning(explore=0.0)        # before the cost fit has data, every step explores
-    assert cold.plan(1, 50.0, 7).keep is not None
+    assert {cold.plan(1, 50.0, 7).keep for _ in range(200)} == set(range(1, 8))   # never an empty tree
+    assert {cold.plan(1, 50.0, 1).keep for _ in range(20)} == {1}
     for i in range(10):
         cold.observe(1, [DraftCandidates.empty()], [[]], 0.03)
         cold.costs[1].observe(i % 8, 0.03 + 0.002 * (i % 8))

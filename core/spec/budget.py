@@ -142,16 +142,18 @@ class DraftBudget:
         self.chosen[size] += 1
         return size
 
-    def observe(self, batch: int, size: int, seconds: float, yields: dict[int, int] | None) -> None:
+    def observe(self, batch: int, size: int, seconds: float | None, yields: dict[int, int] | None) -> None:
         """One decode step played at ``size`` took ``seconds``; ``yields``: tokens it emitted and
-        would have emitted at each smaller size (None: no request had a draft)."""
-        if not self.adaptive or seconds <= 0:
+        would have emitted at each smaller size (None: no request had a draft). ``seconds=None``:
+        the step's time says nothing about the size (the drafter caught up after plain steps)."""
+        if not self.adaptive or (seconds is not None and seconds <= 0):
             return
         if size == 1:
             yields = {1: batch}
         if yields is None:
             return
-        self.cost.setdefault(batch, {}).setdefault(size, _Decayed()).add(seconds, self.cost_decay)
+        if seconds is not None:
+            self.cost.setdefault(batch, {}).setdefault(size, _Decayed()).add(seconds, self.cost_decay)
         table = self.yields.setdefault(batch, {})
         for s, tokens in yields.items():
             table.setdefault(s, _Decayed()).add(tokens, self.decay)

@@ -81,8 +81,8 @@ class AcceptanceCalibration:
 class NodeCost:
     """Marginal seconds per verified node: decayed least squares of step seconds on nodes."""
 
-    def __init__(self, decay: float = 0.98, min_spread: float = 1.0):
-        self.decay, self.min_spread = decay, min_spread
+    def __init__(self, decay: float = 0.98, min_spread: float = 0.2, min_steps: float = 3.0):
+        self.decay, self.min_spread, self.min_steps = decay, min_spread, min_steps   # 0.2: a 1-node chain's 0/1 trees fit
         self.w = self.sx = self.sy = self.sxx = self.sxy = 0.0
 
     def observe(self, nodes: int, seconds: float) -> None:
@@ -96,7 +96,7 @@ class NodeCost:
     @property
     def slope(self) -> float | None:
         """Seconds per node, or None while the nodes seen vary too little to fit a slope."""
-        if self.w <= 0:
+        if self.w < self.min_steps:
             return None
         var = self.sxx / self.w - (self.sx / self.w) ** 2
         if var < self.min_spread:
@@ -134,15 +134,18 @@ class ConfidencePruning:
         return tokens_per_s * slope
 
     def plan(self, batch: int, tokens_per_s: float | None, max_nodes: int) -> "Cut":
-        """This step's cut. An exploring step (and every step until the cost fit for this batch
-        size has data) keeps a random number (0..max_nodes) of the best drafted nodes instead:
-        the calibration sees nodes below the threshold and the cost fit sees every tree size.
-        Drafting stops at the threshold's score floor on every step."""
+        """This step's cut. An exploring step keeps a random number (0..max_nodes) of the best
+        drafted nodes instead: the calibration sees nodes below the threshold and the cost fit
+        sees every tree size (drafting still stops at the threshold's score floor). Until the
+        cost fit for this batch size has data, steps keep 1..max_nodes nodes (a one-node chain
+        never gets a fit, and is never pruned)."""
         if not self.enabled:
             return Cut()
         threshold = self.threshold(batch, tokens_per_s)
         cost = self.costs.get(batch)
-        if cost is None or cost.slope is None or self._rng.random() < self.explore:   # no cost fit yet: explore
+        if cost is None or cost.slope is None:   # no cost fit yet: trees of every non-empty size
+            return Cut(keep=self._rng.randint(min(1, max_nodes), max_nodes))
+        if self._rng.random() < self.explore:
             return Cut(threshold=threshold, keep=self._rng.randint(0, max_nodes))
         self.last_threshold[batch] = threshold
         return Cut(threshold=threshold)
@@ -168,9 +171,9 @@ class ConfidencePruning:
         self.pruned_nodes += len(cands) - keep
         return cands.best(keep) if keep else DraftCandidates.empty()
 
-    def observe(self, batch: int, cands: list[DraftCandidates], accepted: list[list[int]], seconds: float) -> None:
+    def observe(self, batch: int, cands: list[DraftCandidates], accepted: list[list[int]], seconds: float | None) -> None:
         """One drafted step: the verified candidates per request, the draft tokens the target
-        accepted (root's child first), and the step's wall time."""
+        accepted (root's child first), and the step's wall time (None: not representative)."""
         nodes = 0
         for c, acc in zip(cands, accepted):
             nodes += len(c)
@@ -179,5 +182,6 @@ class ConfidencePruning:
             on_path = set(accepted_path(c, acc))
             for i, s in enumerate(c.scores.tolist()):
                 self.calibration.observe(s, i in on_path)
-        self.costs.setdefault(batch, NodeCost()).observe(nodes, seconds)
+        if seconds is not None:
+            self.costs.setdefault(batch, NodeCost()).observe(nodes, seconds)
 

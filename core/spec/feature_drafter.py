@@ -4,7 +4,9 @@ Pair i is (token t_{i+1}, feature f_i of the target at position i) at rope posit
 head's output at pair i predicts t_{i+2}. The drafter keeps per request the features the
 target produced but the head has not consumed yet:
 
-* ``on_prefill`` stores the prompt's features; ``on_accept`` the accepted nodes' features;
+* ``on_prefill`` stores the prompt's features and runs the extend pass over the prompt's pairs
+  right away (part of the prefill, as SGLang's draft extend after prefill); ``on_accept`` stores the
+  accepted nodes' features;
 * ``draft`` runs one extend pass over each request's pending pairs (catching up to the root,
   the last sampled token), then the shared EAGLE-2 beam search, feeding each beam node the
   head's own output hidden of its parent.
@@ -57,6 +59,11 @@ class FeatureDrafter:
             feats = self.target_features(hidden, aux_hidden, torch.arange(start, start + n))
             # rows cover positions len(st.slots).. (a retracted request re-prefills from scratch)
             st.pending = [feats]
+        # catch up on the prompt now, as part of the prefill: the first decode step then extends
+        # one pair, like every other step, and its cost says what drafting costs
+        ready = [r for r in reqs if r.seq_len - 1 > len(self.states[r.rid].slots)]
+        if ready and self.kv.allocator.can_alloc(sum(r.seq_len - 1 - len(self.states[r.rid].slots) for r in ready)):
+            self._extend(ready)
 
     @hookimpl
     def specfw_on_accept(self, ctx, reqs, results, hidden, aux_hidden):
@@ -81,15 +88,18 @@ class FeatureDrafter:
         return [drafted.get(r.rid, DraftCandidates.empty()) for r in reqs]
 
     # ---- drafting ---------------------------------------------------------------------------
-    def _draft(self, reqs):
+    def _extend(self, reqs):
+        """One head forward over each request's pending pairs (from its draft KV length up to the
+        pair whose token is the last in ``seq_ids``); returns (logits, hidden) at each request's
+        last pair."""
         chunks, feats = [], []
         for r in reqs:
             st = self.states[r.rid]
             d = len(st.slots)
-            f = torch.cat(st.pending) if len(st.pending) > 1 else st.pending[0]
+            pending = torch.cat(st.pending) if len(st.pending) > 1 else st.pending[0]
             m = r.seq_len - 1 - d                       # pairs d .. seq_len-2 (the last pairs the root)
-            f = f[:m]
-            st.pending = [f[m:]] if f.shape[0] > m else []
+            f = pending[:m]
+            st.pending = [pending[m:]] if pending.shape[0] > m else []   # at prefill: the last prompt position's
             tokens = torch.tensor(r.seq_ids[d + 1:d + 1 + m], dtype=torch.long)
             slots = self.kv.allocator.alloc(m)
             chunks.append((tokens, torch.arange(d, d + m), slots, st.slots.slots(), None))
@@ -97,13 +107,16 @@ class FeatureDrafter:
             feats.append(f)
         fb = build_forward_batch(chunks, last_only=True)
         logits, hidden = self.head_forward(fb.input_ids, torch.cat(feats), fb, from_target=True)
-        last = fb.logits_indices
+        return logits, hidden[fb.logits_indices]
+
+    def _draft(self, reqs):
+        logits, last_hidden = self._extend(reqs)
 
         def step(step_chunks, parent_hidden):
             sfb = build_forward_batch(step_chunks)
             return self.head_forward(sfb.input_ids, parent_hidden, sfb, from_target=False)
 
-        return beam_search(reqs, logits, hidden[last], self.shape.topk, self.ctx.draft_depth,
+        return beam_search(reqs, logits, last_hidden, self.shape.topk, self.ctx.draft_depth,
                            lambda r: self.states[r.rid].slots.slots(), self.kv.allocator, step,
                            to_target=self.to_target, root_position=lambda r: r.seq_len - 2,
                            score_floor=self.ctx.draft_score_floor)

@@ -58,6 +58,8 @@ class SpeculativeWorker:
         self.hook = self.pm.hook
         self.algorithm = algorithm.name
         self.slots_per_decode = shape.num_draft_tokens
+        self._plain_before = False   # the last decode step skipped drafting
+        self._retime = 0             # size the next step must play (to time it), 0 = the budget's choice
         self.pruning = ConfidencePruning(enabled=cfg.adaptive_draft and getattr(cfg, "confidence_pruning", True))
         # with pruning, the tree size is decided per step from the draft's confidence; the budget
         # only decides whether drafting pays at all
@@ -84,16 +86,24 @@ class SpeculativeWorker:
     def decode(self, reqs: list[Request]) -> list[SeqResult]:
         t0 = time.perf_counter()
         batch = len(reqs)
-        size = self.budget.choose(batch)
+        # a drafted step right after plain steps is not timed (see below): the next one is, so it
+        # drafts too, or a budget that left drafting would never see its cost again
+        size = self._retime or self.budget.choose(batch)
+        self._retime = 0
         cut = self.pruning.plan(batch, self.budget.rates(batch).get(size), size - 1) if size > 1 else Cut()
         drafted, candidates, results = self._decode(reqs, size, cut)
         seconds = time.perf_counter() - t0
         if self.budget.adaptive and drafted:
+            # the first drafted step after plain steps also catches the drafter up on the tokens
+            # those steps produced: a switching cost, not what a drafted step costs
+            timed = None if self._plain_before else seconds
+            self._retime = size if self._plain_before else 0
             accepted = [r.tokens[:r.num_accepted] for r in results]
-            self.budget.observe(batch, size, seconds, counterfactual_yields(self.budget.sizes, size, candidates, accepted))
-            self.pruning.observe(batch, candidates, accepted, seconds)
+            self.budget.observe(batch, size, timed, counterfactual_yields(self.budget.sizes, size, candidates, accepted))
+            self.pruning.observe(batch, candidates, accepted, timed)
         elif self.budget.adaptive and size == 1:
             self.budget.observe(batch, size, seconds, None)
+        self._plain_before = size == 1
         return [SeqResult(res.tokens, res.logprobs, res.num_draft, res.num_accepted) for res in results]
 
     def _draft(self, reqs: list[Request], size: int, cut: Cut) -> tuple[bool, list[DraftCandidates]]:

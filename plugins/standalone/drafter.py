@@ -1,7 +1,8 @@
 """The standalone algorithm runtime: a draft LLM with its own KV pool, kept in step lazily.
 
-Per decode step, for all requests in one batch: an extend pass feeds each request's tokens the
-draft has not cached yet (accepted tokens + root); its last logits start the EAGLE-2 style beam
+After the target's prefill the draft prefills the prompt too. Per decode step, for all requests
+in one batch: an extend pass feeds each request's tokens the draft has not cached yet (accepted
+tokens + root); its last logits start the EAGLE-2 style beam
 search of ``specfw.spec.beam`` (``num_steps`` deep, ``topk`` wide); drafted nodes' KV is dropped
 afterwards, the committed prefix stays cached.
 """
@@ -84,6 +85,14 @@ class StandaloneDrafter:
                 self.draft.allocator.free(self._state(r).slots.truncate(r.seq_len))
 
     @hookimpl
+    def specfw_on_prefill(self, ctx, reqs, hidden, aux_hidden, spans):
+        # catch the draft up on the prompt now, as part of the prefill: the first decode step then
+        # extends one token, like every other step, and its cost says what drafting costs
+        ready = [r for r in reqs if r.seq_len > len(self._state(r).slots)]
+        if ready and self.draft.allocator.can_alloc(sum(r.seq_len - len(self._state(r).slots) for r in ready)):
+            self._extend(ready)
+
+    @hookimpl
     def specfw_release(self, ctx, req):
         st = self.states.pop(req.rid, None)
         if st is not None:
@@ -101,8 +110,8 @@ class StandaloneDrafter:
     def _sampled(self, req) -> bool:
         return self.sample_draft and self.shape.topk == 1 and not req.params.greedy
 
-    def _draft(self, reqs):
-        # extend: catch the draft cache up to the root token (inclusive); its logits start the beams
+    def _extend(self, reqs) -> torch.Tensor:
+        """Catch each request's draft cache up to its last token (inclusive); the draft's logits there."""
         chunks = []
         for r in reqs:
             st = self._state(r)
@@ -111,7 +120,10 @@ class StandaloneDrafter:
             slots = self.draft.allocator.alloc(len(ids))
             chunks.append((torch.tensor(ids, dtype=torch.long), torch.arange(start, r.seq_len), slots, st.slots.slots(), None))
             st.slots.append(slots)
-        logits = self.draft.forward(build_forward_batch(chunks, last_only=True)).logits
+        return self.draft.forward(build_forward_batch(chunks, last_only=True)).logits
+
+    def _draft(self, reqs):
+        logits = self._extend(reqs)   # up to the root token; its logits start the beams
 
         def step(step_chunks, _parent_hidden):
             return self.draft.forward(build_forward_batch(step_chunks)).logits, None
