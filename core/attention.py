@@ -9,7 +9,9 @@ Batch-invariant plans (``plan_attention(..., batch_invariant=True)``, the engine
 every decode, verify or short-extend row attends as a one-row query over exactly the keys it
 may see, in cache order (prefix, then its visible new tokens), with no padding and no mask.
 Rows with the same number of visible keys share one SDPA call (batch dimension; each
-(row, head) is computed on its own). A tree node's attention then rounds exactly like the
+(row, head) is computed on its own) where that is measured to keep lone-row bits on this
+machine (``group_rows``, from ``invariance.grouped_attention_is_invariant``), else every row
+gets its own call. A tree node's attention then rounds exactly like the
 plain decode step that would produce the same token: masked-out keys and padding change
 the reduction order of the softmax sums otherwise, and bf16 turns those last-bit fp32
 differences into different tokens. Prompt prefill (no prefix, causal) keeps the one-call
@@ -52,9 +54,10 @@ def _mask_for(span: SeqSpan, kv_len: int, device) -> torch.Tensor:
     return m
 
 
-def plan_attention(seqs: list[SeqSpan], device, batch_invariant: bool = False) -> list[SeqSpan | Group]:
+def plan_attention(seqs: list[SeqSpan], device, batch_invariant: bool = False,
+                   group_rows: bool = True) -> list[SeqSpan | Group]:
     if batch_invariant:
-        return _plan_per_row(seqs, device)
+        return _plan_per_row(seqs, device, group_rows)
     by_len: dict[int, list[SeqSpan]] = {}
     for s in seqs:
         by_len.setdefault(s.q_len, []).append(s)
@@ -83,7 +86,7 @@ def _visible_slots(span: SeqSpan, device) -> list[torch.Tensor]:
     return [torch.cat([prefix, tail[tm[i]]]) for i in range(span.q_len)]
 
 
-def _plan_per_row(seqs: list[SeqSpan], device) -> list[SeqSpan | Group]:
+def _plan_per_row(seqs: list[SeqSpan], device, group_rows: bool) -> list[SeqSpan | Group]:
     plan: list[SeqSpan | Group] = []
     by_len: dict[int, list[tuple[int, torch.Tensor | SeqSpan]]] = {}
     for s in seqs:
@@ -96,9 +99,8 @@ def _plan_per_row(seqs: list[SeqSpan], device) -> list[SeqSpan | Group]:
         for i, slots in enumerate(_visible_slots(s, device)):
             by_len.setdefault(int(slots.numel()), []).append((s.q_start + i, slots))
     for items in by_len.values():
-        if len(items) == 1:   # a lone row: a view of the cache when its slots are one run, no gather
-            row, slots = items[0]
-            plan.append(slots if isinstance(slots, SeqSpan) else SeqSpan(q_start=row, q_len=1, kv_slots=slots))
+        if len(items) == 1 or not group_rows:   # lone rows: a view of the cache when their slots are one run
+            plan.extend(sl if isinstance(sl, SeqSpan) else SeqSpan(q_start=row, q_len=1, kv_slots=sl) for row, sl in items)
             continue
         items = [(r, sl.kv_slots if isinstance(sl, SeqSpan) else sl) for r, sl in items]
         rows = torch.tensor([r for r, _ in items], dtype=torch.long, device=device)

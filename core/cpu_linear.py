@@ -31,6 +31,8 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from .invariance import RowPlan, invariant_row_plan
+
 PACKED_MAX_ROWS = 16   # above this, plain F.linear is faster on the measured CPUs
 
 
@@ -39,13 +41,15 @@ def mkl_packing_available() -> bool:
 
 
 class FastLinear(nn.Module):
-    """``batch_invariant``: send every row count through the packed GEMM, whose result for a row
-    does not depend on how many rows come with it (measured; the 1-row GEMV and ``F.linear``
-    round differently). Costs ~10% on 1-row linears."""
+    """``batch_invariant``: every row count goes through the packed GEMM (the 1-row GEMV and
+    ``F.linear`` round differently), in calls of at most as many rows as keep a row's bits
+    independent of the others on this machine (``invariance.invariant_row_plan``: 64 on the
+    Xeons (the cap); 3, or calls padded to 8 rows, on the EPYCs). Costs ~10% on 1-row linears."""
 
     def __init__(self, linear: nn.Linear, batch_invariant: bool = False):
         super().__init__()
         self.batch_invariant = batch_invariant
+        self._row_plan: tuple[int, RowPlan | None] = (0, None)   # (thread count, plan) once measured
         w = linear.weight.detach()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.register_buffer("weight_t", w.t().contiguous(), persistent=False)   # [K, N] for GEMV
@@ -61,7 +65,7 @@ class FastLinear(nn.Module):
         rows = x.shape[0] if x.dim() == 2 else x.numel() // x.shape[-1]
         x2 = x.reshape(rows, self.in_features)
         if self.batch_invariant:
-            y = torch.ops.mkl._mkl_linear(x2, self.packed, self.weight, self.bias, rows)
+            y = self.row_plan().run(self._packed_mm, x2)
         elif rows == 1:
             y = x2 @ self.weight_t
             if self.bias is not None:
@@ -72,23 +76,33 @@ class FastLinear(nn.Module):
             y = F.linear(x2, self.weight, self.bias)
         return y.view(*x.shape[:-1], self.out_features)
 
+    def _packed_mm(self, x2: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkl._mkl_linear(x2, self.packed, self.weight, self.bias, x2.shape[0])
+
+    def row_plan(self) -> RowPlan:
+        threads = torch.get_num_threads()
+        if self._row_plan[0] != threads:
+            self._row_plan = (threads, invariant_row_plan(self._packed_mm, self.in_features, torch.float32,
+                                                            ("mkl_packed", self.out_features, self.bias is not None)))
+        return self._row_plan[1]
+
 
 def onednn_bf16_available() -> bool:
     return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
             and torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-INVARIANT_ROW_BLOCK = 64   # oneDNN bf16 rows are invariant up to ~128 rows; some shapes split K above that
-
-
 class PackedBF16Linear(nn.Module):
-    """``batch_invariant``: run at most ``INVARIANT_ROW_BLOCK`` rows per call. A row's result then
-    never depends on the row count (measured: 576x1536 at 150-256 rows rounds some rows
-    differently, everything up to 129 rows matches the 1-row result bit for bit)."""
+    """``batch_invariant``: run at most as many rows per call as keep a row's bits independent of
+    the row count on this machine (``invariance.invariant_row_plan``; measured on the Xeons:
+    576x1536 at 150-256 rows rounds some rows differently, up to 129 rows match the 1-row result
+    bit for bit, so 64; on the EPYCs 1536->576 rounds differently from 2 rows on, so calls
+    padded to 8 rows)."""
 
     def __init__(self, linear: nn.Linear, batch_invariant: bool = False):
         super().__init__()
         self.batch_invariant = batch_invariant
+        self._row_plan: tuple[int, RowPlan | None] = (0, None)   # (thread count, plan) once measured
         w = linear.weight.detach().contiguous()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)   # opaque oneDNN tensor
@@ -103,11 +117,15 @@ class PackedBF16Linear(nn.Module):
         x2 = x.reshape(-1, self.in_features)
         if not x2.is_contiguous():
             x2 = x2.contiguous()
-        if self.batch_invariant and x2.shape[0] > INVARIANT_ROW_BLOCK:
-            y = torch.cat([self._mm(part) for part in x2.split(INVARIANT_ROW_BLOCK)])
-        else:
-            y = self._mm(x2)
+        y = self.row_plan().run(self._mm, x2) if self.batch_invariant else self._mm(x2)
         return y.view(*x.shape[:-1], self.out_features)
+
+    def row_plan(self) -> RowPlan:
+        threads = torch.get_num_threads()
+        if self._row_plan[0] != threads:
+            self._row_plan = (threads, invariant_row_plan(self._mm, self.in_features, torch.bfloat16,
+                                                            ("onednn_bf16", self.out_features, self.bias is not None)))
+        return self._row_plan[1]
 
     def _mm(self, x2: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")

@@ -2,6 +2,8 @@ import os
 import shutil
 
 import pytest
+
+import specfw  # noqa: F401  (sets MKL_CBWR before anything starts MKL)
 import torch
 
 torch.set_num_threads(int(os.environ.get("SPECFW_TEST_THREADS", "2")))

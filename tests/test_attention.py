@@ -20,8 +20,9 @@ def _decode_row(q_row, k, v, slots):
     return attend(q_row[None], k, v, plan_attention([span], q_row.device, True), D ** -0.5)[0]
 
 
+@pytest.mark.parametrize("group_rows", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_tree_rows_equal_decode_rows_bitwise(dtype):
+def test_tree_rows_equal_decode_rows_bitwise(dtype, group_rows):
     k, v = _cache(dtype)
     prefix = torch.arange(10, 310)                           # committed context, one run
     tree = torch.tensor([400, 401, 402, 403, 404, 405])      # root, two children, grandchildren
@@ -34,8 +35,8 @@ def test_tree_rows_equal_decode_rows_bitwise(dtype):
     other = SeqSpan(q_start=0, q_len=1, kv_slots=torch.arange(320, 390))        # another request decoding
     span = SeqSpan(q_start=1, q_len=6, kv_slots=torch.cat([prefix, tree]), tree_mask=tree_mask)
     q = torch.randn(7, H, D).to(dtype)
-    plan = plan_attention([other, span], q.device, batch_invariant=True)
-    assert any(isinstance(p, Group) for p in plan)           # rows of the same depth share a call
+    plan = plan_attention([other, span], q.device, batch_invariant=True, group_rows=group_rows)
+    assert any(isinstance(p, Group) for p in plan) == group_rows   # rows of the same depth share a call
     out = attend(q, k, v, plan, D ** -0.5)
     assert torch.equal(out[0], _decode_row(q[0], k, v, other.kv_slots))
     for i in range(6):

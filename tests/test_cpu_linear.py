@@ -3,7 +3,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from specfw.cpu_linear import (INVARIANT_ROW_BLOCK, FastLinear, PackedBF16Linear, mkl_packing_available,
+from specfw.cpu_linear import (FastLinear, PackedBF16Linear, mkl_packing_available,
                                onednn_bf16_available, use_fast_linears)
 
 pytestmark = pytest.mark.skipif(not mkl_packing_available(), reason="needs MKL")
@@ -69,8 +69,9 @@ def test_batch_invariant_linears_give_every_row_its_one_row_result(kind):
     layer = FastLinear(lin, batch_invariant=True) if kind == "fp32" else PackedBF16Linear(lin, batch_invariant=True)
     x = torch.randn(260, 1536, dtype=dtype)
     ref = _row_by_row(layer, x)
-    for rows in (2, 3, 8, 17, INVARIANT_ROW_BLOCK + 1, 150, 200, 260):
+    for rows in (2, 3, 4, 8, 10, 17, 65, 150, 200, 260):
         assert torch.equal(layer(x[:rows]), ref[:rows]), rows
+    assert 1 <= layer.row_plan().block <= 64
 
 
 def test_engine_greedy_same_with_and_without_packed_gemm(tiny_model_dir):

@@ -11,6 +11,7 @@ from torch import nn
 import torch.nn.functional as F
 
 from ..attention import attend, plan_attention
+from ..invariance import grouped_attention_is_invariant
 from ..forward_batch import ForwardBatch, ForwardOutput
 from ..kv_cache import KVPool
 
@@ -107,7 +108,8 @@ class LlamaModel(nn.Module):
     def forward(self, fb: ForwardBatch, kv: KVPool) -> ForwardOutput:
         x = self.embed_tokens(fb.input_ids)
         cos, sin = self.rotary.lookup(fb.positions)
-        fb.attn_plan = plan_attention(fb.seqs, x.device, self.batch_invariant)
+        fb.attn_plan = plan_attention(fb.seqs, x.device, self.batch_invariant,
+                                      self.batch_invariant and self._grouped_attention_ok(x))
         captured = {}
         for i, layer in enumerate(self.layers):
             if i in fb.capture_layers:
@@ -119,6 +121,12 @@ class LlamaModel(nn.Module):
         sel = hidden if fb.logits_indices is None else hidden.index_select(0, fb.logits_indices)
         logits = self.lm_head(self.norm(sel)).float()
         return ForwardOutput(logits=logits, hidden=hidden, aux_hidden=aux)
+
+    def _grouped_attention_ok(self, x: torch.Tensor) -> bool:
+        if x.device.type != "cpu":
+            return True
+        a = self.layers[0]
+        return grouped_attention_is_invariant(x.dtype, a.n_heads, a.n_kv, a.head_dim)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden)).float()

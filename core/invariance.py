@@ -1,0 +1,116 @@
+"""Which CPU kernel calls keep a row's bits independent of the other rows in the call, measured
+once per process and shape.
+
+Batch-invariant decoding (``engine.batch_invariant``) needs every token row of a forward to come
+out exactly as it would in a lone one-row decode step. Whether a GEMM or an SDPA call delivers
+that is a property of the machine, not of the code: measured with torch 2.13,
+
+* Xeon (AMX): MKL's packed sgemm and oneDNN bf16 give a row its one-row bits for any row count
+  up to 129; fp32 and bf16 SDPA over a batch of one-row queries matches lone calls;
+* EPYC (AVX-512-BF16, no AMX): MKL's packed sgemm switches kernels at 4 rows, oneDNN bf16
+  1536->576 at 8-10 rows; fp32 SDPA matches lone calls only with ``MKL_CBWR`` set
+  (``specfw/__init__``).
+
+So nothing is assumed: ``invariant_row_plan`` finds how a linear must split its rows,
+and ``grouped_attention_is_invariant`` whether one-row queries may share an SDPA call. Random
+inputs suffice, given enough of them: a kernel's reduction order does not depend on the data,
+but in bf16 a different fp32 summation order changes the rounded output only near a rounding
+boundary (measured: 1 of 4,608 outputs of the 1536->576 layer at 8 rows), so each row count is
+checked on about 2^18 outputs.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+MAX_ROW_BLOCK = 64
+PROBE_OUTPUTS = 1 << 18   # outputs compared per row count (bf16 outputs hide most fp32 reordering)
+VERIFY_ROWS = 16          # the row count a plan is timed at besides 1 (a typical draft tree)
+_plans: dict[tuple, "RowPlan"] = {}
+_attention: dict[tuple, bool] = {}
+
+
+@dataclass(frozen=True)
+class RowPlan:
+    """How a batch-invariant linear runs its rows: calls of at most ``block`` rows, or, with
+    ``pad``, calls of exactly ``block`` rows (zero rows appended), so every row meets one kernel."""
+    block: int
+    pad: bool = False
+
+    def run(self, mm: Callable[[torch.Tensor], torch.Tensor], x2: torch.Tensor) -> torch.Tensor:
+        rows = x2.shape[0]
+        if self.pad and rows % self.block:
+            x2 = torch.cat([x2, x2.new_zeros(self.block - rows % self.block, x2.shape[1])])
+        if x2.shape[0] <= self.block:
+            return mm(x2)[:rows]
+        return torch.cat([mm(part) for part in x2.split(self.block)])[:rows]
+
+
+def invariant_row_plan(mm: Callable[[torch.Tensor], torch.Tensor], in_features: int, dtype: torch.dtype,
+                       key: tuple) -> RowPlan:
+    """The fastest ``RowPlan`` under which ``mm`` gives every row the bits it gets at that plan's
+    one-row call. ``key`` names the kernel and shape (the thread count is added: work splits
+    follow it). First choice: unpadded calls of up to ``block`` rows, the largest block
+    (<= ``MAX_ROW_BLOCK``) for which every row count keeps one-row bits. Where that block is
+    small (EPYC: 3 rows fp32, 1 row for bf16 1536->576), calls padded to 8 or 16 rows are
+    tried too, and the cheaper of decode (1 row) + verify (16 rows) wins."""
+    key = (*key, in_features, dtype, torch.get_num_threads())
+    if key not in _plans:
+        with torch.inference_mode():
+            _plans[key] = _probe(mm, in_features, dtype)
+    return _plans[key]
+
+
+def _probe(mm, in_features: int, dtype: torch.dtype) -> RowPlan:
+    g = torch.Generator().manual_seed(0)
+    out_features = mm(torch.zeros(1, in_features, dtype=dtype)).shape[-1]
+    rows = -(-max(MAX_ROW_BLOCK, -(-PROBE_OUTPUTS // out_features)) // 16) * 16
+    x = torch.randn(rows, in_features, generator=g).to(dtype)
+    alone = torch.cat([mm(x[r:r + 1]) for r in range(rows)])
+    block = next((m - 1 for m in range(2, MAX_ROW_BLOCK + 1)
+                  if not torch.equal(torch.cat([mm(part) for part in x.split(m)]), alone)), MAX_ROW_BLOCK)
+    plans = [RowPlan(block)]
+    if block < VERIFY_ROWS:
+        for b in (8, 16):
+            pad = x.new_zeros(b - 1, in_features)
+            alone_b = torch.cat([mm(torch.cat([x[r:r + 1], pad]))[:1] for r in range(rows)])
+            if torch.equal(torch.cat([mm(part) for part in x.split(b)]), alone_b):
+                plans.append(RowPlan(b, pad=True))
+    if len(plans) == 1:
+        return plans[0]
+    return min(plans, key=lambda p: _seconds(p, mm, x[:1]) + _seconds(p, mm, x[:VERIFY_ROWS]))
+
+
+def _seconds(plan: RowPlan, mm, x: torch.Tensor, reps: int = 5) -> float:
+    plan.run(mm, x)
+    t = time.perf_counter()
+    for _ in range(reps):
+        plan.run(mm, x)
+    return (time.perf_counter() - t) / reps
+
+
+def grouped_attention_is_invariant(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> bool:
+    """Whether one-row queries over equally many keys may share one SDPA call (the batch-invariant
+    attention plan's groups) and still get the bits of lone decode rows."""
+    from .attention import attend, plan_attention
+    from .forward_batch import SeqSpan
+    key = (dtype, heads, kv_heads, head_dim, torch.get_num_threads())
+    if key not in _attention:
+        g = torch.Generator().manual_seed(0)
+        rows, ok = 32, True
+        for kv_len in (37, 300, 520):
+            k = torch.randn(rows * kv_len, kv_heads, head_dim, generator=g).to(dtype)
+            v = torch.randn(rows * kv_len, kv_heads, head_dim, generator=g).to(dtype)
+            q = torch.randn(rows, heads, head_dim, generator=g).to(dtype)
+            spans = [SeqSpan(q_start=i, q_len=1, kv_slots=torch.arange(i * kv_len, (i + 1) * kv_len)) for i in range(rows)]
+            with torch.inference_mode():
+                together = attend(q, k, v, plan_attention(spans, q.device, True, group_rows=True), head_dim ** -0.5)
+                for i, s in enumerate(spans):
+                    alone = attend(q[i:i + 1], k, v, plan_attention([SeqSpan(0, 1, s.kv_slots)], q.device, True),
+                                   head_dim ** -0.5)
+                    ok = ok and torch.equal(together[i], alone[0])
+        _attention[key] = ok
+    return _attention[key]
