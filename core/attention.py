@@ -16,9 +16,13 @@ plain decode step that would produce the same token: masked-out keys and padding
 the reduction order of the softmax sums otherwise, and bf16 turns those last-bit fp32
 differences into different tokens. Prompt prefill (no prefix, causal) keeps the one-call
 causal path.
+
+One-row bf16 queries run SDPA in float32 where that is measured faster on this CPU
+(``_upcast_one_row_queries``; 2-4.6x on EPYCs without AMX).
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -110,8 +114,42 @@ def _plan_per_row(seqs: list[SeqSpan], device, group_rows: bool) -> list[SeqSpan
 
 def _sdpa(q, k, v, mask, scale, is_causal=False):
     # q [B, H, q, D]; k, v [B, Hkv, kv, D]; grouped-query heads handled by SDPA itself
+    if q.shape[2] == 1 and _upcast_one_row_queries(q.dtype, q.shape[1], k.shape[1], q.shape[3], q.device):
+        o = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=scale,
+                                           enable_gqa=k.shape[1] != q.shape[1])
+        return o.to(q.dtype)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=is_causal,
                                           enable_gqa=k.shape[1] != q.shape[1])
+
+
+_upcast: dict[tuple, bool] = {}
+
+
+def _upcast_one_row_queries(dtype, heads: int, kv_heads: int, head_dim: int, device) -> bool:
+    """Whether one-row bf16/fp16 queries (decode and tree rows) run SDPA in float32: where that is
+    measured faster, once per process and shape. EPYC without AMX: bf16 SDPA 198 vs 89 us for
+    one row over 300 keys, 1,302 vs 282 us for 8 rows. The choice holds for every one-row call of
+    the process, so plain and speculative decoding round alike."""
+    if dtype == torch.float32 or device.type != "cpu":
+        return False
+    key = (dtype, heads, kv_heads, head_dim, torch.get_num_threads())
+    if key not in _upcast:
+        g = torch.Generator().manual_seed(0)
+        q = torch.randn(4, heads, 1, head_dim, generator=g).to(dtype)
+        k, v = (torch.randn(4, kv_heads, 300, head_dim, generator=g).to(dtype) for _ in range(2))
+        gqa = kv_heads != heads
+        native = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)   # noqa: E731
+        upcast = lambda: F.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=gqa).to(dtype)  # noqa: E731
+        seconds: dict = {native: [], upcast: []}
+        with torch.inference_mode():
+            for rep in range(12):
+                for f in seconds:
+                    t = time.perf_counter()
+                    f()
+                    if rep >= 2:   # first calls allocate and initialise
+                        seconds[f].append(time.perf_counter() - t)
+        _upcast[key] = sorted(seconds[upcast])[5] < sorted(seconds[native])[5]   # medians
+    return _upcast[key]
 
 
 def _gather(cache: torch.Tensor, s: SeqSpan) -> torch.Tensor:

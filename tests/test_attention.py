@@ -20,9 +20,15 @@ def _decode_row(q_row, k, v, slots):
     return attend(q_row[None], k, v, plan_attention([span], q_row.device, True), D ** -0.5)[0]
 
 
+@pytest.mark.parametrize("upcast", [None, True, False])
 @pytest.mark.parametrize("group_rows", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_tree_rows_equal_decode_rows_bitwise(dtype, group_rows):
+def test_tree_rows_equal_decode_rows_bitwise(dtype, group_rows, upcast, monkeypatch):
+    """``upcast`` None: float32 SDPA for bf16 one-row queries where measured faster; True/False force it."""
+    if upcast is not None:
+        if dtype == torch.float32:
+            pytest.skip("upcasting applies to bf16 only")
+        monkeypatch.setattr("specfw.attention._upcast_one_row_queries", lambda *a: upcast)
     k, v = _cache(dtype)
     prefix = torch.arange(10, 310)                           # committed context, one run
     tree = torch.tensor([400, 401, 402, 403, 404, 405])      # root, two children, grandchildren
