@@ -40,6 +40,16 @@ def mkl_packing_available() -> bool:
     return torch.backends.mkl.is_available() and hasattr(torch.ops.mkl, "_mkl_reorder_linear_weight")
 
 
+def _measured_plan(layer, mm, dtype: torch.dtype, kernel: str) -> RowPlan:
+    """``layer``'s batch-invariant row plan, measured once per thread count (kept on the layer:
+    looked up on every forward)."""
+    threads = torch.get_num_threads()
+    if layer._row_plan[0] != threads:
+        key = (kernel, layer.out_features, layer.bias is not None)
+        layer._row_plan = (threads, invariant_row_plan(mm, layer.in_features, dtype, key))
+    return layer._row_plan[1]
+
+
 class FastLinear(nn.Module):
     """``batch_invariant``: every row count goes through the packed GEMM (the 1-row GEMV and
     ``F.linear`` round differently), in calls of at most as many rows as keep a row's bits
@@ -80,11 +90,7 @@ class FastLinear(nn.Module):
         return torch.ops.mkl._mkl_linear(x2, self.packed, self.weight, self.bias, x2.shape[0])
 
     def row_plan(self) -> RowPlan:
-        threads = torch.get_num_threads()
-        if self._row_plan[0] != threads:
-            self._row_plan = (threads, invariant_row_plan(self._packed_mm, self.in_features, torch.float32,
-                                                            ("mkl_packed", self.out_features, self.bias is not None)))
-        return self._row_plan[1]
+        return _measured_plan(self, self._packed_mm, torch.float32, "mkl_packed")
 
 
 def onednn_bf16_available() -> bool:
@@ -121,11 +127,7 @@ class PackedBF16Linear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)
 
     def row_plan(self) -> RowPlan:
-        threads = torch.get_num_threads()
-        if self._row_plan[0] != threads:
-            self._row_plan = (threads, invariant_row_plan(self._mm, self.in_features, torch.bfloat16,
-                                                            ("onednn_bf16", self.out_features, self.bias is not None)))
-        return self._row_plan[1]
+        return _measured_plan(self, self._mm, torch.bfloat16, "onednn_bf16")
 
     def _mm(self, x2: torch.Tensor) -> torch.Tensor:
         return torch.ops.mkldnn._linear_pointwise(x2, self.packed, self.bias, "none", [], "")
