@@ -114,3 +114,20 @@ def grouped_attention_is_invariant(dtype: torch.dtype, heads: int, kv_heads: int
                     ok = ok and torch.equal(together[i], alone[0])
         _attention[key] = ok
     return _attention[key]
+
+
+def measure_model(model: torch.nn.Module, dtype: torch.dtype) -> dict:
+    """Run every probe a batch-invariant forward of ``model`` will need, now (at startup, not in the
+    first request): each swapped linear's row plan, grouped attention, the one-row attention dtype.
+    Returns a summary for the log: ``{"linears": {plan: count}, "grouped_attention": bool}``."""
+    from .attention import _upcast_one_row_queries
+    plans: dict[str, int] = {}
+    for m in model.modules():
+        if getattr(m, "batch_invariant", False) and hasattr(m, "row_plan"):
+            p = m.row_plan()
+            name = f"{'padded ' if p.pad else ''}{p.block}"
+            plans[name] = plans.get(name, 0) + 1
+    layer = model.layers[0]
+    grouped = grouped_attention_is_invariant(dtype, layer.n_heads, layer.n_kv, layer.head_dim)
+    upcast = _upcast_one_row_queries(dtype, layer.n_heads, layer.n_kv, layer.head_dim, torch.device("cpu"))
+    return {"linears": plans, "grouped_attention": grouped, "one_row_attention_in_fp32": upcast}

@@ -8,6 +8,7 @@ import torch
 
 from .cpu_linear import use_fast_linears
 from .forward_batch import ForwardBatch, ForwardOutput, SeqSpan
+from .invariance import measure_model
 from .kv_cache import KVPool
 
 logger = logging.getLogger(__name__)
@@ -20,6 +21,8 @@ class ModelRunner:
         if packed_gemm:
             use_fast_linears(model, batch_invariant)
         model.batch_invariant = batch_invariant
+        if batch_invariant and next(model.parameters()).device.type == "cpu":
+            logger.info("batch invariance on this CPU (rows per linear call: layers): %s", measure_model(model, dtype))
         self.model = model
         self.hf_config = hf_config
         layer0 = model.layers[0]

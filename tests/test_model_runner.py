@@ -76,3 +76,16 @@ def test_rmsnorm_is_bitwise_hf_in_every_dtype():
             x = (torch.randn(rows, 576) * 4).to(dtype)
             with torch.no_grad():
                 assert torch.equal(ours(x), ref(x)), f"{dtype}, {rows} rows"
+
+
+def test_batch_invariant_runner_measures_its_kernels_at_startup(tiny_model_dir, caplog):
+    """The invariance probes run when the runner is built, not inside the first request."""
+    import logging
+    from specfw.cpu_linear import FastLinear, mkl_packing_available
+    lm = load_model(str(tiny_model_dir))
+    with caplog.at_level(logging.INFO, logger="specfw.model_runner"):
+        ModelRunner(lm.model, lm.hf_config, 64, torch.float32, batch_invariant=True)
+    assert "batch invariance on this CPU" in caplog.text and "grouped_attention" in caplog.text
+    linears = [m for m in lm.model.modules() if isinstance(m, FastLinear)]
+    assert len(linears) > lm.model.num_layers if mkl_packing_available() else not linears   # qkv, o, gate_up, down, lm_head
+    assert all(m._row_plan[0] == torch.get_num_threads() for m in linears)
