@@ -31,7 +31,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from .invariance import RowPlan, invariant_row_plan
+from .invariance import VERIFY_ROWS, RowPlan, invariant_row_plan
 
 PACKED_MAX_ROWS = 16   # above this, plain F.linear is faster on the measured CPUs
 
@@ -46,7 +46,7 @@ def _measured_plan(layer, mm, dtype: torch.dtype, kernel: str) -> RowPlan:
     threads = torch.get_num_threads()
     if layer._row_plan[0] != threads:
         key = (kernel, layer.out_features, layer.bias is not None)
-        layer._row_plan = (threads, invariant_row_plan(mm, layer.in_features, dtype, key))
+        layer._row_plan = (threads, invariant_row_plan(mm, layer.in_features, dtype, key, layer.timed_rows))
     return layer._row_plan[1]
 
 
@@ -60,6 +60,7 @@ class FastLinear(nn.Module):
         super().__init__()
         self.batch_invariant = batch_invariant
         self._row_plan: tuple[int, RowPlan | None] = (0, None)   # (thread count, plan) once measured
+        self.timed_rows = (1, VERIFY_ROWS)   # row counts the plan is chosen for (invariance.measure_model)
         w = linear.weight.detach()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.register_buffer("weight_t", w.t().contiguous(), persistent=False)   # [K, N] for GEMV
@@ -109,6 +110,7 @@ class PackedBF16Linear(nn.Module):
         super().__init__()
         self.batch_invariant = batch_invariant
         self._row_plan: tuple[int, RowPlan | None] = (0, None)   # (thread count, plan) once measured
+        self.timed_rows = (1, VERIFY_ROWS)   # row counts the plan is chosen for (invariance.measure_model)
         w = linear.weight.detach().contiguous()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)   # opaque oneDNN tensor

@@ -28,7 +28,7 @@ import torch
 
 MAX_ROW_BLOCK = 64
 PROBE_OUTPUTS = 1 << 18   # outputs compared per row count (bf16 outputs hide most fp32 reordering)
-VERIFY_ROWS = 16          # the row count a plan is timed at besides 1 (a typical draft tree)
+VERIFY_ROWS = 16          # rows of a typical verify forward (a draft tree), for timing plans
 _plans: dict[tuple, "RowPlan"] = {}
 _attention: dict[tuple, bool] = {}
 
@@ -50,21 +50,23 @@ class RowPlan:
 
 
 def invariant_row_plan(mm: Callable[[torch.Tensor], torch.Tensor], in_features: int, dtype: torch.dtype,
-                       key: tuple) -> RowPlan:
+                       key: tuple, timed_rows: tuple[int, ...] = (1, VERIFY_ROWS)) -> RowPlan:
     """The fastest ``RowPlan`` under which ``mm`` gives every row the bits it gets at that plan's
     one-row call. ``key`` names the kernel and shape (the thread count is added: work splits
     follow it). First choice: unpadded calls of up to ``block`` rows, the largest block
     (<= ``MAX_ROW_BLOCK``) for which every row count keeps one-row bits. Where that block is
     small (EPYC: 3 rows fp32, 1 row for bf16 1536->576), calls padded to 8 or 16 rows are
-    tried too, and the cheaper of decode (1 row) + verify (16 rows) wins."""
-    key = (*key, in_features, dtype, torch.get_num_threads())
+    tried too, and the plan with the least time summed over ``timed_rows`` wins (the engine
+    passes (1, 8) for plain decoding, one request or a batch of them, and (1, 16) for
+    speculative decoding, whose verify forwards carry a draft tree)."""
+    key = (*key, in_features, dtype, timed_rows, torch.get_num_threads())
     if key not in _plans:
         with torch.inference_mode():
-            _plans[key] = _probe(mm, in_features, dtype)
+            _plans[key] = _probe(mm, in_features, dtype, timed_rows)
     return _plans[key]
 
 
-def _probe(mm, in_features: int, dtype: torch.dtype) -> RowPlan:
+def _probe(mm, in_features: int, dtype: torch.dtype, timed_rows: tuple[int, ...]) -> RowPlan:
     g = torch.Generator().manual_seed(0)
     out_features = mm(torch.zeros(1, in_features, dtype=dtype)).shape[-1]
     rows = -(-max(MAX_ROW_BLOCK, -(-PROBE_OUTPUTS // out_features)) // 16) * 16
@@ -73,7 +75,7 @@ def _probe(mm, in_features: int, dtype: torch.dtype) -> RowPlan:
     block = next((m - 1 for m in range(2, MAX_ROW_BLOCK + 1)
                   if not torch.equal(torch.cat([mm(part) for part in x.split(m)]), alone)), MAX_ROW_BLOCK)
     plans = [RowPlan(block)]
-    if block < VERIFY_ROWS:
+    if block < max(timed_rows):
         for b in (8, 16):
             pad = x.new_zeros(b - 1, in_features)
             alone_b = torch.cat([mm(torch.cat([x[r:r + 1], pad]))[:1] for r in range(rows)])
@@ -81,7 +83,7 @@ def _probe(mm, in_features: int, dtype: torch.dtype) -> RowPlan:
                 plans.append(RowPlan(b, pad=True))
     if len(plans) == 1:
         return plans[0]
-    return min(plans, key=lambda p: _seconds(p, mm, x[:1]) + _seconds(p, mm, x[:VERIFY_ROWS]))
+    return min(plans, key=lambda p: sum(_seconds(p, mm, x[:r]) for r in timed_rows))
 
 
 def _seconds(plan: RowPlan, mm, x: torch.Tensor, reps: int = 5) -> float:
@@ -116,7 +118,7 @@ def grouped_attention_is_invariant(dtype: torch.dtype, heads: int, kv_heads: int
     return _attention[key]
 
 
-def measure_model(model: torch.nn.Module, dtype: torch.dtype) -> dict:
+def measure_model(model: torch.nn.Module, dtype: torch.dtype, timed_rows: tuple[int, ...] = (1, VERIFY_ROWS)) -> dict:
     """Run every probe a batch-invariant forward of ``model`` will need, now (at startup, not in the
     first request): each swapped linear's row plan, grouped attention, the one-row attention dtype.
     Returns a summary for the log: ``{"linears": {plan: count}, "grouped_attention": bool}``."""
@@ -124,6 +126,7 @@ def measure_model(model: torch.nn.Module, dtype: torch.dtype) -> dict:
     plans: dict[str, int] = {}
     for m in model.modules():
         if getattr(m, "batch_invariant", False) and hasattr(m, "row_plan"):
+            m.timed_rows = timed_rows
             p = m.row_plan()
             name = f"{'padded ' if p.pad else ''}{p.block}"
             plans[name] = plans.get(name, 0) + 1

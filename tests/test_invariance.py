@@ -51,3 +51,8 @@ def test_padded_plan_appends_zero_rows_and_drops_their_outputs():
 def test_grouped_attention_probe_is_cached_per_shape():
     a = grouped_attention_is_invariant(torch.float32, 4, 2, 16)
     assert isinstance(a, bool) and grouped_attention_is_invariant(torch.float32, 4, 2, 16) is a
+
+
+def test_one_row_workload_never_pays_for_padded_calls():
+    """Timed for 1-row steps only, the unpadded block is kept (padding only pays for many rows)."""
+    assert invariant_row_plan(_switching_mm, 96, torch.float32, ("switching", 40), timed_rows=(1,)) == RowPlan(3)
