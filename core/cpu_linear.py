@@ -31,7 +31,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from .invariance import VERIFY_ROWS, RowPlan, invariant_row_plan
+from .invariance import DEFAULT_TIMED_ROWS, RowPlan, invariant_row_plan
 
 PACKED_MAX_ROWS = 16   # above this, plain F.linear is faster on the measured CPUs
 
@@ -60,7 +60,7 @@ class FastLinear(nn.Module):
         super().__init__()
         self.batch_invariant = batch_invariant
         self._row_plan: tuple[int, RowPlan | None] = (0, None)   # (thread count, plan) once measured
-        self.timed_rows = (1, VERIFY_ROWS)   # row counts the plan is chosen for (invariance.measure_model)
+        self.timed_rows = DEFAULT_TIMED_ROWS   # row counts the plan is chosen for (invariance.measure_model)
         w = linear.weight.detach()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.register_buffer("weight_t", w.t().contiguous(), persistent=False)   # [K, N] for GEMV
@@ -110,7 +110,7 @@ class PackedBF16Linear(nn.Module):
         super().__init__()
         self.batch_invariant = batch_invariant
         self._row_plan: tuple[int, RowPlan | None] = (0, None)   # (thread count, plan) once measured
-        self.timed_rows = (1, VERIFY_ROWS)   # row counts the plan is chosen for (invariance.measure_model)
+        self.timed_rows = DEFAULT_TIMED_ROWS   # row counts the plan is chosen for (invariance.measure_model)
         w = linear.weight.detach().contiguous()
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)   # opaque oneDNN tensor

@@ -28,7 +28,7 @@ import torch
 
 MAX_ROW_BLOCK = 64
 PROBE_OUTPUTS = 1 << 18   # outputs compared per row count (bf16 outputs hide most fp32 reordering)
-VERIFY_ROWS = 16          # rows of a typical verify forward (a draft tree), for timing plans
+DEFAULT_TIMED_ROWS = (1, 8)   # row counts plans are timed for unless the runner says (engine: 1 + tree size)
 _plans: dict[tuple, "RowPlan"] = {}
 _attention: dict[tuple, bool] = {}
 
@@ -50,15 +50,15 @@ class RowPlan:
 
 
 def invariant_row_plan(mm: Callable[[torch.Tensor], torch.Tensor], in_features: int, dtype: torch.dtype,
-                       key: tuple, timed_rows: tuple[int, ...] = (1, VERIFY_ROWS)) -> RowPlan:
+                       key: tuple, timed_rows: tuple[int, ...] = DEFAULT_TIMED_ROWS) -> RowPlan:
     """The fastest ``RowPlan`` under which ``mm`` gives every row the bits it gets at that plan's
     one-row call. ``key`` names the kernel and shape (the thread count is added: work splits
     follow it). First choice: unpadded calls of up to ``block`` rows, the largest block
     (<= ``MAX_ROW_BLOCK``) for which every row count keeps one-row bits. Where that block is
     small (EPYC: 3 rows fp32, 1 row for bf16 1536->576), calls padded to 8 or 16 rows are
     tried too, and the plan with the least time summed over ``timed_rows`` wins (the engine
-    passes (1, 8) for plain decoding, one request or a batch of them, and (1, 16) for
-    speculative decoding, whose verify forwards carry a draft tree)."""
+    passes (1, 8) for plain decoding, one request or a batch of them, and (1, num_draft_tokens)
+    for speculative decoding, whose verify forwards carry a draft tree)."""
     key = (*key, in_features, dtype, timed_rows, torch.get_num_threads())
     if key not in _plans:
         with torch.inference_mode():
@@ -118,7 +118,7 @@ def grouped_attention_is_invariant(dtype: torch.dtype, heads: int, kv_heads: int
     return _attention[key]
 
 
-def measure_model(model: torch.nn.Module, dtype: torch.dtype, timed_rows: tuple[int, ...] = (1, VERIFY_ROWS)) -> dict:
+def measure_model(model: torch.nn.Module, dtype: torch.dtype, timed_rows: tuple[int, ...] = DEFAULT_TIMED_ROWS) -> dict:
     """Run every probe a batch-invariant forward of ``model`` will need, now (at startup, not in the
     first request): each swapped linear's row plan, grouped attention, the one-row attention dtype.
     Returns a summary for the log: ``{"linears": {plan: count}, "grouped_attention": bool}``."""

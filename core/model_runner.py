@@ -8,7 +8,7 @@ import torch
 
 from .cpu_linear import use_fast_linears
 from .forward_batch import ForwardBatch, ForwardOutput, SeqSpan
-from .invariance import VERIFY_ROWS, measure_model
+from .invariance import measure_model
 from .kv_cache import KVPool
 
 logger = logging.getLogger(__name__)
@@ -17,16 +17,16 @@ PLAIN_BATCH_ROWS = 8   # a typical plain decode batch, for choosing batch-invari
 
 class ModelRunner:
     def __init__(self, model, hf_config, num_slots: int, dtype: torch.dtype, packed_gemm: bool = True,
-                 batch_invariant: bool = False, speculative: bool = True):
-        """``speculative``: forwards will verify draft trees; batch-invariant linears then pick their
-        row plan for 1- and 16-row forwards, else for 1 and 8 rows (one request, a batch of
-        concurrent ones; ``invariance``)."""
+                 batch_invariant: bool = False, timed_rows: tuple[int, ...] = (1, PLAIN_BATCH_ROWS)):
+        """``timed_rows``: the row counts of typical forwards, for which batch-invariant linears
+        pick the fastest row plan (``invariance``): one-row decode steps and either a batch of
+        concurrent ones (plain decoding) or a draft tree (speculative: ``num_draft_tokens``)."""
         self.packed_gemm = packed_gemm
         if packed_gemm:
             use_fast_linears(model, batch_invariant)
         model.batch_invariant = batch_invariant
         if batch_invariant and next(model.parameters()).device.type == "cpu":
-            logger.info("batch invariance on this CPU (rows per linear call: layers): %s", measure_model(model, dtype, (1, VERIFY_ROWS) if speculative else (1, PLAIN_BATCH_ROWS)))
+            logger.info("batch invariance on this CPU (rows per linear call: layers): %s", measure_model(model, dtype, timed_rows))
         self.model = model
         self.hf_config = hf_config
         layer0 = model.layers[0]

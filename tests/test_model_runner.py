@@ -1,4 +1,5 @@
 """The lean Llama forward: equals transformers' logits; tree-masked forwards equal chain forwards."""
+import pytest
 import torch
 
 from specfw.model_loader import load_model
@@ -89,3 +90,21 @@ def test_batch_invariant_runner_measures_its_kernels_at_startup(tiny_model_dir, 
     linears = [m for m in lm.model.modules() if isinstance(m, FastLinear)]
     assert len(linears) > lm.model.num_layers if mkl_packing_available() else not linears   # qkv, o, gate_up, down, lm_head
     assert all(m._row_plan[0] == torch.get_num_threads() for m in linears)
+
+
+def test_engine_times_linear_plans_for_its_typical_forward(tiny_model_dir):
+    """Batch-invariant row plans are timed for the forwards the engine will run: one-row steps and
+    the draft tree (num_draft_tokens rows) with a speculative algorithm, a batch of 8 plain decode
+    rows without one."""
+    from conftest import make_cfg
+    from specfw.cpu_linear import FastLinear, mkl_packing_available
+    from specfw.engine import Engine
+    from specfw_plugins.ngram.config import NgramConfig
+    if not mkl_packing_available():
+        pytest.skip("no MKL packed GEMM: the linears are not swapped")
+    for spec, rows in ((NgramConfig(algorithm="ngram", num_draft_tokens=6), 6), (None, 8)):
+        eng = Engine(make_cfg(model_path=str(tiny_model_dir), max_total_tokens=256, batch_invariant=True,
+                              speculative=spec))
+        linears = [m for m in eng.runner.model.modules() if isinstance(m, FastLinear)]
+        assert linears and all(m.timed_rows == (1, rows) for m in linears)
+        assert (eng.tree_shape.num_draft_tokens if spec else eng.tree_shape) == (6 if spec else None)

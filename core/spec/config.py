@@ -85,3 +85,11 @@ class SpecAlgoConfig(SpeculativeConfig):
             v = getattr(self, k)
             if not 0 < v <= 1:
                 raise ConfigError(f"speculative.{k}", f"must be in (0, 1], got {v}")
+
+
+def resolve_tree_shape(spec: SpecAlgoConfig, hf_config) -> TreeShape:
+    """Validate ``spec`` and resolve its tree shape for the target (its architecture picks the
+    auto defaults); raises ``ConfigError`` naming the key."""
+    spec.validate()
+    arch = (getattr(hf_config, "architectures", None) or ["LlamaForCausalLM"])[0]
+    return spec.resolve_shape(arch)

@@ -22,6 +22,7 @@ from ..sampling import TokenLogprob
 from ..worker import SeqResult, prefill_chunks, sample_rows
 from . import defaults
 from .budget import DraftBudget, counterfactual_yields
+from .config import resolve_tree_shape
 from .confidence import ConfidencePruning, Cut
 from .types import DraftCandidates, SpecContext, VerifyResult
 
@@ -38,9 +39,7 @@ class SpeculativeWorker:
     def __init__(self, engine, algorithm, registry):
         from ..config import speculative_config
         cfg = speculative_config(engine.cfg)
-        cfg.validate()
-        arch = (getattr(engine.loaded.hf_config, "architectures", None) or ["LlamaForCausalLM"])[0]
-        shape = cfg.resolve_shape(arch)
+        shape = getattr(engine, "tree_shape", None) or resolve_tree_shape(cfg, engine.loaded.hf_config)
         self.runner = engine.runner
         self.ctx = SpecContext(config=cfg, shape=shape, runner=engine.runner, tokenizer=engine.tokenizer,
                                engine_config=engine.cfg, stats=engine.stats, target_path=engine.loaded.path,
