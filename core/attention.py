@@ -82,9 +82,9 @@ def plan_attention(seqs: list[SeqSpan], device, batch_invariant: bool = False,
     return plan
 
 
-def _visible_slots(span: SeqSpan, device) -> list[torch.Tensor]:
-    """Per new token of ``span``: the KV slots it may attend to, in cache order."""
-    tm = _new_token_mask(span, device)
+def _visible_slots(span: SeqSpan) -> list[torch.Tensor]:
+    """Per new token of ``span``: the KV slots it may attend to, in cache order (host tensors)."""
+    tm = _new_token_mask(span, span.kv_slots.device)
     n, m = int(span.kv_slots.numel()), tm.shape[1]
     prefix, tail = span.kv_slots[: n - m], span.kv_slots[n - m:]
     return [torch.cat([prefix, tail[tm[i]]]) for i in range(span.q_len)]
@@ -100,7 +100,7 @@ def _plan_per_row(seqs: list[SeqSpan], device, group_rows: bool) -> list[SeqSpan
         if s.q_len == 1:
             by_len.setdefault(int(s.kv_slots.numel()), []).append((s.q_start, s))
             continue
-        for i, slots in enumerate(_visible_slots(s, device)):
+        for i, slots in enumerate(_visible_slots(s)):
             by_len.setdefault(int(slots.numel()), []).append((s.q_start + i, slots))
     for items in by_len.values():
         if len(items) == 1 or not group_rows:   # lone rows: a view of the cache when their slots are one run
@@ -156,7 +156,7 @@ def _gather(cache: torch.Tensor, s: SeqSpan) -> torch.Tensor:
     """A sequence's K or V as [1, Hkv, kv, D]; a view when its slots are one ascending run."""
     if s.kv_range is not None:
         return cache[s.kv_range[0]:s.kv_range[1]].transpose(0, 1).unsqueeze(0)
-    return cache.index_select(0, s.kv_slots).transpose(0, 1).unsqueeze(0)
+    return cache.index_select(0, s.slots_on(cache.device)).transpose(0, 1).unsqueeze(0)
 
 
 def _attend_one(q, k_cache, v_cache, s: SeqSpan, scale) -> torch.Tensor:

@@ -31,6 +31,7 @@ class ModelConfig:
     path: Optional[str] = None            # HF directory, hub id or .gguf file; null = demo model (SmolLM2-135M-Instruct)
     revision: Optional[str] = None        # hub revision when path is a hub id
     dtype: DType = DType.float32          # weights, activations and KV cache dtype
+    device: str = "auto"                  # auto | cpu | cuda | cuda:N: where weights, KV cache and activations live (auto: CUDA when torch sees one)
     context_length: Optional[int] = None  # max tokens per sequence; null = the model's max_position_embeddings
     served_model_name: Optional[str] = None  # name reported by /v1/models; null = directory name
 
@@ -99,6 +100,8 @@ def validate(cfg) -> None:
     positive("engine.num_threads", e.num_threads, allow_none=True)
     positive("engine.decode_log_interval", e.decode_log_interval)
     positive("model.context_length", cfg.model.context_length, allow_none=True)
+    from .device import check_device_name
+    check_device_name(str(cfg.model.device), "model.device")
     if e.kv_cache_memory_gb <= 0:
         raise ConfigError("engine.kv_cache_memory_gb", f"must be > 0, got {e.kv_cache_memory_gb}")
     if e.max_queued_requests < 0:

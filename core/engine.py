@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .detokenizer import IncrementalDetokenizer
+from .device import resolve_device
 from .kv_cache import KVPool
 from .model_loader import DTYPES, load_model
 from .model_runner import PLAIN_BATCH_ROWS, ModelRunner
@@ -62,8 +63,9 @@ class Engine:
         if cfg.engine.num_threads:
             torch.set_num_threads(cfg.engine.num_threads)
         dtype = str(getattr(cfg.model.dtype, "value", cfg.model.dtype))
+        self.device = resolve_device(str(getattr(cfg.model, "device", "auto")))
         loaded = load_model(cfg.model.path, dtype=dtype, revision=cfg.model.revision,
-                            max_positions=cfg.model.context_length)
+                            max_positions=cfg.model.context_length, device=self.device)
         self.loaded, self.tokenizer, self.model_path = loaded, loaded.tokenizer, loaded.path
         self.dtype = DTYPES[dtype]
         self.tree_shape = speculative_tree_shape(cfg, loaded.hf_config)
@@ -88,8 +90,8 @@ class Engine:
                                             getattr(loaded.hf_config, "eos_token_id", None)] if isinstance(i, int)}))
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self.model_name = cfg.model.served_model_name or self.model_path.name
-        logger.info("engine ready: model=%s dtype=%s kv_slots=%d worker=%s", self.model_name, dtype, num_slots,
-                    type(self.worker).__name__)
+        logger.info("engine ready: model=%s dtype=%s device=%s kv_slots=%d worker=%s", self.model_name, dtype,
+                    self.device, num_slots, type(self.worker).__name__)
 
     def _default_worker(self):
         from .plugins import build_worker

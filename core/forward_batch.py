@@ -1,5 +1,9 @@
 """What one model forward needs: a flattened ragged batch of query tokens and, per sequence,
-the KV slots it attends to and how its new tokens see each other."""
+the KV slots it attends to and how its new tokens see each other.
+
+Built on the host; ``ForwardBatch.to(device)`` moves the per-token tensors a forward computes
+with (ids, positions, output slots, logits rows) and leaves the per-sequence metadata
+(``seqs``) on the host, where attention plans are made (``specfw.device``)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -34,6 +38,16 @@ class SeqSpan:
     def prefix_len(self) -> int:
         return int(self.kv_slots.numel()) - self.q_len
 
+    def slots_on(self, device: torch.device) -> torch.Tensor:
+        """``kv_slots`` on ``device`` (copied once per forward, then reused by every layer)."""
+        if self.kv_slots.device == device:
+            return self.kv_slots
+        cached = getattr(self, "_device_slots", None)
+        if cached is None or cached.device != device:
+            cached = self.kv_slots.to(device, non_blocking=True)
+            self._device_slots = cached
+        return cached
+
 
 @dataclass
 class ForwardBatch:
@@ -48,6 +62,15 @@ class ForwardBatch:
     @property
     def num_tokens(self) -> int:
         return int(self.input_ids.numel())
+
+    def to(self, device: torch.device) -> "ForwardBatch":
+        """This batch with its per-token tensors on ``device`` (itself when they already are)."""
+        if self.input_ids.device == device:
+            return self
+        def move(t):
+            return None if t is None else t.to(device, non_blocking=True)
+        return ForwardBatch(move(self.input_ids), move(self.positions), move(self.out_slots), self.seqs,
+                            move(self.logits_indices), self.capture_layers)
 
 
 @dataclass

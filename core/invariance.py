@@ -50,7 +50,8 @@ class RowPlan:
 
 
 def invariant_row_plan(mm: Callable[[torch.Tensor], torch.Tensor], in_features: int, dtype: torch.dtype,
-                       key: tuple, timed_rows: tuple[int, ...] = DEFAULT_TIMED_ROWS) -> RowPlan:
+                       key: tuple, timed_rows: tuple[int, ...] = DEFAULT_TIMED_ROWS,
+                       device: torch.device = torch.device("cpu")) -> RowPlan:
     """The fastest ``RowPlan`` under which ``mm`` gives every row the bits it gets at that plan's
     one-row call. ``key`` names the kernel and shape (the thread count is added: work splits
     follow it). First choice: unpadded calls of up to ``block`` rows, the largest block
@@ -58,19 +59,22 @@ def invariant_row_plan(mm: Callable[[torch.Tensor], torch.Tensor], in_features: 
     small (EPYC: 3 rows fp32, 1 row for bf16 1536->576), calls padded to 8 or 16 rows are
     tried too, and the plan with the least time summed over ``timed_rows`` wins (the engine
     passes (1, 8) for plain decoding, one request or a batch of them, and (1, num_draft_tokens)
-    for speculative decoding, whose verify forwards carry a draft tree)."""
-    key = (*key, in_features, dtype, timed_rows, torch.get_num_threads())
+    for speculative decoding, whose verify forwards carry a draft tree). ``device``: where
+    ``mm`` runs (probe inputs are made there; GPU plans are measured the same way)."""
+    device = torch.device(device)
+    key = (*key, in_features, dtype, timed_rows, torch.get_num_threads(), str(device))
     if key not in _plans:
         with torch.inference_mode():
-            _plans[key] = _probe(mm, in_features, dtype, timed_rows)
+            _plans[key] = _probe(mm, in_features, dtype, timed_rows, device)
     return _plans[key]
 
 
-def _probe(mm, in_features: int, dtype: torch.dtype, timed_rows: tuple[int, ...]) -> RowPlan:
+def _probe(mm, in_features: int, dtype: torch.dtype, timed_rows: tuple[int, ...],
+           device: torch.device = torch.device("cpu")) -> RowPlan:
     g = torch.Generator().manual_seed(0)
-    out_features = mm(torch.zeros(1, in_features, dtype=dtype)).shape[-1]
+    out_features = mm(torch.zeros(1, in_features, dtype=dtype, device=device)).shape[-1]
     rows = -(-max(MAX_ROW_BLOCK, -(-PROBE_OUTPUTS // out_features)) // 16) * 16
-    x = torch.randn(rows, in_features, generator=g).to(dtype)
+    x = torch.randn(rows, in_features, generator=g).to(device=device, dtype=dtype)
     alone = torch.cat([mm(x[r:r + 1]) for r in range(rows)])
     block = next((m - 1 for m in range(2, MAX_ROW_BLOCK + 1)
                   if not torch.equal(torch.cat([mm(part) for part in x.split(m)]), alone)), MAX_ROW_BLOCK)
@@ -87,26 +91,34 @@ def _probe(mm, in_features: int, dtype: torch.dtype, timed_rows: tuple[int, ...]
 
 
 def _seconds(plan: RowPlan, mm, x: torch.Tensor, reps: int = 5) -> float:
+    from .device import synchronize
     plan.run(mm, x)
+    synchronize(x.device)
     t = time.perf_counter()
     for _ in range(reps):
         plan.run(mm, x)
+    synchronize(x.device)
     return (time.perf_counter() - t) / reps
 
 
-def grouped_attention_is_invariant(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int) -> bool:
+def grouped_attention_is_invariant(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
+                                   device: torch.device = torch.device("cpu")) -> bool:
     """Whether one-row queries over equally many keys may share one SDPA call (the batch-invariant
-    attention plan's groups) and still get the bits of lone decode rows."""
+    attention plan's groups) and still get the bits of lone decode rows. On a device without
+    data (``meta``) nothing can be measured: no (one call per row is invariant everywhere)."""
     from .attention import attend, plan_attention
     from .forward_batch import SeqSpan
-    key = (dtype, heads, kv_heads, head_dim, torch.get_num_threads())
+    device = torch.device(device)
+    if device.type == "meta":
+        return False
+    key = (dtype, heads, kv_heads, head_dim, torch.get_num_threads(), str(device))
     if key not in _attention:
         g = torch.Generator().manual_seed(0)
         rows, ok = 32, True
         for kv_len in (37, 300, 520):
-            k = torch.randn(rows * kv_len, kv_heads, head_dim, generator=g).to(dtype)
-            v = torch.randn(rows * kv_len, kv_heads, head_dim, generator=g).to(dtype)
-            q = torch.randn(rows, heads, head_dim, generator=g).to(dtype)
+            k = torch.randn(rows * kv_len, kv_heads, head_dim, generator=g).to(device=device, dtype=dtype)
+            v = torch.randn(rows * kv_len, kv_heads, head_dim, generator=g).to(device=device, dtype=dtype)
+            q = torch.randn(rows, heads, head_dim, generator=g).to(device=device, dtype=dtype)
             spans = [SeqSpan(q_start=i, q_len=1, kv_slots=torch.arange(i * kv_len, (i + 1) * kv_len)) for i in range(rows)]
             with torch.inference_mode():
                 together = attend(q, k, v, plan_attention(spans, q.device, True, group_rows=True), head_dim ** -0.5)
@@ -118,7 +130,8 @@ def grouped_attention_is_invariant(dtype: torch.dtype, heads: int, kv_heads: int
     return _attention[key]
 
 
-def measure_model(model: torch.nn.Module, dtype: torch.dtype, timed_rows: tuple[int, ...] = DEFAULT_TIMED_ROWS) -> dict:
+def measure_model(model: torch.nn.Module, dtype: torch.dtype, timed_rows: tuple[int, ...] = DEFAULT_TIMED_ROWS,
+                  device: torch.device = torch.device("cpu")) -> dict:
     """Run every probe a batch-invariant forward of ``model`` will need, now (at startup, not in the
     first request): each swapped linear's row plan, grouped attention, the one-row attention dtype.
     Returns a summary for the log: ``{"linears": {plan: count}, "grouped_attention": bool}``."""
@@ -131,6 +144,6 @@ def measure_model(model: torch.nn.Module, dtype: torch.dtype, timed_rows: tuple[
             name = f"{'padded ' if p.pad else ''}{p.block}"
             plans[name] = plans.get(name, 0) + 1
     layer = model.layers[0]
-    grouped = grouped_attention_is_invariant(dtype, layer.n_heads, layer.n_kv, layer.head_dim)
-    upcast = _upcast_one_row_queries(dtype, layer.n_heads, layer.n_kv, layer.head_dim, torch.device("cpu"))
+    grouped = grouped_attention_is_invariant(dtype, layer.n_heads, layer.n_kv, layer.head_dim, device)
+    upcast = _upcast_one_row_queries(dtype, layer.n_heads, layer.n_kv, layer.head_dim, torch.device(device))
     return {"linears": plans, "grouped_attention": grouped, "one_row_attention_in_fp32": upcast}

@@ -108,12 +108,14 @@ class KVPool:
         return int(memory_bytes // cls.bytes_per_token(num_layers, num_kv_heads, head_dim, dtype))
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """``slots`` on the pool's device (``ForwardBatch.to`` puts ``out_slots`` there)."""
         self.k[layer].index_copy_(0, slots, k)
         self.v[layer].index_copy_(0, slots, v)
 
     def move(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Copy every layer's K/V at ``src`` slots to ``dst`` slots (reads all sources first, so
-        the two may overlap)."""
+        the two may overlap). Slot tensors may be host tensors (slot tables live on the host)."""
+        src, dst = src.to(self.device, non_blocking=True), dst.to(self.device, non_blocking=True)
         for layer in range(self.num_layers):
             self.k[layer].index_copy_(0, dst, self.k[layer].index_select(0, src))
             self.v[layer].index_copy_(0, dst, self.v[layer].index_select(0, src))

@@ -120,7 +120,9 @@ def load_config(path: Path):
 
 
 def load_model(ref: str | None, dtype: str = "float32", revision: str | None = None,
-               max_positions: int | None = None) -> LoadedModel:
+               max_positions: int | None = None, device: str | torch.device = "cpu") -> LoadedModel:
+    """The model in ``dtype`` on ``device`` (weights are read on the host, then moved; tied
+    embeddings stay tied), its config and tokenizer."""
     from transformers import AutoTokenizer
     if dtype not in DTYPES:
         raise ModelLoadError(f"model.dtype: '{dtype}' is not one of {sorted(DTYPES)}")
@@ -139,6 +141,9 @@ def load_model(ref: str | None, dtype: str = "float32", revision: str | None = N
     model.rotary = type(model.rotary)(cfg, npos, tdtype)
     _fuse_into(model, load_state_dict(path))
     model.eval()
+    if torch.device(device).type != "cpu":
+        model.to(device)
+        model.rotary.to(device)
     tok = AutoTokenizer.from_pretrained(path)
     tok.model_input_names = ["input_ids", "attention_mask"]
     return LoadedModel(model=model, hf_config=cfg, tokenizer=tok, path=path)

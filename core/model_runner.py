@@ -1,12 +1,13 @@
-"""Model runner: owns the target model and its KV pool; turns sequences into ForwardBatches
-and runs them."""
+"""Model runner: owns the target model and its KV pool on the model's device; turns sequences
+into ForwardBatches (built on the host) and runs them on the device."""
 from __future__ import annotations
 
 import logging
 
 import torch
 
-from .cpu_linear import use_fast_linears
+from .cpu_linear import fast_linear_for, use_fast_linears
+from .device_linear import use_invariant_linears
 from .forward_batch import ForwardBatch, ForwardOutput, SeqSpan
 from .invariance import measure_model
 from .kv_cache import KVPool
@@ -20,33 +21,49 @@ class ModelRunner:
                  batch_invariant: bool = False, timed_rows: tuple[int, ...] = (1, PLAIN_BATCH_ROWS)):
         """``timed_rows``: the row counts of typical forwards, for which batch-invariant linears
         pick the fastest row plan (``invariance``): one-row decode steps and either a batch of
-        concurrent ones (plain decoding) or a draft tree (speculative: ``num_draft_tokens``)."""
-        self.packed_gemm = packed_gemm
-        if packed_gemm:
+        concurrent ones (plain decoding) or a draft tree (speculative: ``num_draft_tokens``).
+        The runner works on the device the model's weights are on."""
+        self.device = next(model.parameters()).device
+        self.packed_gemm = packed_gemm and self.device.type == "cpu"
+        if self.packed_gemm:
             use_fast_linears(model, batch_invariant)
+        elif batch_invariant:
+            use_invariant_linears(model)
         model.batch_invariant = batch_invariant
-        if batch_invariant and next(model.parameters()).device.type == "cpu":
-            logger.info("batch invariance on this CPU (rows per linear call: layers): %s", measure_model(model, dtype, timed_rows))
+        if batch_invariant and self.device.type != "meta":
+            logger.info("batch invariance on %s (rows per linear call: layers): %s", self.device,
+                        measure_model(model, dtype, timed_rows, self.device))
         self.model = model
         self.hf_config = hf_config
         layer0 = model.layers[0]
-        self.kv = KVPool(model.num_layers, layer0.n_kv, layer0.head_dim, num_slots, dtype=dtype)
+        self.kv = KVPool(model.num_layers, layer0.n_kv, layer0.head_dim, num_slots, dtype=dtype, device=self.device)
         self.vocab_size = hf_config.vocab_size
         # see padded_rows (padding rows never changes the real rows: packed GEMM rows are
         # row-count invariant); oneDNN bf16 is flat over small row counts, no padding needed
-        self.pad_rows = dtype == torch.float32
+        self.pad_rows = dtype == torch.float32 and self.device.type == "cpu"
         self.max_context = model.rotary.cos.shape[0]
 
     @property
     def allocator(self):
         return self.kv.allocator
 
+    def prepare(self, module: torch.nn.Module) -> torch.nn.Module:
+        """A drafter's module made ready to run beside the target: moved to the runner's device,
+        with the CPU's faster linears where the target has them. Draft heads need no batch
+        invariance (their numerics change which tokens are proposed, never which are emitted)."""
+        module = module.to(self.device)
+        if self.packed_gemm:
+            use_fast_linears(module)
+            if type(module) is torch.nn.Linear:   # a bare layer (e.g. an FR-Spec lm_head)
+                module = fast_linear_for(module) or module
+        return module
+
     def forward(self, fb: ForwardBatch) -> ForwardOutput:
         T = fb.num_tokens
         padded = padded_rows(T) if self.pad_rows else T
         if padded == T:
-            return self.model(fb, self.kv)
-        out = self.model(_pad(fb, padded, self.kv.scratch_slot), self.kv)
+            return self.model(fb.to(self.device), self.kv)
+        out = self.model(_pad(fb, padded, self.kv.scratch_slot).to(self.device), self.kv)
         out.hidden = out.hidden[:T]
         out.aux_hidden = [a[:T] for a in out.aux_hidden]
         return out

@@ -113,8 +113,9 @@ class TokenLogprob:
 
 def sample_one(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator,
                prompt_ids: list[int], output_ids: list[int]) -> tuple[int, TokenLogprob | None]:
-    """Pick the next token from one row of logits [V]."""
-    logits = apply_penalties(logits[None], p, prompt_ids, output_ids)[0]
+    """Pick the next token from one row of logits [V] (on any device; sampled on the host, where
+    the request's generator is)."""
+    logits = apply_penalties(logits.cpu()[None], p, prompt_ids, output_ids)[0]
     if p.greedy:
         tok = int(torch.argmax(logits))
     else:

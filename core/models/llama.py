@@ -106,6 +106,7 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, fb: ForwardBatch, kv: KVPool) -> ForwardOutput:
+        """``fb``'s per-token tensors on the model's device (``ForwardBatch.to``)."""
         x = self.embed_tokens(fb.input_ids)
         cos, sin = self.rotary.lookup(fb.positions)
         fb.attn_plan = plan_attention(fb.seqs, x.device, self.batch_invariant,
@@ -123,10 +124,8 @@ class LlamaModel(nn.Module):
         return ForwardOutput(logits=logits, hidden=hidden, aux_hidden=aux)
 
     def _grouped_attention_ok(self, x: torch.Tensor) -> bool:
-        if x.device.type != "cpu":
-            return True
         a = self.layers[0]
-        return grouped_attention_is_invariant(x.dtype, a.n_heads, a.n_kv, a.head_dim)
+        return grouped_attention_is_invariant(x.dtype, a.n_heads, a.n_kv, a.head_dim, x.device)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden)).float()

@@ -43,15 +43,15 @@ def _expand(req, logits: torch.Tensor, beams: list[tuple[int, float, int]], k: i
     next beams: (candidate index, score, row of ``logits`` that produced them)."""
     children = []
     for parent, score, row in beams:
-        if sampled:
-            probs = target_probs(logits[row:row + 1], req.params)[0]
+        if sampled:   # on the host, where the request's generator is
+            probs = target_probs(logits[row:row + 1].cpu(), req.params)[0]
             tok = int(torch.multinomial(probs, 1, generator=req.generator))
             full = probs if to_target is None else None
             children.append((score + float(torch.log(probs[tok] + 1e-20)), parent, tok, full, row))
             continue
         logp = torch.log_softmax(logits[row].float(), -1)
         v, ix = torch.topk(logp, k)
-        children.extend((score + float(a), parent, int(b), None, row) for a, b in zip(v, ix))
+        children.extend((score + a, parent, b, None, row) for a, b in zip(v.tolist(), ix.tolist()))
     children.sort(key=lambda c: -c[0])
     nxt = []
     for j, (score, parent, tok, probs, row) in enumerate(children):
@@ -105,7 +105,7 @@ def beam_search(reqs, first_logits: torch.Tensor, first_hidden: torch.Tensor | N
                 chunks.append((toks, torch.full((len(bs),), root_position(r) + depth, dtype=torch.long), slots, prefix, mask))
                 drafted[i].extend(slots.tolist())
                 parent_rows.extend(row_base[i] + row for _, _, row in bs)
-            parent_hidden = hidden[torch.tensor(parent_rows)] if hidden is not None else None
+            parent_hidden = hidden[torch.tensor(parent_rows).to(hidden.device)] if hidden is not None else None
             logits, hidden = step(chunks, parent_hidden)
             off = 0
             for i in live:

@@ -12,7 +12,8 @@ target produced but the head has not consumed yet:
   head's own output hidden of its parent.
 
 Subclasses provide the head (``head_forward``), how target features are formed
-(``target_features``), and the vocabulary mapping (``to_target``).
+(``target_features``), and the vocabulary mapping (``to_target``, a host tensor). Features and the
+head's KV live on the target runner's device; ``head_forward`` gets its batch there.
 """
 from __future__ import annotations
 
@@ -39,7 +40,8 @@ class FeatureDrafter:
         self.ctx = ctx
         self.shape = ctx.shape
         self.layer = layer
-        self.kv = KVPool(1, layer.n_kv, layer.head_dim, num_slots, dtype=ctx.runner.kv.dtype)
+        self.device = ctx.runner.device
+        self.kv = KVPool(1, layer.n_kv, layer.head_dim, num_slots, dtype=ctx.runner.kv.dtype, device=self.device)
         self.states: dict[str, _PairState] = {}
 
     # ---- subclass API -----------------------------------------------------------------------
@@ -56,7 +58,7 @@ class FeatureDrafter:
     def specfw_on_prefill(self, ctx, reqs, hidden, aux_hidden, spans):
         for r, (start, n) in zip(reqs, spans):
             st = self.states.setdefault(r.rid, _PairState())
-            feats = self.target_features(hidden, aux_hidden, torch.arange(start, start + n))
+            feats = self.target_features(hidden, aux_hidden, torch.arange(start, start + n, device=hidden.device))
             # rows cover positions len(st.slots).. (a retracted request re-prefills from scratch)
             st.pending = [feats]
         # catch up on the prompt now, as part of the prefill: the first decode step then extends
@@ -70,7 +72,7 @@ class FeatureDrafter:
         for r, res in zip(reqs, results):
             st = self.states.get(r.rid)
             if st is not None:
-                st.pending.append(self.target_features(hidden, aux_hidden, res.node_rows))
+                st.pending.append(self.target_features(hidden, aux_hidden, res.node_rows.to(hidden.device)))
 
     @hookimpl
     def specfw_release(self, ctx, req):
@@ -105,7 +107,7 @@ class FeatureDrafter:
             chunks.append((tokens, torch.arange(d, d + m), slots, st.slots.slots(), None))
             st.slots.append(slots)
             feats.append(f)
-        fb = build_forward_batch(chunks, last_only=True)
+        fb = build_forward_batch(chunks, last_only=True).to(self.device)
         logits, hidden = self.head_forward(fb.input_ids, torch.cat(feats), fb, from_target=True)
         return logits, hidden[fb.logits_indices]
 
@@ -113,7 +115,7 @@ class FeatureDrafter:
         logits, last_hidden = self._extend(reqs)
 
         def step(step_chunks, parent_hidden):
-            sfb = build_forward_batch(step_chunks)
+            sfb = build_forward_batch(step_chunks).to(self.device)
             return self.head_forward(sfb.input_ids, parent_hidden, sfb, from_target=False)
 
         return beam_search(reqs, logits, last_hidden, self.shape.topk, self.ctx.draft_depth,

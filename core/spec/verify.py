@@ -93,6 +93,10 @@ def verify_chain_rejection(req: Request, tree: DraftTree, logits: torch.Tensor) 
 
 def verify(req: Request, tree: DraftTree, logits: torch.Tensor, threshold_single: float = 1.0,
            threshold_acc: float = 1.0, force_greedy: bool = False) -> VerifyResult:
+    """``logits`` [len(tree), V] on any device: greedy walks read one argmax per node from it;
+    penalties and sampling run on a host copy (the request's generator is a host generator)."""
+    if req.params.has_penalties or not (req.params.greedy or force_greedy):
+        logits = logits.cpu()
     logits = processed_logits(req, tree, logits)
     if req.params.greedy or force_greedy:
         return verify_greedy(tree, logits)

@@ -115,9 +115,8 @@ def validate_train(cfg) -> None:
         raise ConfigError("lr", f"must be > 0, got {cfg.lr}")
     if cfg.data.num_prompts < 1:
         raise ConfigError("data.num_prompts", f"must be >= 1, got {cfg.data.num_prompts}")
-    dev = str(cfg.device)
-    if dev not in ("auto", "cpu") and not (dev == "cuda" or dev.startswith("cuda:")):
-        raise ConfigError("device", f"'{dev}' is not one of ['auto', 'cpu', 'cuda', 'cuda:N']")
+    from ..device import check_device_name
+    check_device_name(str(cfg.device), key="device")
     if cfg.init_draft is not None and cfg.init_draft != "demo":
         from pathlib import Path
         if not (Path(cfg.init_draft) / "config.json").exists():

@@ -6,6 +6,8 @@ from pathlib import Path
 
 import torch
 
+from ..device import resolve_device
+
 logger = logging.getLogger(__name__)
 
 
@@ -42,16 +44,6 @@ def init_from_draft(trainer, cfg) -> None:
     logger.info("initialised the %s draft from %s", cfg.draft.kind, path)
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    dev = torch.device(name)
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        from ..config import ConfigError
-        raise ConfigError("device", f"'{name}' asked for, but torch sees no CUDA device (use device=cpu or auto)")
-    return dev
-
-
 def run_training(cfg) -> Path:
     from omegaconf import OmegaConf
     from ..config import EngineConfig, ModelConfig, SpecfwConfig, SpeculativeConfig
@@ -63,7 +55,7 @@ def run_training(cfg) -> Path:
     if cfg.num_threads:
         torch.set_num_threads(cfg.num_threads)
     torch.manual_seed(cfg.seed)
-    device = resolve_device(str(cfg.device))
+    device = resolve_device(str(cfg.device), key="device")
     logger.info("training on %s", device)
     target_dir = resolve_model_path(cfg.model.path, cfg.model.revision)
     d = cfg.data

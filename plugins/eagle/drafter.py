@@ -6,7 +6,6 @@ from pathlib import Path
 
 import torch
 
-from specfw.cpu_linear import fast_linear_for, use_fast_linears
 from specfw.config import ConfigError
 from specfw.model_loader import resolve_model_path
 from specfw.models.llama import Rotary
@@ -28,19 +27,18 @@ class EagleDrafter(FeatureDrafter):
             ref = str(DEMO_DRAFT)
         path = resolve_model_path(ref, cfg.draft_model_revision)
         target = ctx.runner.model
-        self.head = load_eagle(Path(path), ctx.runner.hf_config, ctx.runner.kv.dtype)
+        self.head = ctx.runner.prepare(load_eagle(Path(path), ctx.runner.hf_config, ctx.runner.kv.dtype))
         self.target = target
-        self.rotary = Rotary(self.head.config, ctx.runner.max_context, ctx.runner.kv.dtype)
+        self.rotary = Rotary(self.head.config, ctx.runner.max_context, ctx.runner.kv.dtype).to(ctx.runner.device)
         self.lm_head = target.lm_head   # shared with the target
         if cfg.token_map:   # FR-Spec: score only the frequent tokens
             self.to_target = load_token_map(cfg.token_map, ctx.runner.vocab_size)
+            weight = target.lm_head.weight
             self.lm_head = torch.nn.Linear(self.head.config.hidden_size, len(self.to_target), bias=False,
-                                           dtype=ctx.runner.kv.dtype)
-            self.lm_head.weight = torch.nn.Parameter(target.lm_head.weight.index_select(0, self.to_target),
+                                           dtype=ctx.runner.kv.dtype, device=weight.device)
+            self.lm_head.weight = torch.nn.Parameter(weight.index_select(0, self.to_target.to(weight.device)),
                                                      requires_grad=False)
-        if ctx.runner.packed_gemm:
-            use_fast_linears(self.head)   # CPU: packed fp32 / oneDNN-blocked bf16 weights (no-op elsewhere)
-            self.lm_head = fast_linear_for(self.lm_head) or self.lm_head
+            self.lm_head = ctx.runner.prepare(self.lm_head)
         super().__init__(ctx, self.head.layers[0], cfg.draft_kv_tokens or ctx.runner.allocator.num_slots)
         logger.info("eagle draft %s%s", path, f", FR-Spec token map of {len(self.to_target)} ids" if cfg.token_map else "")
 

@@ -6,7 +6,6 @@ from pathlib import Path
 
 import torch
 
-from specfw.cpu_linear import use_fast_linears
 from specfw.config import ConfigError
 from specfw.model_loader import resolve_model_path
 from specfw.models.llama import Rotary
@@ -32,11 +31,9 @@ class Eagle3Drafter(FeatureDrafter):
             logger.warning("speculative.token_map is ignored for EAGLE-3 (the draft vocabulary comes from d2t)")
         path = resolve_model_path(cfg.draft_model_path or default_draft_path(ctx), cfg.draft_model_revision)
         target = ctx.runner.model
-        self.head = load_eagle3(Path(path), ctx.runner.hf_config, ctx.runner.kv.dtype)
-        if ctx.runner.packed_gemm:
-            use_fast_linears(self.head)   # CPU: packed fp32 / oneDNN-blocked bf16 weights (no-op elsewhere)
+        self.head = ctx.runner.prepare(load_eagle3(Path(path), ctx.runner.hf_config, ctx.runner.kv.dtype))
         self.embed = target.embed_tokens
-        self.rotary = Rotary(self.head.config, ctx.runner.max_context, ctx.runner.kv.dtype)
+        self.rotary = Rotary(self.head.config, ctx.runner.max_context, ctx.runner.kv.dtype).to(ctx.runner.device)
         self.to_target = self.head.to_target_ids()
         ctx.capture_layers = aux_layer_ids(self.head.config, target.num_layers, cfg.aux_layers)
         super().__init__(ctx, self.head.midlayer, cfg.draft_kv_tokens or ctx.runner.allocator.num_slots)

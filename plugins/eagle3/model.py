@@ -42,7 +42,8 @@ class Eagle3Head(nn.Module):
         self.register_buffer("t2d", torch.ones(vocab_size, dtype=torch.bool))
 
     def to_target_ids(self) -> torch.Tensor:
-        return torch.arange(self.draft_vocab) + self.d2t
+        """Target id of each draft-vocabulary index, on the host."""
+        return torch.arange(self.draft_vocab) + self.d2t.cpu()
 
 
 def aux_layer_ids(draft_cfg, num_target_layers: int, override: list[int] | None) -> tuple[int, ...]:

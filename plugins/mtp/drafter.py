@@ -12,7 +12,6 @@ from pathlib import Path
 
 import torch
 
-from specfw.cpu_linear import fast_linear_for, use_fast_linears
 from specfw.model_loader import resolve_model_path
 from specfw.models.llama import Rotary
 from specfw.spec.feature_drafter import FeatureDrafter
@@ -28,14 +27,11 @@ class MtpDrafter(FeatureDrafter):
         path = Path(resolve_model_path(cfg.draft_model_path, cfg.draft_model_revision) if cfg.draft_model_path
                     else ctx.target_path)
         target = ctx.runner.model
-        self.head = load_mtp(path, ctx.runner.hf_config, ctx.runner.kv.dtype, cfg.mtp_layer)
+        # on the target's device, with the CPU's faster linears (the NextN lm_head included)
+        self.head = ctx.runner.prepare(load_mtp(path, ctx.runner.hf_config, ctx.runner.kv.dtype, cfg.mtp_layer))
         self.target = target
-        if ctx.runner.packed_gemm:
-            use_fast_linears(self.head)   # CPU: packed fp32 / oneDNN-blocked bf16 weights (no-op elsewhere)
         self.lm_head = self.head.head if self.head.head is not None else target.lm_head
-        if ctx.runner.packed_gemm:
-            self.lm_head = fast_linear_for(self.lm_head) or self.lm_head
-        self.rotary = Rotary(self.head.config, ctx.runner.max_context, ctx.runner.kv.dtype)
+        self.rotary = Rotary(self.head.config, ctx.runner.max_context, ctx.runner.kv.dtype).to(ctx.runner.device)
         super().__init__(ctx, self.head.layer, cfg.draft_kv_tokens or ctx.runner.allocator.num_slots)
         logger.info("mtp: NextN layer %d of %s (%s layout)", cfg.mtp_layer, path, self.head.layout)
 

@@ -55,7 +55,8 @@ class StandaloneDrafter:
         ref = cfg.draft_model_path or default_draft(ctx)
         dtype = str(getattr(ctx.engine_config.model.dtype, "value", ctx.engine_config.model.dtype))
         revision = (cfg.draft_model_revision or "main") if cfg.draft_model_path and not Path(ref).exists() else None
-        loaded = load_model(ref, dtype=dtype, revision=revision, max_positions=ctx.runner.max_context)
+        loaded = load_model(ref, dtype=dtype, revision=revision, max_positions=ctx.runner.max_context,
+                            device=ctx.runner.device)
         check_same_tokenizer(ctx.tokenizer, loaded.tokenizer, ref)
         if loaded.hf_config.vocab_size != ctx.runner.vocab_size:
             raise ConfigError("speculative.draft_model_path",
