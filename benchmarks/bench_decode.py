@@ -21,6 +21,7 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--device", default="auto", help="model.device: auto | cpu | cuda | cuda:N")
     ap.add_argument("--concurrency", type=int, default=8)
     ap.add_argument("--compare-invariant", action="store_true", help="also time specfw with engine.batch_invariant=false")
     args = ap.parse_args()
@@ -33,7 +34,7 @@ def main():
     from specfw.sampling import SamplingParams
 
     def build(invariant: bool) -> Engine:
-        return Engine(SpecfwConfig(model=ModelConfig(dtype=args.dtype), speculative=SpeculativeConfig(),
+        return Engine(SpecfwConfig(model=ModelConfig(dtype=args.dtype, device=args.device), speculative=SpeculativeConfig(),
                                    engine=EngineConfig(max_running_requests=args.concurrency, num_threads=args.threads,
                                                        batch_invariant=invariant)))
 

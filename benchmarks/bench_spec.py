@@ -61,6 +61,7 @@ def main():
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--device", default="auto", help="model.device: auto | cpu | cuda | cuda:N")
     ap.add_argument("--algo", action="append", default=[], help="name[:key=value,...] (repeatable)")
     ap.add_argument("--hf-prompt-lookup", action="store_true", help="also time HF prompt lookup decoding")
     ap.add_argument("--no-batch-invariant", action="store_true", help="every row with engine.batch_invariant=false")
@@ -75,13 +76,14 @@ def main():
     from specfw.sampling import SamplingParams
 
     def engine_for(spec):
-        return Engine(SpecfwConfig(model=ModelConfig(dtype=args.dtype), speculative=spec,
+        return Engine(SpecfwConfig(model=ModelConfig(dtype=args.dtype, device=args.device), speculative=spec,
                                    engine=EngineConfig(max_running_requests=1, num_threads=args.threads,
                                                        batch_invariant=not args.no_batch_invariant)))
 
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0)
     plain = engine_for(SpeculativeConfig())
     prompts = load_prompts(args.dataset, args.n, plain)
+    plain_device = plain.device
     plain.generate([prompts[0]], SamplingParams(max_new_tokens=4, temperature=0))
     rows = []
     base_tps, ref = run_engine(plain, prompts, params, "plain")
@@ -123,7 +125,7 @@ def main():
         del eng
 
     print(f"\n{args.dataset}: {len(prompts)} prompts x {args.max_new_tokens} new tokens, batch 1, greedy, "
-          f"{args.dtype}, {args.threads} threads, batch_invariant={not args.no_batch_invariant}")
+          f"{args.dtype}, device {plain_device}, {args.threads} threads, batch_invariant={not args.no_batch_invariant}")
     print(f"{'algorithm':<44} {'tok/s':>8} {'speedup':>8} {'accept len':>11} {'== plain':>9}")
     for r in rows:
         al = f"{r['accept_len']:.2f}" if r.get("accept_len") else "-"

@@ -40,6 +40,7 @@ def main():
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--device", default="auto", help="model.device: auto | cpu | cuda | cuda:N")
     ap.add_argument("--algo", action="append", default=[], help="algorithm name (repeatable)")
     ap.add_argument("--shape", action="append", type=parse_shape, default=[],
                     help="num_steps,topk,num_draft_tokens (repeatable)")
@@ -56,7 +57,7 @@ def main():
     from specfw.sampling import SamplingParams
 
     def engine_for(spec):
-        return Engine(SpecfwConfig(model=ModelConfig(dtype=args.dtype), speculative=spec,
+        return Engine(SpecfwConfig(model=ModelConfig(dtype=args.dtype, device=args.device), speculative=spec,
                                    engine=EngineConfig(max_running_requests=1, num_threads=args.threads)))
 
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0)

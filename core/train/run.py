@@ -71,7 +71,7 @@ def run_training(cfg) -> Path:
             from .hf_regen import HFGenerator
             engine = HFGenerator(target_dir, getattr(torch, regen_dtype), device)
         else:
-            engine = Engine(SpecfwConfig(model=ModelConfig(path=cfg.model.path, dtype=regen_dtype),
+            engine = Engine(SpecfwConfig(model=ModelConfig(path=cfg.model.path, dtype=regen_dtype, device=str(device)),
                                          engine=EngineConfig(max_running_requests=d.regen_batch,
                                                              num_threads=cfg.num_threads),
                                          speculative=SpeculativeConfig()))

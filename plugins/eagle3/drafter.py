@@ -31,10 +31,11 @@ class Eagle3Drafter(FeatureDrafter):
             logger.warning("speculative.token_map is ignored for EAGLE-3 (the draft vocabulary comes from d2t)")
         path = resolve_model_path(cfg.draft_model_path or default_draft_path(ctx), cfg.draft_model_revision)
         target = ctx.runner.model
-        self.head = ctx.runner.prepare(load_eagle3(Path(path), ctx.runner.hf_config, ctx.runner.kv.dtype))
+        head = load_eagle3(Path(path), ctx.runner.hf_config, ctx.runner.kv.dtype)
+        self.to_target = head.to_target_ids()   # host map, read per drafted token
+        self.head = ctx.runner.prepare(head)
         self.embed = target.embed_tokens
         self.rotary = Rotary(self.head.config, ctx.runner.max_context, ctx.runner.kv.dtype).to(ctx.runner.device)
-        self.to_target = self.head.to_target_ids()
         ctx.capture_layers = aux_layer_ids(self.head.config, target.num_layers, cfg.aux_layers)
         super().__init__(ctx, self.head.midlayer, cfg.draft_kv_tokens or ctx.runner.allocator.num_slots)
         logger.info("eagle3 draft %s: draft vocab %d, target taps %s", path, self.head.draft_vocab, ctx.capture_layers)
