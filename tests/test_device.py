@@ -114,48 +114,68 @@ def test_target_forwards_keep_device_tensors_on_the_device(meta_runner_factory, 
     assert step.logits.shape == (2, 49152)
 
 
-def _tiny_eagle3(path, vocab=49152, hidden=64, inter=128, heads=4, kv_heads=2, draft_vocab=100):
-    hd = hidden // heads
-    g = torch.Generator().manual_seed(0)
+def _rand(g, *shape):
+    return torch.randn(*shape, generator=g) * 0.1
 
-    def rand(*shape):
-        return torch.randn(*shape, generator=g) * 0.1
-    t = {"fc.weight": rand(hidden, 3 * hidden), "norm.weight": torch.ones(hidden),
-         "lm_head.weight": rand(draft_vocab, hidden), "midlayer.hidden_norm.weight": torch.ones(hidden),
-         "midlayer.input_layernorm.weight": torch.ones(hidden),
-         "midlayer.post_attention_layernorm.weight": torch.ones(hidden),
-         "midlayer.self_attn.q_proj.weight": rand(heads * hd, 2 * hidden),
-         "midlayer.self_attn.k_proj.weight": rand(kv_heads * hd, 2 * hidden),
-         "midlayer.self_attn.v_proj.weight": rand(kv_heads * hd, 2 * hidden),
-         "midlayer.self_attn.o_proj.weight": rand(hidden, heads * hd),
-         "midlayer.mlp.gate_proj.weight": rand(inter, hidden), "midlayer.mlp.up_proj.weight": rand(inter, hidden),
-         "midlayer.mlp.down_proj.weight": rand(hidden, inter),
-         "d2t": torch.arange(draft_vocab) * 3}   # target id = 4 * i
+
+def _draft_layer(g, prefix, in_dim, hidden=64, inter=128, heads=4, kv_heads=2, input_norm=True):
+    hd = hidden // heads
+    t = {f"{prefix}post_attention_layernorm.weight": torch.ones(hidden),
+         f"{prefix}self_attn.q_proj.weight": _rand(g, heads * hd, in_dim),
+         f"{prefix}self_attn.k_proj.weight": _rand(g, kv_heads * hd, in_dim),
+         f"{prefix}self_attn.v_proj.weight": _rand(g, kv_heads * hd, in_dim),
+         f"{prefix}self_attn.o_proj.weight": _rand(g, hidden, heads * hd),
+         f"{prefix}mlp.gate_proj.weight": _rand(g, inter, hidden), f"{prefix}mlp.up_proj.weight": _rand(g, inter, hidden),
+         f"{prefix}mlp.down_proj.weight": _rand(g, hidden, inter)}
+    if input_norm:
+        t[f"{prefix}input_layernorm.weight"] = torch.ones(hidden)
+    return t
+
+
+def _tiny_draft(kind, path, vocab=49152, hidden=64, draft_vocab=100):
+    """A random EAGLE-3 (draft vocab 100, target id = 4 * i) or EAGLE checkpoint for the tiny target."""
+    g = torch.Generator().manual_seed(0)
+    if kind == "eagle3":
+        t = {"fc.weight": _rand(g, hidden, 3 * hidden), "norm.weight": torch.ones(hidden),
+             "lm_head.weight": _rand(g, draft_vocab, hidden), "midlayer.hidden_norm.weight": torch.ones(hidden),
+             "d2t": torch.arange(draft_vocab) * 3, **_draft_layer(g, "midlayer.", 2 * hidden)}
+        extra = dict(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=draft_vocab, target_hidden_size=hidden)
+    else:
+        t = {"fc.weight": _rand(g, hidden, 2 * hidden), **_draft_layer(g, "layers.0.", hidden, input_norm=False)}
+        extra = dict(architectures=["LlamaForCausalLMEagle"])
     path.mkdir(parents=True, exist_ok=True)
     save_file(t, str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps(dict(
-        architectures=["LlamaForCausalLMEagle3"], model_type="llama", hidden_size=hidden, intermediate_size=inter,
-        num_attention_heads=heads, num_key_value_heads=kv_heads, num_hidden_layers=1, vocab_size=vocab,
-        draft_vocab_size=draft_vocab, target_hidden_size=hidden, rms_norm_eps=1e-5)))
+        model_type="llama", hidden_size=hidden, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+        num_hidden_layers=1, vocab_size=vocab, rms_norm_eps=1e-5, **extra)))
     return path
 
 
-def test_eagle3_head_runs_on_the_targets_device(meta_runner_factory, tmp_path):
+@pytest.mark.parametrize("kind", ["eagle3", "eagle"])
+def test_feature_draft_heads_run_on_the_targets_device(meta_runner_factory, tmp_path, kind):
     """The draft head, its KV pool and the target features it is fed live on the target's device;
-    the vocabulary map stays on the host (beam search reads it per token)."""
+    vocabulary maps (EAGLE-3 ``d2t``, EAGLE's FR-Spec token map) stay on the host, where beam
+    search reads them per token, while the FR-Spec lm_head rows are gathered on the device."""
     from specfw.request import Request
     from specfw.sampling import SamplingParams
     from specfw.spec.config import TreeShape
     from specfw.spec.types import SpecContext
-    from specfw_plugins.eagle3.config import Eagle3Config
-    from specfw_plugins.eagle3.drafter import Eagle3Drafter
     runner = meta_runner_factory(False)
-    cfg = Eagle3Config(algorithm="eagle3", draft_model_path=str(_tiny_eagle3(tmp_path / "e3")), aux_layers=[0, 1, 1])
+    path = _tiny_draft(kind, tmp_path / kind)
+    if kind == "eagle3":
+        from specfw_plugins.eagle3.config import Eagle3Config as Config
+        from specfw_plugins.eagle3.drafter import Eagle3Drafter as Drafter
+        cfg, out_vocab = Config(algorithm=kind, draft_model_path=str(path), aux_layers=[0, 1, 1]), 100
+    else:
+        from specfw_plugins.eagle.config import EagleConfig as Config
+        from specfw_plugins.eagle.drafter import EagleDrafter as Drafter
+        torch.save(torch.arange(0, 600, 3), tmp_path / "freq.pt")
+        cfg, out_vocab = Config(algorithm=kind, draft_model_path=str(path), token_map=str(tmp_path / "freq.pt")), 200
     ctx = SpecContext(config=cfg, shape=TreeShape(num_steps=3, topk=2, num_draft_tokens=6), runner=runner,
                       tokenizer=None, engine_config=make_cfg(), stats=None)
-    drafter = Eagle3Drafter(ctx)
+    drafter = Drafter(ctx)
     assert drafter.kv.k[0].device.type == "meta" and drafter.head.fc.weight.device.type == "meta"
-    assert drafter.to_target.device.type == "cpu" and drafter.to_target[5] == 20
+    assert drafter.to_target.device.type == "cpu" and int(drafter.to_target[5]) == (20 if kind == "eagle3" else 15)
     req = Request(prompt_ids=list(range(30, 37)), params=SamplingParams(temperature=0))
     slots = runner.allocator.alloc(7)
     with DeviceMixingChecker() as checker:
@@ -166,7 +186,7 @@ def test_eagle3_head_runs_on_the_targets_device(meta_runner_factory, tmp_path):
         req.output_ids.append(40)   # the token the prefill sampled: the drafter extends up to it
         logits, hidden = drafter._extend([req])
     assert checker.device_ops > 50
-    assert logits.shape == (1, 100) and logits.device.type == "meta" and hidden.shape == (1, 64)
+    assert logits.shape == (1, out_vocab) and logits.device.type == "meta" and hidden.shape == (1, 64)
     assert len(drafter.states[req.rid].slots) == 7
 
 
