@@ -167,8 +167,17 @@ def _attend_one(q, k_cache, v_cache, s: SeqSpan, scale) -> torch.Tensor:
     elif s.tree_mask is None and s.prefix_len == 0:
         o = _sdpa(qs, k, v, None, scale, is_causal=True)
     else:
-        o = _sdpa(qs, k, v, _mask_for(s, s.kv_slots.numel(), q.device)[None, None], scale)
+        o = _sdpa(qs, k, v, _span_mask(s, q.device), scale)
     return o[0].transpose(0, 1)
+
+
+def _span_mask(s: SeqSpan, device) -> torch.Tensor:
+    """``s``'s [1, 1, q_len, kv_len] visibility, built once per forward and shared by every layer."""
+    m = getattr(s, "_mask", None)
+    if m is None or m.device != device:
+        m = _mask_for(s, s.kv_slots.numel(), device)[None, None]
+        s._mask = m
+    return m
 
 
 def _attend_group(q, k_cache, v_cache, g: Group, scale) -> torch.Tensor:
