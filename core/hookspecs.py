@@ -15,7 +15,10 @@ The core itself registers :mod:`specfw.spec.defaults`, whose ``specfw_build_tree
 ``specfw_verify`` are ``trylast``: an algorithm that only drafts gets tree building and
 verification for free; one that returns a result from those hooks overrides them.
 
-All per-step hooks run on the engine thread; tensors are on the runner's device.
+All per-step hooks run on the engine thread. Model tensors (``hidden``, ``aux_hidden``,
+``logits``) are on the runner's device (``ctx.runner.device``); ``DraftCandidates`` and
+``DraftTree`` are host (CPU) tensors, like every other piece of scheduling metadata
+(``specfw.device``).
 """
 from __future__ import annotations
 
