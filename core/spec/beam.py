@@ -42,20 +42,25 @@ def _expand(req, logits: torch.Tensor, beams: list[tuple[int, float, int]], k: i
     """beams: (candidate index, score, row in ``logits``). Returns the best ``k`` children as
     next beams: (candidate index, score, row of ``logits`` that produced them)."""
     children = []
-    for parent, score, row in beams:
-        if sampled:   # on the host, where the request's generator is
+    if sampled:
+        for parent, score, row in beams:   # on the host, where the request's generator is
             probs = target_probs(logits[row:row + 1].cpu(), req.params)[0]
             tok = int(torch.multinomial(probs, 1, generator=req.generator))
             full = probs if to_target is None else None
             children.append((score + float(torch.log(probs[tok] + 1e-20)), parent, tok, full, row))
-            continue
-        logp = torch.log_softmax(logits[row].float(), -1)
-        v, ix = torch.topk(logp, k)
-        children.extend((score + a, parent, b, None, row) for a, b in zip(v.tolist(), ix.tolist()))
+    else:   # every beam's top k in one call, read back once (one device sync per request and depth)
+        rows = [row for _, _, row in beams]
+        block = logits if rows == list(range(logits.shape[0])) else logits[rows]
+        v, ix = torch.topk(torch.log_softmax(block.float(), -1), k)
+        for (parent, score, row), vs, ids in zip(beams, v.tolist(), ix.tolist()):
+            children.extend((score + a, parent, b, None, row) for a, b in zip(vs, ids))
     children.sort(key=lambda c: -c[0])
+    toks = [c[2] for c in children]
+    if to_target is not None and toks:
+        toks = to_target[torch.tensor(toks, dtype=torch.long)].tolist()
     nxt = []
-    for j, (score, parent, tok, probs, row) in enumerate(children):
-        cands.tokens.append(int(to_target[tok]) if to_target is not None else tok)
+    for j, ((score, parent, _, probs, row), tok) in enumerate(zip(children, toks)):
+        cands.tokens.append(tok)
         cands.parents.append(parent)
         cands.scores.append(score)
         cands.probs.append(probs)
