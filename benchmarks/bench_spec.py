@@ -25,6 +25,9 @@ def parse_algo(spec: str):
     kw = {}
     for item in filter(None, rest.split(",")):
         k, _, v = item.partition("=")
+        if v.lower() in ("true", "false"):
+            kw[k] = v.lower() == "true"
+            continue
         try:
             kw[k] = int(v)
         except ValueError:
@@ -65,6 +68,8 @@ def main():
     ap.add_argument("--algo", action="append", default=[], help="name[:key=value,...] (repeatable)")
     ap.add_argument("--hf-prompt-lookup", action="store_true", help="also time HF prompt lookup decoding")
     ap.add_argument("--no-batch-invariant", action="store_true", help="every row with engine.batch_invariant=false")
+    ap.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
+                    help="an engine.* setting for every row, e.g. cpu_bf16_kernel=false (repeatable)")
     ap.add_argument("--out", type=Path, default=Path("bench_results"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -78,7 +83,8 @@ def main():
     def engine_for(spec):
         return Engine(SpecfwConfig(model=ModelConfig(dtype=args.dtype, device=args.device), speculative=spec,
                                    engine=EngineConfig(max_running_requests=1, num_threads=args.threads,
-                                                       batch_invariant=not args.no_batch_invariant)))
+                                                       batch_invariant=not args.no_batch_invariant,
+                                                       **parse_algo(":" + ",".join(args.engine))[1])))
 
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0)
     plain = engine_for(SpeculativeConfig())

@@ -78,7 +78,7 @@ class Engine:
             cfg.engine.kv_cache_memory_gb * 2**30, loaded.model.num_layers, layer0.n_kv, layer0.head_dim, self.dtype)
         self.runner = ModelRunner(loaded.model, loaded.hf_config, num_slots, self.dtype,
                                   packed_gemm=cfg.engine.cpu_packed_gemm, batch_invariant=cfg.engine.batch_invariant,
-                                  timed_rows=(1, typical_rows))
+                                  timed_rows=(1, typical_rows), bf16_kernel=cfg.engine.cpu_bf16_kernel)
         self.stats = EngineStats()
         self.worker = worker_factory(self) if worker_factory else self._default_worker()
         self.scheduler = Scheduler(self.runner.allocator, cfg.engine.max_running_requests,

@@ -18,15 +18,18 @@ PLAIN_BATCH_ROWS = 8   # a typical plain decode batch, for choosing batch-invari
 
 class ModelRunner:
     def __init__(self, model, hf_config, num_slots: int, dtype: torch.dtype, packed_gemm: bool = True,
-                 batch_invariant: bool = False, timed_rows: tuple[int, ...] = (1, PLAIN_BATCH_ROWS)):
+                 batch_invariant: bool = False, timed_rows: tuple[int, ...] = (1, PLAIN_BATCH_ROWS),
+                 bf16_kernel: bool = True):
         """``timed_rows``: the row counts of typical forwards, for which batch-invariant linears
         pick the fastest row plan (``invariance``): one-row decode steps and either a batch of
         concurrent ones (plain decoding) or a draft tree (speculative: ``num_draft_tokens``).
-        The runner works on the device the model's weights are on."""
+        The runner works on the device the model's weights are on. ``bf16_kernel``: bf16 linears
+        use specfw's AVX512-BF16 kernel where it runs (``cpu_linear.DotBF16Linear``)."""
         self.device = next(model.parameters()).device
         self.packed_gemm = packed_gemm and self.device.type == "cpu"
+        self.bf16_kernel = bf16_kernel
         if self.packed_gemm:
-            use_fast_linears(model, batch_invariant)
+            use_fast_linears(model, batch_invariant, bf16_kernel)
         elif batch_invariant:
             use_invariant_linears(model)
         model.batch_invariant = batch_invariant
@@ -53,9 +56,9 @@ class ModelRunner:
         invariance (their numerics change which tokens are proposed, never which are emitted)."""
         module = module.to(self.device)
         if self.packed_gemm:
-            use_fast_linears(module)
+            use_fast_linears(module, bf16_kernel=self.bf16_kernel)
             if type(module) is torch.nn.Linear:   # a bare layer (e.g. an FR-Spec lm_head)
-                module = fast_linear_for(module) or module
+                module = fast_linear_for(module, bf16_kernel=self.bf16_kernel) or module
         return module
 
     def forward(self, fb: ForwardBatch) -> ForwardOutput:
