@@ -35,7 +35,12 @@ def test_use_fast_linears_swaps_fp32_and_bf16_linears():
     assert use_fast_linears(model) == (4 if onednn_bf16_available() else 3) - 1
     assert isinstance(model[0], FastLinear) and isinstance(model[1][0], FastLinear)
     assert type(model[2]) is nn.Linear
-    assert isinstance(model[3], PackedBF16Linear) == onednn_bf16_available()
+    from specfw.cpu_linear import DotBF16Linear, bf16_kernel_available
+    bf16 = DotBF16Linear if bf16_kernel_available() else PackedBF16Linear
+    assert isinstance(model[3], bf16) == onednn_bf16_available()
+    plain = nn.Sequential(nn.Linear(4, 4).to(torch.bfloat16))
+    use_fast_linears(plain, bf16_kernel=False)
+    assert isinstance(plain[0], PackedBF16Linear) == onednn_bf16_available()
 
 
 @pytest.mark.skipif(not onednn_bf16_available(), reason="needs oneDNN bf16")
