@@ -46,7 +46,7 @@ class EngineConfig:
     num_threads: Optional[int] = None     # torch intra-op threads; null = torch default
     decode_log_interval: int = 40         # log a "Decode batch" line every N decode steps
     cpu_packed_gemm: bool = True          # CPU: fp32 MKL-packed + transposed weight copies (~2x weight memory); bf16 oneDNN-blocked weights
-    cpu_bf16_kernel: bool = True          # CPU bf16 with AVX512-BF16: specfw's own linear kernel (compiled on first use, ~30 s; falls back to oneDNN)
+    cpu_bf16_kernel: bool = True          # CPU bf16 with AVX512-BF16 and no AMX: specfw's own linear kernel (compiled on first use, ~30 s; falls back to oneDNN)
     batch_invariant: bool = True          # a token's numerics never depend on batch or draft tree (exact greedy spec == plain, also in bf16)
 
 

@@ -175,13 +175,15 @@ class DotBF16Linear(nn.Module):
 
 
 def bf16_kernel_available() -> bool:
-    from .kernels import bf16_dot
-    return bf16_dot() is not None
+    """Whether bf16 layers get ``DotBF16Linear`` by default here (``kernels.bf16_dot_preferred``)."""
+    from .kernels import bf16_dot_preferred
+    return bf16_dot_preferred()
 
 
 def fast_linear_for(linear: nn.Linear, batch_invariant: bool = False, bf16_kernel: bool = True) -> nn.Module | None:
     """The faster CPU replacement for ``linear``, or None where there is none. bf16:
-    ``DotBF16Linear`` where specfw's kernel runs (and ``bf16_kernel``), else oneDNN's."""
+    ``DotBF16Linear`` where specfw's kernel runs and is preferred (AVX512-BF16 without AMX; and
+    ``bf16_kernel``), else oneDNN's."""
     w = linear.weight
     if type(linear) is not nn.Linear or w.device.type != "cpu":
         return None

@@ -6,7 +6,7 @@ import torch
 from torch import nn
 
 from specfw.cpu_linear import DotBF16Linear, PackedBF16Linear, fast_linear_for, onednn_bf16_available
-from specfw.kernels import bf16_dot, cpu_has_avx512_bf16
+from specfw.kernels import bf16_dot, bf16_dot_preferred, cpu_has_avx512_bf16
 
 needs_kernel = pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="CPU without avx512_bf16")
 
@@ -69,10 +69,12 @@ def test_batch_invariant_plan_takes_every_row_count_unpadded():
     assert plan.block == 64 and not plan.pad   # the probe agrees with the construction
 
 
-def test_bf16_layers_get_the_kernel_where_it_runs():
+def test_bf16_layers_get_the_kernel_where_it_is_preferred():
     lin = _layer(64, 32, False)
     chosen = fast_linear_for(lin)
-    if bf16_dot() is not None:
+    if bf16_dot_preferred():
         assert isinstance(chosen, DotBF16Linear)
+    elif onednn_bf16_available():
+        assert isinstance(chosen, PackedBF16Linear)
     if onednn_bf16_available():
         assert isinstance(fast_linear_for(lin, bf16_kernel=False), PackedBF16Linear)

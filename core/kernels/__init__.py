@@ -16,12 +16,24 @@ _SOURCE = Path(__file__).with_name("bf16_dot.cpp")
 _cache: dict[str, object] = {}
 
 
-def cpu_has_avx512_bf16() -> bool:
+def _cpu_flags() -> set[str]:
     try:
-        flags = Path("/proc/cpuinfo").read_text()
+        text = Path("/proc/cpuinfo").read_text()
     except OSError:
-        return False
-    return " avx512_bf16" in flags
+        return set()
+    line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
+    return set(line.split(":", 1)[-1].split())
+
+
+def cpu_has_avx512_bf16() -> bool:
+    return "avx512_bf16" in _cpu_flags()
+
+
+def bf16_dot_preferred() -> bool:
+    """Whether bf16 linears should use ``bf16_dot`` rather than oneDNN on this CPU: where it runs
+    and the CPU has no AMX (measured faster on the AVX512-BF16 EPYCs; with AMX, oneDNN's tiles
+    were already flat from 1 to 16 rows on the Xeons and the kernel is unmeasured there)."""
+    return "amx_bf16" not in _cpu_flags() and bf16_dot() is not None
 
 
 def bf16_dot():
