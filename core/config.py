@@ -45,6 +45,7 @@ class EngineConfig:
     max_queued_requests: int = 0          # waiting-queue bound (0 = unbounded); beyond it requests get 503
     num_threads: Optional[int] = None     # torch intra-op threads; null = torch default
     decode_log_interval: int = 40         # log a "Decode batch" line every N decode steps
+    cpu_isa: str = "auto"                 # CPU kernels' instruction set: auto (best of the CPU's flags) | avx512 | avx2 | portable | none (torch's ops)
     cpu_packed_gemm: bool = True          # CPU: fp32 MKL-packed + transposed weight copies (~2x weight memory); bf16 oneDNN-blocked weights
     cpu_bf16_kernel: bool = True          # CPU bf16 with AVX512-BF16 and no AMX: specfw's own linear kernel (compiled on first use, ~30 s; falls back to oneDNN)
     batch_invariant: bool = True          # a token's numerics never depend on batch or draft tree (exact greedy spec == plain, also in bf16)
@@ -54,8 +55,9 @@ class EngineConfig:
 class ServerConfig:
     host: str = "127.0.0.1"               # bind address
     port: int = 30000                     # bind port (SGLang's default)
-    api_key: Optional[str] = None         # require "Authorization: Bearer <key>" when set
+    api_key: Optional[str] = None         # require "Authorization: Bearer <key>" when set (null: env SPECFW_API_KEY, if set)
     log_level: str = "info"               # debug | info | warning | error
+    max_request_bytes: int = 4194304      # larger request bodies get 413 before parsing (4 MiB)
 
 
 @dataclass
@@ -101,12 +103,14 @@ def validate(cfg) -> None:
     positive("engine.num_threads", e.num_threads, allow_none=True)
     positive("engine.decode_log_interval", e.decode_log_interval)
     positive("model.context_length", cfg.model.context_length, allow_none=True)
+    check_cpu_isa(str(getattr(e, "cpu_isa", "auto")))
     from .device import check_device_name
     check_device_name(str(cfg.model.device), "model.device")
     if e.kv_cache_memory_gb <= 0:
         raise ConfigError("engine.kv_cache_memory_gb", f"must be > 0, got {e.kv_cache_memory_gb}")
     if e.max_queued_requests < 0:
         raise ConfigError("engine.max_queued_requests", f"must be >= 0, got {e.max_queued_requests}")
+    positive("server.max_request_bytes", cfg.server.max_request_bytes)
     if not 0 < cfg.server.port < 65536:
         raise ConfigError("server.port", f"must be in 1..65535, got {cfg.server.port}")
     if str(cfg.server.log_level).lower() not in LOG_LEVELS:
@@ -115,6 +119,20 @@ def validate(cfg) -> None:
     if hasattr(spec, "resolve_shape"):
         spec.validate()
         spec.resolve_shape("")   # the shape rules; auto defaults are re-resolved for the real target
+
+
+CPU_ISAS = ("auto", "avx512", "avx2", "portable", "none")
+
+
+def check_cpu_isa(isa: str) -> None:
+    """``engine.cpu_isa``: one of ``CPU_ISAS``, and one this CPU can run."""
+    if isa not in CPU_ISAS:
+        raise ConfigError("engine.cpu_isa", f"'{isa}' is not one of {list(CPU_ISAS)}")
+    if isa in ("avx512", "avx2"):
+        from .kernels import isa_supported
+        if not isa_supported(isa):
+            raise ConfigError("engine.cpu_isa", f"this CPU cannot run '{isa}' code (see /proc/cpuinfo flags); "
+                                                f"allowed here: {[i for i in CPU_ISAS if i not in ('avx512', 'avx2') or isa_supported(i)]}")
 
 
 def speculative_config(cfg):

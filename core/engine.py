@@ -7,11 +7,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .backends import backend_from_config
 from .detokenizer import IncrementalDetokenizer
 from .device import resolve_device
 from .kv_cache import KVPool
 from .model_loader import DTYPES, load_model
 from .model_runner import PLAIN_BATCH_ROWS, ModelRunner
+from .quarantine import Quarantine
 from .request import Request, Status
 from .sampling import SamplingParams, TokenLogprob
 from .scheduler import ScheduledBatch, Scheduler
@@ -76,9 +78,9 @@ class Engine:
         layer0 = loaded.model.layers[0]
         num_slots = cfg.engine.max_total_tokens or KVPool.slots_for_budget(
             cfg.engine.kv_cache_memory_gb * 2**30, loaded.model.num_layers, layer0.n_kv, layer0.head_dim, self.dtype)
-        self.runner = ModelRunner(loaded.model, loaded.hf_config, num_slots, self.dtype,
-                                  packed_gemm=cfg.engine.cpu_packed_gemm, batch_invariant=cfg.engine.batch_invariant,
-                                  timed_rows=(1, typical_rows), bf16_kernel=cfg.engine.cpu_bf16_kernel)
+        self.backend = backend_from_config(cfg.engine, self.device)
+        self.runner = ModelRunner(loaded.model, loaded.hf_config, num_slots, self.dtype, backend=self.backend,
+                                  timed_rows=(1, typical_rows))
         self.stats = EngineStats()
         self.worker = worker_factory(self) if worker_factory else self._default_worker()
         self.scheduler = Scheduler(self.runner.allocator, cfg.engine.max_running_requests,
@@ -86,12 +88,13 @@ class Engine:
                                    slots_per_decode=self.worker.slots_per_decode,
                                    max_queued_requests=cfg.engine.max_queued_requests)
         self.scheduler.on_retract = self.worker.release
+        self.quarantine = Quarantine()
         self.eos_token_ids = tuple(sorted({i for i in [self.tokenizer.eos_token_id,
                                             getattr(loaded.hf_config, "eos_token_id", None)] if isinstance(i, int)}))
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self.model_name = cfg.model.served_model_name or self.model_path.name
-        logger.info("engine ready: model=%s dtype=%s device=%s kv_slots=%d worker=%s", self.model_name, dtype,
-                    self.device, num_slots, type(self.worker).__name__)
+        logger.info("engine ready: model=%s dtype=%s device=%s kernels=%s kv_slots=%d worker=%s", self.model_name, dtype,
+                    self.device, self.backend.describe(), num_slots, type(self.worker).__name__)
 
     def _default_worker(self):
         from .plugins import build_worker
@@ -134,10 +137,45 @@ class Engine:
         outs = self._finish_starved(batch)
         if not batch.reqs:
             return outs
+        batch = self.quarantine.narrow(batch, self.scheduler)
         t0 = time.perf_counter()
-        results = self.worker.prefill(batch.reqs) if batch.is_prefill else self.worker.decode(batch.reqs)
+        try:
+            results = self.worker.prefill(batch.reqs) if batch.is_prefill else self.worker.decode(batch.reqs)
+        except Exception as exc:  # noqa: BLE001 - one request's failure must not end the others
+            return outs + self._step_failed(batch, exc)
+        self.quarantine.passed(batch)
         self.stats.on_step(batch, results, time.perf_counter() - t0, self)
         return outs + self.postprocess(batch, results)
+
+    def _step_failed(self, batch: ScheduledBatch, exc: Exception) -> list[RequestOutput]:
+        """Roll the batch back; alone, its request is the cause and fails, else its requests
+        become suspects that run alone next (see ``quarantine.py``)."""
+        self.stats.step_failures += 1
+        logger.error("%s step of %d request(s) failed: %s: %s", batch.kind, len(batch.reqs), type(exc).__name__, exc,
+                     exc_info=len(batch.reqs) == 1)
+        for r in batch.reqs:
+            self.scheduler.running.remove(r)
+            self.scheduler.free(r)
+            self.worker.release(r)
+        self._reclaim_slots()
+        if len(batch.reqs) > 1:
+            self.quarantine.suspect(batch, self.scheduler)
+            return []
+        return [self._finish(batch.reqs[0], "error", error=f"{type(exc).__name__}: {exc}")]
+
+    def _reclaim_slots(self) -> None:
+        """Give back KV slots a failed step allocated but never recorded in any request's table."""
+        alloc = self.runner.allocator
+        live = [r.slots.slots() for r in [*self.scheduler.running, *self.scheduler.waiting] if len(r.slots)]
+        live = torch.cat(live) if live else torch.empty(0, dtype=torch.long)
+        if alloc.num_used == live.numel():
+            return
+        logger.warning("reclaiming %d KV slots leaked by the failed step", alloc.num_used - live.numel())
+        free = torch.ones(alloc.num_slots, dtype=torch.bool)
+        free[live] = False
+        type(alloc).__init__(alloc, alloc.num_slots)
+        alloc.alloc(alloc.num_slots)
+        alloc.free(torch.nonzero(free).flatten())
 
     def _finish_starved(self, batch: ScheduledBatch) -> list[RequestOutput]:
         """A lone decode request the KV pool cannot grow any further ends with 'length'."""
@@ -187,6 +225,7 @@ class Engine:
 
     def _finish(self, req: Request, reason: str, new: list[int] | None = None, logprobs=None, error=None) -> RequestOutput:
         req.status, req.finish_reason, req.error = Status.FINISHED, reason, error
+        self.quarantine.forget(req)
         self.scheduler.free(req)
         self.worker.release(req)
         detok = self._detok.pop(req.rid, None)

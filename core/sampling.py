@@ -3,9 +3,13 @@ repetition / frequency / presence penalties. ``target_probs`` is shared with spe
 verification so both paths transform logits identically."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
+
+MAX_TEMPERATURE = 2.0      # OpenAI's range is [0, 2]
+_FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
 
 
 class SamplingParamsError(ValueError):
@@ -38,8 +42,15 @@ class SamplingParams:
             raise SamplingParamsError(param, f"{param}: {msg}")
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             bad("max_new_tokens", f"must be a positive integer, got {self.max_new_tokens!r}")
-        if self.temperature < 0:
-            bad("temperature", f"must be >= 0, got {self.temperature}")
+        for name in _FLOATS:     # NaN passes every comparison below, so it is rejected first
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+                bad(name, f"must be a finite number, got {v!r}")
+        for name in ("top_k", "top_logprobs"):
+            if isinstance(getattr(self, name), bool) or not isinstance(getattr(self, name), int):
+                bad(name, f"must be an integer, got {getattr(self, name)!r}")
+        if not 0 <= self.temperature <= MAX_TEMPERATURE:
+            bad("temperature", f"must be in [0, {MAX_TEMPERATURE:g}], got {self.temperature}")
         if not 0 < self.top_p <= 1:
             bad("top_p", f"must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:
@@ -53,6 +64,8 @@ class SamplingParams:
                 bad(name, f"must be in [-2, 2], got {getattr(self, name)}")
         if not 0 <= self.top_logprobs <= 20:
             bad("top_logprobs", f"must be in [0, 20], got {self.top_logprobs}")
+        if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            bad("stop_token_ids", f"must be token ids (integers >= 0), got {self.stop_token_ids!r}")
         return self
 
     @property

@@ -18,6 +18,7 @@ class EngineStats:
     verify_forwards: int = 0
     accepted_draft_tokens: int = 0
     proposed_draft_tokens: int = 0
+    step_failures: int = 0               # worker steps that raised (see quarantine.py)
     position_accepts: list[int] = field(default_factory=list)   # accepted count per draft depth
     position_proposals: list[int] = field(default_factory=list)
     _window_tokens: int = 0

@@ -40,8 +40,9 @@ def _err(r, status, param="<any>", code="<any>"):
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
     assert isinstance(body["error"]["message"], str) and body["error"]["message"]
     assert body["error"]["type"] == ("invalid_request_error" if status < 500 else "server_error")
-    if param != "<any>":
-        assert body["error"]["param"] == param, body
+    if param != "<any>":   # the field, or an item of it ("prompt.1")
+        got = body["error"]["param"]
+        assert got == param or (param and got and got.startswith(param + ".")), body
     if code != "<any>":
         assert body["error"]["code"] == code, body
     return body["error"]
@@ -87,7 +88,7 @@ def test_bad_messages(http):
     _err(http.post(CHAT, json=chat(messages=[{"role": "wizard", "content": "x"}])), 400, "messages.0.role")
     _err(http.post(CHAT, json=chat(messages=[{"content": "x"}])), 400, "messages.0.role")
     _err(http.post(CHAT, json=chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])),
-         400, "messages.0.content")
+         400, "messages.0.content.0.type", "unsupported_parameter")
     # text parts and developer role are accepted
     _ok(http.post(CHAT, json=chat(messages=[{"role": "developer", "content": "Be brief."},
                                             {"role": "user", "content": [{"type": "text", "text": "Hi"}]}])))
@@ -140,23 +141,33 @@ def test_prompt_longer_than_context(server, http):
 
 
 def test_default_max_tokens_is_remaining_context_capped():
-    """Unit test of the documented default (no max_tokens): min(context - prompt, cap)."""
+    """Unit test of the documented default (no max_tokens): min(context - prompt, KV pool room, cap)."""
     from types import SimpleNamespace
     made = []
 
     class FakeEngine:
-        runner = SimpleNamespace(max_context=100, vocab_size=1000)
+        runner = SimpleNamespace(max_context=100, vocab_size=1000, allocator=SimpleNamespace(num_slots=4096))
+        worker = SimpleNamespace(slots_per_decode=1)
+        scheduler = SimpleNamespace(max_queued=0)
 
         def make_request(self, ids, params, rid=None):
             made.append((ids, params, rid))
             return SimpleNamespace(rid=rid)
     p = SamplingParams(temperature=0.5, seed=41)
-    Submission([Prompt("ids", list(range(1, 91)))], p, n=3, default_max_tokens=64, rid_prefix="x").build(FakeEngine())
+    Submission([Prompt("ids", list(range(1, 91)))], p, n=3, default_max_tokens=64,
+               rid_prefix="x").prepare(FakeEngine()).build(FakeEngine())
     assert [m[1].max_new_tokens for m in made] == [10, 10, 10]
     assert [m[1].seed for m in made] == [41, 42, 43] and [m[2] for m in made] == ["x-0", "x-1", "x-2"]
     made.clear()
-    Submission([Prompt("ids", [1, 2])], p, default_max_tokens=64).build(FakeEngine())
+    Submission([Prompt("ids", [1, 2])], p, default_max_tokens=64).prepare(FakeEngine()).build(FakeEngine())
     assert made[0][1].max_new_tokens == 64
+    # a KV pool smaller than the context bounds the default too: 40 slots, 30 prompt tokens, tree of 4
+    small = FakeEngine()
+    small.runner = SimpleNamespace(max_context=100, vocab_size=1000, allocator=SimpleNamespace(num_slots=40))
+    small.worker = SimpleNamespace(slots_per_decode=4)
+    made.clear()
+    Submission([Prompt("ids", list(range(30)))], p, default_max_tokens=64).prepare(small).build(small)
+    assert made[0][1].max_new_tokens == 40 - 30 - 4 + 2
 
 
 # ---- sampling values --------------------------------------------------------------------------------

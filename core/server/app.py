@@ -3,13 +3,15 @@
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models[/{model}]``,
 ``POST /generate``, ``GET /get_model_info``, ``GET /get_server_info`` (these need
 ``Authorization: Bearer <server.api_key>`` when a key is set) and ``GET /health``,
-``GET /metrics`` (always open, for load balancers and Prometheus).
+``GET /metrics`` (always open, for load balancers and Prometheus). ``/openapi.json`` describes
+them (``openapi.py``); bodies over ``max_request_bytes`` get 413 before parsing (``limits.py``).
 """
 from __future__ import annotations
 
 import contextlib
 import hmac
 import logging
+import os
 import time
 
 from fastapi import FastAPI
@@ -21,31 +23,34 @@ from ..engine import Engine
 from . import errors
 from .async_engine import AsyncEngine
 from .errors import APIError
+from .limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
 from .metrics import ServerMetrics
 from .native_api import router as native_router
 from .openai_api import router as openai_router
+from .openapi import OPEN_PATHS, build_openapi
 from .state import ServerState
 from .submission import DEFAULT_MAX_TOKENS
 
 logger = logging.getLogger("specfw.server")
 
-OPEN_PATHS = ("/health", "/metrics")
+API_KEY_ENV = "SPECFW_API_KEY"      # read when server.api_key is not set (keeps the key out of `ps`)
 
 
 class APIKeyMiddleware:
     """Pure ASGI middleware (keeps streaming and disconnect detection intact): every path except
-    ``OPEN_PATHS`` needs ``Authorization: Bearer <key>``."""
+    ``OPEN_PATHS`` needs ``Authorization: Bearer <key>`` (the scheme name in any case)."""
 
     def __init__(self, app: ASGIApp, api_key: str):
         self.app = app
-        self.expected = f"Bearer {api_key}".encode()
+        self.expected = api_key.encode()
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["path"] in OPEN_PATHS or scope["method"] == "OPTIONS":
             await self.app(scope, receive, send)
             return
         got = dict(scope["headers"]).get(b"authorization", b"")
-        if hmac.compare_digest(got, self.expected):
+        scheme, _, token = got.strip().partition(b" ")
+        if scheme.lower() == b"bearer" and hmac.compare_digest(token.strip(), self.expected):
             await self.app(scope, receive, send)
             return
         msg = "Missing API key: send 'Authorization: Bearer <key>'" if not got else "Invalid API key"
@@ -57,7 +62,8 @@ class APIKeyMiddleware:
 
 
 def create_app(engine: Engine | AsyncEngine, *, api_key: str | None = None,
-               default_max_tokens: int = DEFAULT_MAX_TOKENS, owns: bool | None = None) -> FastAPI:
+               default_max_tokens: int = DEFAULT_MAX_TOKENS, owns: bool | None = None,
+               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
     """An app serving ``engine``. Given an ``Engine``, the app owns a new engine thread (started
     and stopped with the app's lifespan); given an ``AsyncEngine``, the thread is shared (started if
     needed, never stopped by the app, unless ``owns=True``), so several apps can serve one engine."""
@@ -95,8 +101,18 @@ def create_app(engine: Engine | AsyncEngine, *, api_key: str | None = None,
     async def prometheus_metrics():
         return Response(metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
+    def openapi() -> dict:
+        if app.openapi_schema is None:
+            e = bridge.engine
+            app.openapi_schema = build_openapi(app, vocab_size=e.runner.vocab_size,
+                                               max_queued=e.scheduler.max_queued, secured=bool(api_key))
+        return app.openapi_schema
+    app.openapi = openapi
+
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes,
+                       on_reject=lambda path: metrics.on_error(path, 413))
     return app
 
 
@@ -115,7 +131,8 @@ def run_server(cfg) -> None:
     import uvicorn
     t0 = time.perf_counter()
     bridge = AsyncEngine.build(lambda: Engine(cfg))   # all torch work on the engine thread (see build)
-    app = create_app(bridge, api_key=cfg.server.api_key, owns=True)
+    api_key = cfg.server.api_key or os.environ.get(API_KEY_ENV) or None
+    app = create_app(bridge, api_key=api_key, owns=True, max_request_bytes=int(cfg.server.max_request_bytes))
     logger.info("engine built in %.1f s; listening on http://%s:%d", time.perf_counter() - t0,
                 cfg.server.host, cfg.server.port)
     config = uvicorn.Config(app, host=cfg.server.host, port=int(cfg.server.port), log_config=None,

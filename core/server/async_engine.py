@@ -14,9 +14,11 @@ Outputs of one step are grouped per event loop and handed over with one
 ``loop.call_soon_threadsafe`` per loop; each group has an ``asyncio.Queue`` of
 ``(index, RequestOutput | EngineFailure)``.
 
-A step that raises fails the requests it may have touched (every running request, plus any whose
-request vanished from the scheduler) with a 500 error; waiting requests continue and the thread
-keeps serving.
+An exception inside the worker fails only the request that caused it (the engine finds it, see
+``quarantine.py``); that request's client gets a 500 ``engine_error``. Anything else that raises in
+a step fails the requests it may have touched (every running request, plus any whose request
+vanished from the scheduler) with a 500 error; waiting requests continue and the thread keeps
+serving. Draft KV slots left in use with no request in the engine are given back.
 """
 from __future__ import annotations
 
@@ -54,6 +56,8 @@ class Snapshot:
     kv_used: int = 0
     kv_total: int = 0
     kv_usage: float = 0.0
+    draft_kv_used: int = 0           # the drafter's own KV pool (0/0 without one)
+    draft_kv_total: int = 0
     verify_forwards: int = 0
     accepted_draft_tokens: int = 0
     proposed_draft_tokens: int = 0
@@ -274,6 +278,8 @@ class AsyncEngine:
                     self._run_command(kind, payload)
                 if self._has_work():
                     self._step()
+                else:
+                    self._reclaim_idle_draft_slots()
                 self._take_snapshot()
             except Exception:  # noqa: BLE001 - the thread must outlive any bug
                 logger.exception("engine thread: unexpected error (continuing)")
@@ -371,7 +377,7 @@ class AsyncEngine:
             except Exception:  # pragma: no cover - last resort: drop it from the scheduler
                 logger.exception("abort of %s failed", r.rid)
                 sched.remove(r.rid)
-        self._reclaim_leaked_slots()
+        self.engine._reclaim_slots()
         self._take_snapshot()
         per_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
         failure = EngineFailure(500, f"Internal server error: engine step failed ({type(exc).__name__}: {exc})")
@@ -380,14 +386,13 @@ class AsyncEngine:
             per_loop[sink.loop].append((sink.group, sink.index, failure))
         self._dispatch(per_loop)
 
-    def _reclaim_leaked_slots(self) -> None:
-        """With nothing running and no waiting request holding slots, every slot must be free; a
-        step that died between allocating and recording slots would otherwise leak them."""
-        sched, alloc = self.engine.scheduler, self.engine.runner.allocator
-        if sched.running or any(len(r.slots) for r in sched.waiting) or alloc.num_used == 0:
-            return
-        logger.warning("reclaiming %d KV slots leaked by the failed step", alloc.num_used)
-        type(alloc).__init__(alloc, alloc.num_slots)
+    def _reclaim_idle_draft_slots(self) -> None:
+        """With no request in the engine every draft KV slot must be free; a failed draft step
+        could otherwise leave some allocated."""
+        alloc = draft_allocator(self.engine)
+        if alloc is not None and alloc.num_used:
+            logger.warning("reclaiming %d draft KV slots leaked by a failed step", alloc.num_used)
+            type(alloc).__init__(alloc, alloc.num_slots)
 
     def _shutdown(self) -> None:
         per_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
@@ -411,14 +416,26 @@ class AsyncEngine:
 
     def _take_snapshot(self) -> None:
         e = self.engine
-        alloc, st = e.runner.allocator, e.stats
+        alloc, st, draft = e.runner.allocator, e.stats, draft_allocator(e)
         self.snapshot = Snapshot(
+            draft_kv_used=draft.num_used if draft else 0, draft_kv_total=draft.num_slots if draft else 0,
             waiting=len(e.scheduler.waiting), running=len(e.scheduler.running), kv_used=alloc.num_used,
             kv_total=alloc.num_slots, kv_usage=e.runner.kv.usage(), verify_forwards=st.verify_forwards,
             accepted_draft_tokens=st.accepted_draft_tokens, proposed_draft_tokens=st.proposed_draft_tokens,
             accept_length=st.accept_length, decode_steps=st.decode_steps,
             position_accept=tuple(a / p if p else 0.0 for a, p in zip(st.position_accepts, st.position_proposals)),
-            num_retracted=e.scheduler.num_retracted, step_failures=self.step_failures)
+            num_retracted=e.scheduler.num_retracted, step_failures=self.step_failures + st.step_failures)
+
+
+def draft_allocator(engine):
+    """The slot allocator of the drafter's own KV pool, if the algorithm runtime has one (the
+    EAGLE family keeps a ``kv`` pool, a standalone draft model a runner with an ``allocator``)."""
+    runtime = getattr(engine.worker, "runtime", None)
+    for holder in (getattr(runtime, "kv", None), getattr(runtime, "draft", None)):
+        alloc = getattr(holder, "allocator", None)
+        if alloc is not None and hasattr(alloc, "num_used"):
+            return alloc
+    return None
 
 
 # ---- helpers run on the event loop ----------------------------------------------------------

@@ -8,6 +8,7 @@
   ``specfw_e2e_request_latency_seconds``;
 * engine state, read from the bridge's snapshot at scrape time: ``specfw_num_queue_reqs``,
   ``specfw_num_running_reqs``, ``specfw_kv_cache_usage`` (0..1), ``specfw_kv_cache_used_tokens``,
+  ``specfw_draft_kv_cache_used_tokens`` / ``_total_tokens`` (the drafter's own pool, eagle/eagle3/mtp/standalone),
   and for speculative decoding ``specfw_spec_verify_forwards_total``,
   ``specfw_spec_accepted_draft_tokens_total``, ``specfw_spec_proposed_draft_tokens_total``,
   ``specfw_spec_accept_length`` (tokens per verify forward, cumulative),
@@ -52,6 +53,9 @@ class _EngineCollector:
         yield gauge("specfw_kv_cache_usage", "Fraction of KV cache slots in use", s.kv_usage)
         yield gauge("specfw_kv_cache_used_tokens", "KV cache slots in use", s.kv_used)
         yield gauge("specfw_kv_cache_total_tokens", "KV cache slots", s.kv_total)
+        yield gauge("specfw_draft_kv_cache_used_tokens", "Draft model KV cache slots in use", s.draft_kv_used)
+        yield gauge("specfw_draft_kv_cache_total_tokens", "Draft model KV cache slots (0: no draft KV pool)",
+                    s.draft_kv_total)
         yield counter("specfw_spec_verify_forwards", "Speculative verify forwards", s.verify_forwards)
         yield counter("specfw_spec_accepted_draft_tokens", "Accepted draft tokens", s.accepted_draft_tokens)
         yield counter("specfw_spec_proposed_draft_tokens", "Proposed draft tokens", s.proposed_draft_tokens)

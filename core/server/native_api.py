@@ -9,10 +9,10 @@ from fastapi.responses import JSONResponse
 
 from ..sampling import SamplingParams, SamplingParamsError
 from .errors import APIError
-from .protocol import MAX_N, GenerateRequest
+from .protocol import GenerateRequest
 from .state import ServerState, get_state, new_id
 from .streaming import DONE, ClientDisconnected, SSEResponse, sse, until_disconnect
-from .submission import Prompt, Submission, check_max_tokens
+from .submission import Prompt, Submission
 
 router = APIRouter()
 
@@ -91,18 +91,13 @@ async def generate(body: GenerateRequest, raw: Request):
     st = get_state(raw)
     prompts, is_batch = body.prompt_list()
     sp = body.sampling_params
-    if not 1 <= sp.n <= MAX_N:
-        raise APIError(400, f"n must be in [1, {MAX_N}], got {sp.n}", "sampling_params.n", "invalid_value")
-    check_max_tokens(sp.max_new_tokens, "sampling_params.max_new_tokens")
-    if not sp.skip_special_tokens:
-        raise APIError(400, "skip_special_tokens=false is not supported", "sampling_params.skip_special_tokens",
-                       "unsupported_parameter")
     params = _params(body)
     rid = body.rid or new_id("gen")
     prompt_param = "text" if body.text is not None else "input_ids"
     sub = Submission([Prompt(k, v) for k, v in prompts], params, n=sp.n, max_tokens=sp.max_new_tokens,
                      default_max_tokens=DEFAULT_MAX_NEW_TOKENS, prompt_param=prompt_param,
-                     max_tokens_param="sampling_params.max_new_tokens", rid_prefix=rid)
+                     max_tokens_param="sampling_params.max_new_tokens", stop_ids_param="sampling_params.stop_token_ids",
+                     rid_prefix=rid)
     t0 = time.monotonic()
     group = await st.submit(sub, GENERATE)
     n_out = len(group.rids)

@@ -12,7 +12,7 @@ from .logprobs import chat_logprobs, completion_logprobs
 from .protocol import ChatCompletionRequest, CompletionRequest
 from .state import ServerState, get_state, new_id
 from .streaming import DONE, ClientDisconnected, SSEResponse, sse, until_disconnect
-from .submission import Prompt, Submission, check_max_tokens
+from .submission import Prompt, Submission
 
 router = APIRouter()
 
@@ -38,7 +38,6 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request):
     st = get_state(raw)
     st.check_model(body.model)
     body.check()
-    check_max_tokens(body.effective_max_tokens, body.max_tokens_param)
     top_n = body.top_logprobs or 0
     params = body.sampling_params(logprobs=body.logprobs, top_logprobs=top_n)
     rid = new_id("chatcmpl")
@@ -104,8 +103,6 @@ async def _chat_stream(st: ServerState, body: ChatCompletionRequest, sub: Submis
 async def completions(body: CompletionRequest, raw: Request):
     st = get_state(raw)
     st.check_model(body.model)
-    body.check()
-    check_max_tokens(body.max_tokens, "max_tokens")
     top_n = body.logprobs or 0
     try:
         params = body.sampling_params(logprobs=body.logprobs is not None, top_logprobs=top_n)

@@ -1,28 +1,31 @@
 """Request schemas (pydantic) for the OpenAI endpoints and SGLang's ``/generate``.
 
-Booleans are strict (``"yes"`` is an error, not ``True``); numbers follow pydantic's lax rules
-(``"5"`` is accepted as 5, ``1.5`` is not an int).
+Every limit a request must meet is stated in its field type (``fields.py``), so the published
+OpenAPI schema shows it and validation enforces it; ``SamplingParams.validate`` checks the same
+ranges again for the engine's other callers. The limits no schema can state are checked when the
+request is built: prompt tokens + ``max_tokens`` against the context and the KV pool (400
+``context_length_exceeded``) and the number of engine requests against the queue bound.
 
 Unknown top-level fields are ignored (clients send things like ``user``); fields that would change
-the output but are not supported (``tools``, ``logit_bias``, ``echo``, ...) are rejected with 400.
-Range checks of sampling values are done by ``SamplingParams.validate`` so that the engine and the
-server agree on them.
+the output but are not supported (``tools``, ``logit_bias``, ``echo``, ...) are accepted only with
+their neutral value, anything else is a 400 ``unsupported_parameter``.
 """
 from __future__ import annotations
 
-from typing import Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from ..sampling import SamplingParams
 from .errors import APIError
+from .fields import (MAX_N, STRICT, Choices, MaxTokens, MinP, Penalty, PromptText, RepetitionPenalty, Seed,
+                     Temperature, Text, TokenId, TokenIds, TopK, TopLogprobs, TopP, empty, only)
 
-MAX_N = 128
-INT64_MIN, UINT64_MAX = -(2 ** 63), 2 ** 64 - 1
+__all__ = ["MAX_N", "ChatCompletionRequest", "CompletionRequest", "GenerateRequest"]
 
 
 class _Base(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="ignore", **STRICT)
 
 
 class StreamOptions(_Base):
@@ -30,46 +33,50 @@ class StreamOptions(_Base):
 
 
 class TextPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
-    type: str
-    text: Optional[str] = None
+    model_config = ConfigDict(extra="allow", **STRICT)
+    type: Annotated[str, *only("content part type", "text")]
+    text: Text
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", **STRICT)
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[TextPart], None] = None
-    name: Optional[str] = None
+    content: Union[Text, list[TextPart], None] = None
+    name: Optional[Text] = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", **STRICT)
+    type: Annotated[str, *only("response_format type", "text")] = "text"
+
+
+def _unsupported_list(name: str):
+    return Annotated[Optional[list[Any]], empty(name), Field(json_schema_extra={"maxItems": 0})]
 
 
 class _SamplingFields(_Base):
     """Fields shared by chat and completions (OpenAI names plus SGLang/vLLM extras)."""
-    model: Optional[str] = None
-    n: int = 1
+    model: Optional[Text] = None
+    n: Choices = 1
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
-    stop: Union[str, list[str], None] = None
-    max_tokens: Optional[int] = None
-    temperature: Optional[float] = None       # None → 1.0 (OpenAI default)
-    top_p: Optional[float] = None
-    seed: Optional[int] = Field(default=None, ge=INT64_MIN, le=UINT64_MAX)
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
+    stop: Union[Text, list[Text], None] = None
+    max_tokens: Optional[MaxTokens] = None
+    temperature: Optional[Temperature] = None       # None → 1.0 (OpenAI default)
+    top_p: Optional[TopP] = None
+    seed: Optional[Seed] = None
+    frequency_penalty: Penalty = 0.0
+    presence_penalty: Penalty = 0.0
     # extras (SGLang / vLLM)
-    top_k: int = -1
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
+    top_k: TopK = -1
+    min_p: MinP = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
     ignore_eos: StrictBool = False
-    stop_token_ids: Optional[list[int]] = None
+    stop_token_ids: Optional[list[TokenId]] = None
     # accepted for compatibility, rejected when they would matter
-    logit_bias: Optional[dict[str, float]] = None
-    user: Optional[str] = None
-
-    def check_common(self) -> None:
-        if not 1 <= self.n <= MAX_N:
-            raise APIError(400, f"n must be in [1, {MAX_N}], got {self.n}", "n", "invalid_value")
-        if self.logit_bias:
-            raise APIError(400, "logit_bias is not supported", "logit_bias", "unsupported_parameter")
+    logit_bias: Annotated[Optional[dict[str, float]], empty("logit_bias"),
+                          Field(json_schema_extra={"maxProperties": 0})] = None
+    user: Optional[Text] = None
 
     def stop_list(self) -> list[str]:
         if self.stop is None:
@@ -91,24 +98,26 @@ class _SamplingFields(_Base):
         return bool(self.stream_options and self.stream_options.include_usage)
 
 
+# top_logprobs > 0 needs logprobs: true (JSON Schema 2020-12 if/then, so the schema says so too)
+_TOP_LOGPROBS_NEED_LOGPROBS = {
+    "if": {"properties": {"top_logprobs": {"type": "integer", "minimum": 1}}, "required": ["top_logprobs"]},
+    "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]},
+}
+
+
 class ChatCompletionRequest(_SamplingFields):
+    model_config = ConfigDict(json_schema_extra=_TOP_LOGPROBS_NEED_LOGPROBS)
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Optional[int] = None
+    max_completion_tokens: Optional[MaxTokens] = None
     logprobs: StrictBool = False
-    top_logprobs: Optional[int] = None
-    tools: Optional[list[Any]] = None
+    top_logprobs: Optional[TopLogprobs] = None
+    tools: _unsupported_list("tools") = None
     tool_choice: Optional[Any] = None
-    response_format: Optional[dict[str, Any]] = None
+    response_format: Optional[ResponseFormat] = None
 
     def check(self) -> None:
-        self.check_common()
-        if self.top_logprobs is not None and self.top_logprobs > 0 and not self.logprobs:
+        if self.top_logprobs and not self.logprobs:
             raise APIError(400, "top_logprobs requires logprobs to be true", "top_logprobs", "invalid_value")
-        if self.tools:
-            raise APIError(400, "tools are not supported", "tools", "unsupported_parameter")
-        if self.response_format and self.response_format.get("type", "text") != "text":
-            raise APIError(400, "only response_format type 'text' is supported", "response_format",
-                           "unsupported_parameter")
 
     @property
     def max_tokens_param(self) -> str:
@@ -121,40 +130,22 @@ class ChatCompletionRequest(_SamplingFields):
     def chat_messages(self) -> list[dict]:
         """Messages as plain dicts for the chat template (text parts joined; ``developer`` → system)."""
         out = []
-        for i, m in enumerate(self.messages):
-            if isinstance(m.content, list):
-                texts = []
-                for part in m.content:
-                    if part.type != "text" or part.text is None:
-                        raise APIError(400, f"only text content parts are supported, got '{part.type}'",
-                                       f"messages.{i}.content", "unsupported_parameter")
-                    texts.append(part.text)
-                content = "".join(texts)
-            else:
-                content = m.content or ""
+        for m in self.messages:
+            content = "".join(p.text for p in m.content) if isinstance(m.content, list) else (m.content or "")
             out.append({"role": "system" if m.role == "developer" else m.role, "content": content})
         return out
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Union[str, list[int], list[str], list[list[int]]]
-    logprobs: Optional[int] = None          # number of top logprobs per token (0 = only the chosen token)
-    echo: StrictBool = False
-    suffix: Optional[str] = None
-    best_of: Optional[int] = None
+    prompt: Union[PromptText, TokenIds, Annotated[list[PromptText], Field(min_length=1)],
+                  Annotated[list[TokenIds], Field(min_length=1)]]
+    logprobs: Optional[TopLogprobs] = None          # number of top logprobs per token (0 = only the chosen token)
+    echo: Annotated[StrictBool, *only("echo", False)] = False
+    suffix: Annotated[Optional[Text], *only("suffix", "", None)] = None
+    best_of: Annotated[Optional[int], *only("best_of", 1, None)] = None
 
     def check(self) -> None:
-        self.check_common()
-        if self.echo:
-            raise APIError(400, "echo is not supported", "echo", "unsupported_parameter")
-        if self.suffix:
-            raise APIError(400, "suffix is not supported", "suffix", "unsupported_parameter")
-        if self.best_of is not None and self.best_of != self.n:
-            raise APIError(400, "best_of is not supported", "best_of", "unsupported_parameter")
-        if self.logprobs is not None and self.logprobs < 0:
-            raise APIError(400, f"logprobs must be >= 0, got {self.logprobs}", "logprobs", "invalid_value")
-        if isinstance(self.prompt, list) and not self.prompt:
-            raise APIError(400, "prompt: the prompt is empty", "prompt", "invalid_value")
+        pass
 
     def prompt_list(self) -> list[tuple[str, Any]]:
         """(kind, value) per prompt: a string, a token id list, or a batch of either."""
@@ -168,32 +159,34 @@ class CompletionRequest(_SamplingFields):
 
 class GenerateSamplingParams(BaseModel):
     """SGLang ``sampling_params``; unknown keys are rejected."""
-    model_config = ConfigDict(extra="forbid")
-    max_new_tokens: Optional[int] = None
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1
-    min_p: float = 0.0
-    frequency_penalty: float = 0.0
-    presence_penalty: float = 0.0
-    repetition_penalty: float = 1.0
-    stop: Union[str, list[str], None] = None
-    stop_token_ids: Optional[list[int]] = None
+    model_config = ConfigDict(extra="forbid", **STRICT)
+    max_new_tokens: Optional[MaxTokens] = None
+    temperature: Temperature = 1.0
+    top_p: TopP = 1.0
+    top_k: TopK = -1
+    min_p: MinP = 0.0
+    frequency_penalty: Penalty = 0.0
+    presence_penalty: Penalty = 0.0
+    repetition_penalty: RepetitionPenalty = 1.0
+    stop: Union[Text, list[Text], None] = None
+    stop_token_ids: Optional[list[TokenId]] = None
     ignore_eos: StrictBool = False
-    seed: Optional[int] = Field(default=None, ge=INT64_MIN, le=UINT64_MAX)
-    sampling_seed: Optional[int] = Field(default=None, ge=INT64_MIN, le=UINT64_MAX)
-    n: int = 1
-    skip_special_tokens: StrictBool = True
+    seed: Optional[Seed] = None
+    sampling_seed: Optional[Seed] = None
+    n: Choices = 1
+    skip_special_tokens: Annotated[StrictBool, *only("skip_special_tokens", True)] = True
 
 
 class GenerateRequest(_Base):
-    text: Union[str, list[str], None] = None
-    input_ids: Union[list[int], list[list[int]], None] = None
+    """Exactly one of ``text`` and ``input_ids``."""
+    model_config = ConfigDict(json_schema_extra={"oneOf": [{"required": ["text"]}, {"required": ["input_ids"]}]})
+    text: Union[PromptText, Annotated[list[PromptText], Field(min_length=1)]] = None
+    input_ids: Union[TokenIds, Annotated[list[TokenIds], Field(min_length=1)]] = None
     sampling_params: GenerateSamplingParams = Field(default_factory=GenerateSamplingParams)
     stream: StrictBool = False
     return_logprob: StrictBool = False
-    top_logprobs_num: int = 0
-    rid: Optional[str] = None
+    top_logprobs_num: TopLogprobs = 0
+    rid: Optional[Annotated[Text, Field(min_length=1)]] = None
 
     def prompt_list(self) -> tuple[list[tuple[str, Any]], bool]:
         """((kind, value) per prompt, is_batch)."""
@@ -204,6 +197,6 @@ class GenerateRequest(_Base):
                 return [("text", self.text)], False
             return [("text", t) for t in self.text], True
         ids = self.input_ids
-        if ids and all(isinstance(x, list) for x in ids):
+        if all(isinstance(x, list) for x in ids):
             return [("ids", list(x)) for x in ids], True
         return [("ids", list(ids))], False

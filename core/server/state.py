@@ -1,8 +1,10 @@
 """Per-app server state shared by the endpoint modules."""
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from fastapi import Request
@@ -13,6 +15,10 @@ from .errors import APIError, to_api_error
 from .logprobs import TokenTexts
 from .metrics import ServerMetrics
 from .submission import DEFAULT_MAX_TOKENS, Submission
+
+# Tokenization and chat templates run here: off the engine thread (a long prompt must not stall
+# running streams) and off the event loop. One thread, so the tokenizer never encodes concurrently.
+TOKENIZER_THREAD = ThreadPoolExecutor(1, thread_name_prefix="specfw-tokenizer")
 
 # Besides engine.model_name, requests may name the model "default" (SGLang's name) or omit it.
 MODEL_ALIASES = ("", "default")
@@ -61,8 +67,10 @@ class ServerState:
         return RequestGroup(self.bridge, on_output, on_finish)
 
     async def submit(self, sub: Submission, endpoint: str) -> RequestGroup:
+        """Tokenize on the tokenizer thread, then add the requests on the engine thread."""
         group = self.new_group(endpoint)
         try:
+            await asyncio.get_running_loop().run_in_executor(TOKENIZER_THREAD, sub.prepare, self.engine)
             return await self.bridge.submit(sub.build, group)
         except Exception as e:  # noqa: BLE001 - mapped to an OpenAI error
             raise to_api_error(e) from e

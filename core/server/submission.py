@@ -1,11 +1,18 @@
-"""Turn validated API fields into engine ``Request`` objects (runs on the engine thread).
+"""Turn validated API fields into engine ``Request`` objects, in two phases:
 
-Prompts are tokenized here, on the engine thread, so the tokenizer is never used concurrently for
-encoding. ``max_tokens`` rules (documented in README "Serve"):
+* ``prepare(engine)`` runs on the tokenizer thread (``state.py``), never on the engine thread, so a
+  long prompt or chat template cannot stall running streams: it tokenizes, checks token ids and
+  lengths and fixes ``max_new_tokens`` per prompt. It reads only what never changes (tokenizer,
+  context length, KV pool size, vocabulary).
+* ``build(engine)`` runs on the engine thread: the queue bound and ``make_request`` per choice.
 
-* given: must be >= 1 and ``prompt_tokens + max_tokens`` must fit the context length, else 400;
-* omitted: ``min(context_length - prompt_tokens, default_max_tokens)`` (``DEFAULT_MAX_TOKENS``
-  = 4096 for the OpenAI endpoints, 128 for SGLang's ``/generate`` like SGLang).
+``max_tokens`` rules (documented in README "Serve"): with ``room`` = the tokens that can follow the
+prompt, i.e. ``min(context_length - prompt_tokens, KV pool room)`` (the pool must hold the prompt,
+the completion and one decode step's slots):
+
+* given: must be >= 1 and at most ``room``, else 400 ``context_length_exceeded``;
+* omitted: ``min(room, default_max_tokens)`` (``DEFAULT_MAX_TOKENS`` = 4096 for the OpenAI
+  endpoints, 128 for SGLang's ``/generate`` like SGLang).
 
 With ``n`` choices and ``seed = s`` the choices use seeds ``s, s+1, ...`` (different samples,
 each reproducible).
@@ -33,6 +40,10 @@ class Prompt:
     value: Any
 
 
+def context_error(param: str, message: str) -> APIError:
+    return APIError(400, message, param, "context_length_exceeded")
+
+
 @dataclass
 class Submission:
     prompts: list[Prompt]
@@ -42,35 +53,63 @@ class Submission:
     default_max_tokens: int = DEFAULT_MAX_TOKENS
     prompt_param: str = "prompt"        # field names used in error messages
     max_tokens_param: str = "max_tokens"
+    stop_ids_param: str = "stop_token_ids"
     rid_prefix: str = "req"
-    prompt_ids: list[list[int]] = field(default_factory=list)   # filled by build()
+    prompt_ids: list[list[int]] = field(default_factory=list)   # filled by prepare()
+    max_new: list[int] = field(default_factory=list)
 
-    def build(self, engine: Engine) -> list[Request]:
-        """Requests in choice order: prompt-major, then the ``n`` samples of each prompt."""
-        reqs = []
-        ctx = engine.runner.max_context
+    @property
+    def num_requests(self) -> int:
+        return len(self.prompts) * self.n
+
+    def prepare(self, engine: Engine) -> "Submission":
         vocab = engine.runner.vocab_size
-        for pi, prompt in enumerate(self.prompts):
+        if any(t >= vocab for t in self.params.stop_token_ids):
+            raise APIError(400, f"{self.stop_ids_param}: token ids must be in [0, {vocab})", self.stop_ids_param,
+                           "invalid_value")
+        for prompt in self.prompts:
             ids = self._tokenize(engine, prompt)
-            if any(not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
-                raise APIError(400, f"{self.prompt_param}: token ids must be in [0, {vocab})", self.prompt_param)
+            if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
+                raise APIError(400, f"{self.prompt_param}: token ids must be in [0, {vocab})", self.prompt_param,
+                               "invalid_value")
             if not ids:
-                raise RequestRejected(self.prompt_param, f"{self.prompt_param}: the prompt is empty")
-            if len(ids) >= ctx:
-                raise RequestRejected(self.prompt_param,
-                                      f"This model's maximum context length is {ctx} tokens; the prompt has "
-                                      f"{len(ids)} tokens (at least one token must remain for the completion)")
-            remaining = ctx - len(ids)
+                raise APIError(400, f"{self.prompt_param}: the prompt is empty", self.prompt_param, "invalid_value")
+            room = self._room(engine, len(ids))
             if self.max_tokens is None:
-                max_new = min(remaining, self.default_max_tokens)
-            elif self.max_tokens > remaining:
-                raise RequestRejected(self.max_tokens_param,
-                                      f"{self.max_tokens_param} is too large: {self.max_tokens}. This model's "
-                                      f"maximum context length is {ctx} tokens and the prompt has {len(ids)} "
-                                      f"tokens, so at most {remaining} can be generated")
+                max_new = min(room, self.default_max_tokens)
+            elif self.max_tokens > room:
+                raise context_error(self.max_tokens_param, self._too_long(engine, len(ids), room))
             else:
                 max_new = self.max_tokens
             self.prompt_ids.append(ids)
+            self.max_new.append(max_new)
+        return self
+
+    def _room(self, engine: Engine, prompt_tokens: int) -> int:
+        ctx = engine.runner.max_context
+        if prompt_tokens >= ctx:
+            raise context_error(self.prompt_param, f"This model's maximum context length is {ctx} tokens; the prompt "
+                                f"has {prompt_tokens} tokens (at least one token must remain for the completion)")
+        # the last step caches all but the last sampled token and needs slots_per_decode fresh slots
+        pool_room = engine.runner.allocator.num_slots - prompt_tokens - engine.worker.slots_per_decode + 2
+        if pool_room < 1:
+            raise context_error(self.prompt_param, f"the prompt has {prompt_tokens} tokens; the KV pool holds "
+                                f"{engine.runner.allocator.num_slots}")
+        return min(ctx - prompt_tokens, pool_room)
+
+    def _too_long(self, engine: Engine, prompt_tokens: int, room: int) -> str:
+        return (f"{self.max_tokens_param} is too large: {self.max_tokens}. This model's maximum context length is "
+                f"{engine.runner.max_context} tokens (KV pool: {engine.runner.allocator.num_slots}) and the prompt "
+                f"has {prompt_tokens} tokens, so at most {room} can be generated")
+
+    def build(self, engine: Engine) -> list[Request]:
+        """Requests in choice order: prompt-major, then the ``n`` samples of each prompt."""
+        bound = engine.scheduler.max_queued
+        if bound and self.num_requests > bound:
+            raise APIError(400, f"this request needs {self.num_requests} engine requests (n x prompts) but the queue "
+                           f"holds at most {bound} (engine.max_queued_requests)", "n", "invalid_value")
+        reqs = []
+        for pi, (ids, max_new) in enumerate(zip(self.prompt_ids, self.max_new)):
             for j in range(self.n):
                 seed = self.params.seed
                 if seed is not None and j:
@@ -96,11 +135,6 @@ class Submission:
         if prompt.kind == "text":
             return list(engine.tokenizer(prompt.value)["input_ids"])
         return list(prompt.value)
-
-
-def check_max_tokens(value: int | None, param: str) -> None:
-    if value is not None and value < 1:
-        raise APIError(400, f"{param} must be at least 1, got {value}", param, "invalid_value")
 
 
 BuildFn = Callable[[Engine], list[Request]]
