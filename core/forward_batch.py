@@ -57,7 +57,7 @@ class ForwardBatch:
     seqs: list[SeqSpan]
     logits_indices: torch.Tensor | None = None  # rows of the hidden states that need logits; None = all
     capture_layers: tuple[int, ...] = field(default_factory=tuple)  # hidden states entering these layers
-    attn_plan: list | None = None   # filled by the model once per forward (attention.plan_attention)
+    attn_plan: object | None = None   # filled by the model once per forward (backend.plan_attention); called per layer
 
     @property
     def num_tokens(self) -> int:

@@ -130,12 +130,9 @@ def grouped_attention_is_invariant(dtype: torch.dtype, heads: int, kv_heads: int
     return _attention[key]
 
 
-def measure_model(model: torch.nn.Module, dtype: torch.dtype, timed_rows: tuple[int, ...] = DEFAULT_TIMED_ROWS,
-                  device: torch.device = torch.device("cpu")) -> dict:
-    """Run every probe a batch-invariant forward of ``model`` will need, now (at startup, not in the
-    first request): each swapped linear's row plan, grouped attention, the one-row attention dtype.
-    Returns a summary for the log: ``{"linears": {plan: count}, "grouped_attention": bool}``."""
-    from .attention import _upcast_one_row_queries
+def measure_linears(model: torch.nn.Module, timed_rows: tuple[int, ...] = DEFAULT_TIMED_ROWS) -> dict:
+    """Every batch-invariant linear's row plan under ``model``, measured now: ``{plan: count}``
+    (e.g. ``{"64": 211}``: unpadded calls of up to 64 rows for every layer)."""
     plans: dict[str, int] = {}
     for m in model.modules():
         if getattr(m, "batch_invariant", False) and hasattr(m, "row_plan"):
@@ -143,6 +140,17 @@ def measure_model(model: torch.nn.Module, dtype: torch.dtype, timed_rows: tuple[
             p = m.row_plan()
             name = f"{'padded ' if p.pad else ''}{p.block}"
             plans[name] = plans.get(name, 0) + 1
+    return plans
+
+
+def measure_model(model: torch.nn.Module, dtype: torch.dtype, timed_rows: tuple[int, ...] = DEFAULT_TIMED_ROWS,
+                  device: torch.device = torch.device("cpu")) -> dict:
+    """Run every probe a batch-invariant forward of ``model`` on torch's ops will need, now (at
+    startup, not in the first request): each swapped linear's row plan, grouped attention, the
+    one-row attention dtype. Returns a summary for the log:
+    ``{"linears": {plan: count}, "grouped_attention": bool, ...}``."""
+    from .attention import _upcast_one_row_queries
+    plans = measure_linears(model, timed_rows)
     layer = model.layers[0]
     grouped = grouped_attention_is_invariant(dtype, layer.n_heads, layer.n_kv, layer.head_dim, device)
     upcast = _upcast_one_row_queries(dtype, layer.n_heads, layer.n_kv, layer.head_dim, torch.device(device))

@@ -6,10 +6,8 @@ import logging
 
 import torch
 
-from .cpu_linear import fast_linear_for, use_fast_linears
-from .device_linear import use_invariant_linears
+from .backends import Backend, make_backend
 from .forward_batch import ForwardBatch, ForwardOutput, SeqSpan
-from .invariance import measure_model
 from .kv_cache import KVPool
 
 logger = logging.getLogger(__name__)
@@ -17,33 +15,24 @@ PLAIN_BATCH_ROWS = 8   # a typical plain decode batch, for choosing batch-invari
 
 
 class ModelRunner:
-    def __init__(self, model, hf_config, num_slots: int, dtype: torch.dtype, packed_gemm: bool = True,
-                 batch_invariant: bool = False, timed_rows: tuple[int, ...] = (1, PLAIN_BATCH_ROWS),
-                 bf16_kernel: bool = True):
-        """``timed_rows``: the row counts of typical forwards, for which batch-invariant linears
-        pick the fastest row plan (``invariance``): one-row decode steps and either a batch of
-        concurrent ones (plain decoding) or a draft tree (speculative: ``num_draft_tokens``).
-        The runner works on the device the model's weights are on. ``bf16_kernel``: bf16 linears
-        use specfw's AVX512-BF16 kernel where it runs (``cpu_linear.DotBF16Linear``)."""
+    def __init__(self, model, hf_config, num_slots: int, dtype: torch.dtype, backend: Backend | None = None,
+                 timed_rows: tuple[int, ...] = (1, PLAIN_BATCH_ROWS)):
+        """``backend`` (``specfw.backends``) owns every kernel choice; default: the best for the
+        model's device, not batch invariant. ``timed_rows``: the row counts of typical forwards,
+        for which a backend that needs row plans (torch's ops) picks the fastest one: one-row
+        decode steps and either a batch of concurrent ones (plain decoding) or a draft tree
+        (speculative: ``num_draft_tokens``). The runner works on the device the model's weights are on."""
         self.device = next(model.parameters()).device
-        self.packed_gemm = packed_gemm and self.device.type == "cpu"
-        self.bf16_kernel = bf16_kernel
-        if self.packed_gemm:
-            use_fast_linears(model, batch_invariant, bf16_kernel)
-        elif batch_invariant:
-            use_invariant_linears(model)
-        model.batch_invariant = batch_invariant
-        if batch_invariant and self.device.type != "meta":
-            logger.info("batch invariance on %s (rows per linear call: layers): %s", self.device,
-                        measure_model(model, dtype, timed_rows, self.device))
+        self.backend = backend or make_backend(self.device, batch_invariant=False)
+        self.backend.prepare_target(model)
+        if self.backend.batch_invariant and self.device.type != "meta":
+            logger.info("batch invariance on %s with %s (rows per linear call: layers): %s", self.device,
+                        self.backend.describe(), self.backend.measure(model, dtype, timed_rows))
         self.model = model
         self.hf_config = hf_config
         layer0 = model.layers[0]
         self.kv = KVPool(model.num_layers, layer0.n_kv, layer0.head_dim, num_slots, dtype=dtype, device=self.device)
         self.vocab_size = hf_config.vocab_size
-        # see padded_rows (padding rows never changes the real rows: packed GEMM rows are
-        # row-count invariant); oneDNN bf16 is flat over small row counts, no padding needed
-        self.pad_rows = dtype == torch.float32 and self.device.type == "cpu"
         self.max_context = model.rotary.cos.shape[0]
 
     @property
@@ -52,33 +41,20 @@ class ModelRunner:
 
     def prepare(self, module: torch.nn.Module) -> torch.nn.Module:
         """A drafter's module made ready to run beside the target: moved to the runner's device,
-        with the CPU's faster linears where the target has them. Draft heads need no batch
-        invariance (their numerics change which tokens are proposed, never which are emitted)."""
-        module = module.to(self.device)
-        if self.packed_gemm:
-            use_fast_linears(module, bf16_kernel=self.bf16_kernel)
-            if type(module) is torch.nn.Linear:   # a bare layer (e.g. an FR-Spec lm_head)
-                module = fast_linear_for(module, bf16_kernel=self.bf16_kernel) or module
-        return module
+        with the backend's kernels (its linears; attention for layers with a ``backend``
+        attribute). Draft heads need no batch invariance (their numerics change which tokens are
+        proposed, never which are emitted)."""
+        return self.backend.prepare_module(module.to(self.device))
 
     def forward(self, fb: ForwardBatch) -> ForwardOutput:
         T = fb.num_tokens
-        padded = padded_rows(T) if self.pad_rows else T
+        padded = self.backend.forward_rows(T, self.kv.dtype)
         if padded == T:
             return self.model(fb.to(self.device), self.kv)
         out = self.model(_pad(fb, padded, self.kv.scratch_slot).to(self.device), self.kv)
         out.hidden = out.hidden[:T]
         out.aux_hidden = [a[:T] for a in out.aux_hidden]
         return out
-
-
-def padded_rows(T: int) -> int:
-    """Row count to run a forward with. MKL's fp32 GEMM on these CPUs is much slower for some small
-    row counts than for the next multiple of 8 (measured, 1 thread, 576x3072: M=6 2.2 ms, M=8 1.3 ms,
-    M=12 2.4 ms, M=16 1.7 ms), so 5..32 rows are padded up to a multiple of 8."""
-    if T <= 4 or T > 32 or T % 8 == 0:
-        return T
-    return (T + 7) // 8 * 8
 
 
 def _pad(fb: ForwardBatch, rows: int, scratch_slot: int) -> ForwardBatch:

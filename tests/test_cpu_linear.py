@@ -79,17 +79,21 @@ def test_batch_invariant_linears_give_every_row_its_one_row_result(kind):
     assert 1 <= layer.row_plan().block <= 64
 
 
-def test_engine_greedy_same_with_and_without_packed_gemm(tiny_model_dir):
+def test_engine_greedy_same_on_every_cpu_kernel_choice(tiny_model_dir):
+    """torch's plain linears, MKL-packed ones (engine.cpu_isa=none) and specfw's kernels
+    (engine.cpu_isa=auto, and the portable build) decode the same greedy tokens."""
     from conftest import make_cfg
     from specfw.engine import Engine
     from specfw.sampling import SamplingParams
     prompts = [[1, 5, 9, 200, 31], [7, 7, 100], [3, 4, 5, 6, 7, 8, 9, 10], [42]]
     params = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
     outs = {}
-    for packed in (True, False):
+    for isa, packed, linear in (("none", True, "FastLinear"), ("none", False, "Linear"),
+                                ("auto", True, "KernelLinear"), ("portable", True, "KernelLinear")):
         eng = Engine(make_cfg(model_path=str(tiny_model_dir), max_running_requests=4, max_total_tokens=1024,
-                              cpu_packed_gemm=packed))
+                              cpu_packed_gemm=packed, cpu_isa=isa))
         kinds = {type(m).__name__ for m in eng.runner.model.modules()}
-        assert ("FastLinear" in kinds) == packed
-        outs[packed] = [c.token_ids for c in eng.generate(prompts, params)]
-    assert outs[True] == outs[False]
+        assert linear in kinds, (isa, packed, kinds)
+        outs[(isa, packed)] = [c.token_ids for c in eng.generate(prompts, params)]
+    first = next(iter(outs.values()))
+    assert all(o == first for o in outs.values()), outs

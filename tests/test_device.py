@@ -15,6 +15,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from conftest import make_cfg
+from specfw.backends import make_backend
 from specfw.config import ConfigError, validate
 from specfw.device import check_device_name, resolve_device
 from specfw.model_loader import load_model
@@ -82,7 +83,8 @@ def meta_runner_factory(tiny_model_dir):
         lm = load_model(str(tiny_model_dir))
         lm.model.to("meta")
         lm.model.rotary.to("meta")
-        return ModelRunner(lm.model, lm.hf_config, 256, torch.float32, batch_invariant=batch_invariant)
+        return ModelRunner(lm.model, lm.hf_config, 256, torch.float32,
+                           backend=make_backend("meta", batch_invariant=batch_invariant))
     return make
 
 
@@ -91,7 +93,7 @@ def test_target_forwards_keep_device_tensors_on_the_device(meta_runner_factory, 
     """Prefill (one fresh prompt, one with a cached prefix), a decode batch and a draft tree, as the
     workers build them, run with every device tensor on the device."""
     r = meta_runner_factory(batch_invariant)
-    assert r.device.type == "meta" and r.kv.k[0].device.type == "meta" and not r.packed_gemm
+    assert r.device.type == "meta" and r.kv.k[0].device.type == "meta" and r.backend.name == "torch"
     a, b = r.allocator.alloc(6), r.allocator.alloc(4)
     b_new = r.allocator.alloc(3)
     chunks = [(torch.arange(10, 16), torch.arange(6), a, torch.empty(0, dtype=torch.long), None),

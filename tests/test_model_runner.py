@@ -79,14 +79,27 @@ def test_rmsnorm_is_bitwise_hf_in_every_dtype():
                 assert torch.equal(ours(x), ref(x)), f"{dtype}, {rows} rows"
 
 
-def test_batch_invariant_runner_measures_its_kernels_at_startup(tiny_model_dir, caplog):
-    """The invariance probes run when the runner is built, not inside the first request."""
+@pytest.mark.parametrize("cpu_isa", ["none", "auto"])
+def test_batch_invariant_runner_measures_its_kernels_at_startup(tiny_model_dir, caplog, cpu_isa):
+    """The invariance probes run when the runner is built, not inside the first request: torch's ops
+    (row plans per linear, grouped attention) and specfw's kernels (whose probe finds every linear
+    row-independent: unpadded 64-row calls)."""
     import logging
+    from specfw.backends import make_backend
+    from specfw.backends.kernel_linear import KernelLinear
     from specfw.cpu_linear import FastLinear, mkl_packing_available
     lm = load_model(str(tiny_model_dir))
+    backend = make_backend("cpu", batch_invariant=True, cpu_isa=cpu_isa)
     with caplog.at_level(logging.INFO, logger="specfw.model_runner"):
-        ModelRunner(lm.model, lm.hf_config, 64, torch.float32, batch_invariant=True)
-    assert "batch invariance on cpu" in caplog.text and "grouped_attention" in caplog.text
+        ModelRunner(lm.model, lm.hf_config, 64, torch.float32, backend=backend)
+    assert "batch invariance on cpu" in caplog.text
+    if backend.name == "cpu":
+        linears = [m for m in lm.model.modules() if isinstance(m, KernelLinear)]
+        assert len(linears) == 4 * lm.model.num_layers + 1   # qkv, o, gate_up, down per layer; lm_head
+        assert all(m.row_plan().block == 64 and not m.row_plan().pad for m in linears)
+        assert "'64': %d" % len(linears) in caplog.text
+        return
+    assert "grouped_attention" in caplog.text
     linears = [m for m in lm.model.modules() if isinstance(m, FastLinear)]
     assert len(linears) > lm.model.num_layers if mkl_packing_available() else not linears   # qkv, o, gate_up, down, lm_head
     assert all(m._row_plan[0] == torch.get_num_threads() for m in linears)
@@ -104,7 +117,7 @@ def test_engine_times_linear_plans_for_its_typical_forward(tiny_model_dir):
         pytest.skip("no MKL packed GEMM: the linears are not swapped")
     for spec, rows in ((NgramConfig(algorithm="ngram", num_draft_tokens=6), 6), (None, 8)):
         eng = Engine(make_cfg(model_path=str(tiny_model_dir), max_total_tokens=256, batch_invariant=True,
-                              speculative=spec))
+                              speculative=spec, cpu_isa="none"))
         linears = [m for m in eng.runner.model.modules() if isinstance(m, FastLinear)]
         assert linears and all(m.timed_rows == (1, rows) for m in linears)
         assert (eng.tree_shape.num_draft_tokens if spec else eng.tree_shape) == (6 if spec else None)

@@ -1,5 +1,12 @@
 """specfw's own compiled CPU kernels, built on first use with torch's C++ extension loader.
 
+``cpu_ops(isa)`` returns ``cpu_ops.cpp`` (batch-invariant linears over fp32/bf16 weights and
+one-row-query attention over the KV pool) compiled for one instruction set: ``avx512``
+(AVX-512F/BW/VL + FMA), ``avx2`` (AVX2 + FMA) or ``portable`` (no ISA flags). ``cpu_isa()``
+picks the best the CPU's flags allow, or the one ``SPECFW_CPU_ISA`` / ``engine.cpu_isa`` forces
+(an AVX-512 CPU runs the AVX2 build too, so that path is tested and timed everywhere). None
+where it cannot be built (no compiler, ``SPECFW_NO_KERNELS=1``): callers keep torch's ops.
+
 ``bf16_dot()`` returns the AVX512-BF16 linear kernel (``bf16_dot.cpp``) or None where it cannot
 run: a CPU without the ``avx512_bf16`` flag, no compiler or ninja, a failed build, or
 ``SPECFW_NO_KERNELS=1``. The build (~30 s) lands in torch's extension cache
@@ -13,6 +20,7 @@ from pathlib import Path
 
 logger = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("bf16_dot.cpp")
+_OPS_SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 _cache: dict[str, object] = {}
 
 
@@ -23,6 +31,60 @@ def _cpu_flags() -> set[str]:
         return set()
     line = next((ln for ln in text.splitlines() if ln.startswith("flags")), "")
     return set(line.split(":", 1)[-1].split())
+
+
+ISAS = ("avx512", "avx2", "portable")
+_ISA_FLAGS = {"avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],
+              "avx2": ["-mavx2", "-mfma"], "portable": []}
+_ISA_NEEDS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma"},
+              "avx2": {"avx2", "fma"}, "portable": set()}
+
+
+def isa_supported(isa: str) -> bool:
+    """Whether this CPU can run ``isa``'s build (from /proc/cpuinfo's flags)."""
+    return _ISA_NEEDS[isa] <= _cpu_flags()
+
+
+def cpu_isa(forced: str | None = None) -> str:
+    """The instruction set the CPU kernels use: ``forced`` (``engine.cpu_isa``), else
+    ``SPECFW_CPU_ISA``, else the best this CPU supports. A forced ISA the CPU lacks is an error."""
+    choice = forced if forced not in (None, "", "auto") else os.environ.get("SPECFW_CPU_ISA", "auto")
+    if choice in ("", "auto"):
+        return next(i for i in ISAS if isa_supported(i))
+    if choice not in ISAS:
+        raise ValueError(f"cpu isa {choice!r}: allowed are auto, {', '.join(ISAS)}")
+    if not isa_supported(choice):
+        raise ValueError(f"cpu isa {choice!r}: this CPU lacks {sorted(_ISA_NEEDS[choice] - _cpu_flags())}")
+    return choice
+
+
+def cpu_ops(isa: str | None = None):
+    """``cpu_ops.cpp`` built for ``isa`` (default ``cpu_isa()``), or None where it cannot be built."""
+    isa = isa or cpu_isa()
+    key = f"cpu_ops_{isa}"
+    if key not in _cache:
+        _cache[key] = _load(_OPS_SOURCE, f"specfw_cpu_ops_{isa}", _ISA_FLAGS[isa], "cpu kernels " + isa)
+    return _cache[key]
+
+
+def _kernels_disabled() -> bool:
+    return os.environ.get("SPECFW_NO_KERNELS", "").lower() in ("1", "true", "yes", "on")
+
+
+def _load(source: Path, name: str, isa_flags: list[str], what: str):
+    if _kernels_disabled():
+        return None
+    try:
+        from torch.utils.cpp_extension import load
+        import hashlib
+        # the source's hash is in the name: an edited kernel never loads a stale build
+        tag = hashlib.sha1(source.read_bytes()).hexdigest()[:10]
+        logger.info("%s: building or loading (first use compiles for ~30-60 s)", what)
+        return load(name=f"{name}_{tag}", sources=[str(source)], extra_cflags=["-O3", "-fopenmp", *isa_flags],
+                    extra_ldflags=["-fopenmp"], verbose=False)   # OpenMP: at::parallel_for's threads
+    except Exception as e:   # no compiler, no ninja, a failed build: torch's ops still work
+        logger.warning("%s unavailable (%s: %s); using torch's ops", what, type(e).__name__, str(e).splitlines()[0][:200])
+        return None
 
 
 def cpu_has_avx512_bf16() -> bool:
@@ -44,20 +106,7 @@ def bf16_dot():
 
 
 def _build():
-    if os.environ.get("SPECFW_NO_KERNELS", "").lower() in ("1", "true", "yes", "on"):
-        return None
     if not cpu_has_avx512_bf16():
         logger.info("bf16 dot kernel: this CPU has no avx512_bf16; using oneDNN")
         return None
-    try:
-        from torch.utils.cpp_extension import load
-        # the source's hash is in the name: an edited kernel never loads a stale build
-        import hashlib
-        tag = hashlib.sha1(_SOURCE.read_bytes()).hexdigest()[:10]
-        logger.info("bf16 dot kernel: building or loading (first use compiles for ~30 s)")
-        return load(name=f"specfw_bf16_dot_{tag}", sources=[str(_SOURCE)],
-                    extra_cflags=["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"],
-                    extra_ldflags=["-fopenmp"], verbose=False)   # OpenMP: at::parallel_for's threads
-    except Exception as e:   # no compiler, no ninja, a failed build: the oneDNN path still works
-        logger.warning("bf16 dot kernel unavailable (%s: %s); using oneDNN", type(e).__name__, str(e).splitlines()[0][:200])
-        return None
+    return _load(_SOURCE, "specfw_bf16_dot", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"], "bf16 dot kernel")

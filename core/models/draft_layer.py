@@ -8,10 +8,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from ..attention import attend, plan_attention
+from ..backends import HeadShape
 from ..forward_batch import ForwardBatch
 from ..kv_cache import KVPool
-from .llama import RMSNorm, Rotary
+from .llama import RMSNorm, Rotary, default_backend
 
 
 class _Attn(nn.Module):
@@ -44,6 +44,7 @@ class DraftDecoderLayer(nn.Module):
         self.mlp = _MLP(h, cfg.intermediate_size)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.scale = self.head_dim ** -0.5
+        self.backend = None   # the target runner's kernel backend (ModelRunner.prepare hands it over)
 
     def forward(self, attn_in: torch.Tensor, residual: torch.Tensor, fb: ForwardBatch, kv: KVPool,
                 rotary: Rotary) -> torch.Tensor:
@@ -54,9 +55,11 @@ class DraftDecoderLayer(nn.Module):
         k = Rotary.apply(self.self_attn.k_proj(attn_in).view(T, self.n_kv, self.head_dim), cos, sin)
         v = self.self_attn.v_proj(attn_in).view(T, self.n_kv, self.head_dim)
         kv.write(0, fb.out_slots, k, v)
-        if fb.attn_plan is None:
-            fb.attn_plan = plan_attention(fb.seqs, attn_in.device)
-        o = attend(q, kv.k[0], kv.v[0], fb.attn_plan, self.scale)
+        if fb.attn_plan is None:   # draft heads need no exact plans (they propose, never emit)
+            backend = self.backend or default_backend(attn_in.device)
+            fb.attn_plan = backend.plan_attention(fb.seqs, attn_in.device,
+                                                  HeadShape(q.dtype, self.n_heads, self.n_kv, self.head_dim), exact=False)
+        o = fb.attn_plan(q, kv.k[0], kv.v[0], self.scale)
         x = residual + self.self_attn.o_proj(o.reshape(T, -1))
         return x + self.mlp(self.post_attention_layernorm(x))
 

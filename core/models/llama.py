@@ -10,8 +10,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from ..attention import attend, plan_attention
-from ..invariance import grouped_attention_is_invariant
+from ..backends import HeadShape
 from ..forward_batch import ForwardBatch, ForwardOutput
 from ..kv_cache import KVPool
 
@@ -82,7 +81,7 @@ class DecoderLayer(nn.Module):
         q, k = qk[:, : self.n_heads], qk[:, self.n_heads:]
         v = qkv[:, self.q_size + self.kv_size:].view(T, self.n_kv, self.head_dim)
         kv.write(layer, fb.out_slots, k, v)
-        o = attend(q, kv.k[layer], kv.v[layer], fb.attn_plan, self.scale)
+        o = fb.attn_plan(q, kv.k[layer], kv.v[layer], self.scale)
         x = x + self.o_proj(o.reshape(T, self.q_size))
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).split(self.intermediate, dim=-1)
         return x + self.down_proj(F.silu(gate) * up)
@@ -98,7 +97,7 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         self.rotary = Rotary(cfg, max_positions, dtype)
-        self.batch_invariant = False   # set by the ModelRunner (engine.batch_invariant)
+        self.backend = None   # the runner's kernel backend (specfw.backends), handed over by the ModelRunner
 
     @property
     def num_layers(self) -> int:
@@ -109,8 +108,8 @@ class LlamaModel(nn.Module):
         """``fb``'s per-token tensors on the model's device (``ForwardBatch.to``)."""
         x = self.embed_tokens(fb.input_ids)
         cos, sin = self.rotary.lookup(fb.positions)
-        fb.attn_plan = plan_attention(fb.seqs, x.device, self.batch_invariant,
-                                      self.batch_invariant and self._grouped_attention_ok(x))
+        backend = self.backend or default_backend(x.device)
+        fb.attn_plan = backend.plan_attention(fb.seqs, x.device, self.head_shape(x.dtype), backend.batch_invariant)
         captured = {}
         for i, layer in enumerate(self.layers):
             if i in fb.capture_layers:
@@ -123,9 +122,15 @@ class LlamaModel(nn.Module):
         logits = self.lm_head(self.norm(sel)).float()
         return ForwardOutput(logits=logits, hidden=hidden, aux_hidden=aux)
 
-    def _grouped_attention_ok(self, x: torch.Tensor) -> bool:
+    def head_shape(self, dtype: torch.dtype) -> HeadShape:
         a = self.layers[0]
-        return grouped_attention_is_invariant(x.dtype, a.n_heads, a.n_kv, a.head_dim, x.device)
+        return HeadShape(dtype, a.n_heads, a.n_kv, a.head_dim)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.lm_head(self.norm(hidden)).float()
+
+
+def default_backend(device: torch.device):
+    """Torch's ops, loose plans: for a model run without a ModelRunner (tests, training tools)."""
+    from ..backends.torch_ops import TorchBackend
+    return TorchBackend(device, batch_invariant=False, packed_gemm=False)

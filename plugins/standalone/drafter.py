@@ -63,7 +63,7 @@ class StandaloneDrafter:
                               f"draft vocab_size {loaded.hf_config.vocab_size} != target vocab_size {ctx.runner.vocab_size}")
         slots = cfg.draft_kv_tokens or ctx.runner.allocator.num_slots
         self.draft = ModelRunner(loaded.model, loaded.hf_config, slots, ctx.runner.kv.dtype,
-                                 packed_gemm=ctx.runner.packed_gemm, bf16_kernel=ctx.runner.bf16_kernel)
+                                 backend=ctx.runner.backend.for_drafting())
         self.shape = ctx.shape
         self.sample_draft = cfg.sample_draft and not ctx.force_greedy
         self.states: dict[str, _DraftState] = {}

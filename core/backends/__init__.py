@@ -1,0 +1,36 @@
+"""Kernel backends: one object per device kind owns the kernels of a forward (``base.py`` is
+the contract). ``make_backend`` picks it from the device and the ``engine.*`` settings."""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from .base import AttentionPlan, Backend, HeadShape
+
+logger = logging.getLogger(__name__)
+
+
+def make_backend(device: torch.device | str = "cpu", batch_invariant: bool = True, cpu_isa: str = "auto",
+                 cpu_packed_gemm: bool = True, cpu_bf16_kernel: bool = True) -> Backend:
+    """``CpuBackend`` on a CPU where specfw's kernels build for ``cpu_isa`` (``auto``: the best the
+    CPU's flags allow; ``none``: torch's ops), else ``TorchBackend``."""
+    from .torch_ops import TorchBackend
+    device = torch.device(device)
+    if device.type == "cpu" and cpu_isa != "none":
+        from ..kernels import cpu_isa as pick_isa, cpu_ops
+        isa = pick_isa(cpu_isa)
+        ops = cpu_ops(isa)
+        if ops is not None:
+            from .cpu import CpuBackend
+            return CpuBackend(ops, isa, batch_invariant, cpu_bf16_kernel)
+        logger.warning("specfw's CPU kernels are unavailable here: using torch's ops")
+    return TorchBackend(device, batch_invariant, cpu_packed_gemm, cpu_bf16_kernel)
+
+
+def backend_from_config(engine_cfg, device: torch.device) -> Backend:
+    return make_backend(device, engine_cfg.batch_invariant, str(getattr(engine_cfg, "cpu_isa", "auto")),
+                        engine_cfg.cpu_packed_gemm, engine_cfg.cpu_bf16_kernel)
+
+
+__all__ = ["AttentionPlan", "Backend", "HeadShape", "backend_from_config", "make_backend"]

@@ -1,0 +1,83 @@
+"""The backend contract: one object per device kind owns every kernel choice of a forward.
+
+The model, the runner, the KV pool and the plugins never pick kernels or carry kernel flags;
+they ask the engine's backend (``ModelRunner.backend``):
+
+* ``prepare_target(model)`` -- swap the target's linears for this device's kernels (batch
+  invariant ones when ``batch_invariant``) and hand the model the backend
+  (``model.backend``); ``measure(model, dtype, timed_rows)`` then runs the invariance probes
+  at startup and returns a summary for the log;
+* ``prepare_module(module)`` -- the same for a drafter's modules (draft heads need no batch
+  invariance: their numerics change which tokens are proposed, never which are emitted);
+  modules that attend and declare a ``backend`` attribute get this backend;
+* ``plan_attention(seqs, device, shape, exact)`` -- once per forward: an ``AttentionPlan`` that
+  every layer calls as ``plan(q, k_cache, v_cache, scale)``; ``exact`` asks that a row's bits
+  never depend on the other rows (tree rows round like the plain decode step of the same token);
+* ``forward_rows(T, dtype)`` -- how many rows to run a forward of ``T`` tokens with (extra rows
+  are padding written to the KV pool's scratch slot; most backends pad nothing).
+
+Backends: ``CpuBackend`` (``backends/cpu.py``: specfw's compiled kernels for one instruction
+set) and ``TorchBackend`` (``backends/torch_ops.py``: torch's own ops -- accelerators, and CPUs
+where the kernels cannot be built or ``engine.cpu_isa=none``). ``make_backend`` picks one.
+"""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from ..forward_batch import SeqSpan
+
+
+@dataclass(frozen=True)
+class HeadShape:
+    """What an attention plan needs to know of the layers it serves."""
+    dtype: torch.dtype
+    heads: int
+    kv_heads: int
+    head_dim: int
+
+
+class AttentionPlan(Protocol):
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        """q [T, H, D] (rope applied); caches [slots, Hkv, D] already hold the new K/V -> [T, H, D]."""
+
+
+class Backend:
+    name = "base"
+
+    def __init__(self, device: torch.device, batch_invariant: bool):
+        self.device = torch.device(device)
+        self.batch_invariant = batch_invariant
+
+    def prepare_target(self, model: nn.Module) -> None:
+        raise NotImplementedError
+
+    def prepare_module(self, module: nn.Module) -> nn.Module:
+        raise NotImplementedError
+
+    def plan_attention(self, seqs: list[SeqSpan], device: torch.device, shape: HeadShape, exact: bool) -> AttentionPlan:
+        raise NotImplementedError
+
+    def forward_rows(self, T: int, dtype: torch.dtype) -> int:
+        return T
+
+    def measure(self, model: nn.Module, dtype: torch.dtype, timed_rows: tuple[int, ...]) -> dict:
+        return {}
+
+    def describe(self) -> str:
+        return self.name
+
+    def for_drafting(self) -> "Backend":
+        """This backend's kernels without batch invariance: for a draft model's own runner."""
+        other = copy.copy(self)
+        other.batch_invariant = False
+        return other
+
+    def _hand_backend(self, module: nn.Module) -> None:
+        for m in module.modules():
+            if hasattr(m, "backend"):
+                m.backend = self

@@ -1,0 +1,69 @@
+"""``CpuBackend``: forwards on specfw's compiled CPU kernels (``kernels/cpu_ops.cpp``), built for
+one instruction set (``engine.cpu_isa``: ``auto`` picks avx512 > avx2 > portable from the CPU's
+flags; forcing ``avx2`` on an AVX-512 CPU tests and times that path there too).
+
+* linears: ``KernelLinear`` for fp32 and bf16 weights (batch invariant by construction, flat
+  from 1 to 16 rows as far as the memory/compute balance of the CPU allows); bf16 on CPUs with
+  AVX512-BF16 and no AMX keeps ``bf16_dot``'s ``vdpbf16ps`` kernel where ``engine.cpu_bf16_kernel``
+  (also invariant by construction);
+* attention: ``KernelAttentionPlan`` for every decode, tree and extend row (one fixed reduction
+  order per (row, head), exact for plain and tree rows alike), one causal SDPA call per prompt
+  prefill;
+* no padded rows, no row plans: nothing depends on what else is in a forward.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..cpu_linear import DotBF16Linear, bf16_kernel_available
+from ..invariance import measure_linears
+from .base import Backend, HeadShape
+from .kernel_attention import KernelAttentionPlan
+from .kernel_linear import KernelLinear
+
+
+class CpuBackend(Backend):
+    name = "cpu"
+
+    def __init__(self, ops, isa: str, batch_invariant: bool = True, bf16_kernel: bool = True):
+        super().__init__(torch.device("cpu"), batch_invariant)
+        self.ops, self.isa = ops, isa
+        self.bf16_kernel = bf16_kernel and bf16_kernel_available()
+
+    def linear_for(self, linear: nn.Linear, batch_invariant: bool) -> nn.Module | None:
+        w = linear.weight
+        if type(linear) is not nn.Linear or w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
+            return None
+        if w.dtype == torch.bfloat16 and self.bf16_kernel:
+            return DotBF16Linear(linear, batch_invariant)
+        return KernelLinear(linear, self.ops, self.isa, batch_invariant)
+
+    def _swap(self, module: nn.Module, batch_invariant: bool) -> nn.Module:
+        if type(module) is nn.Linear:   # a bare layer (e.g. an FR-Spec lm_head)
+            return self.linear_for(module, batch_invariant) or module
+        for parent in list(module.modules()):
+            for name, child in list(parent.named_children()):
+                fast = self.linear_for(child, batch_invariant) if type(child) is nn.Linear else None
+                if fast is not None:
+                    setattr(parent, name, fast)
+        return module
+
+    def prepare_target(self, model: nn.Module) -> None:
+        self._swap(model, self.batch_invariant)
+        self._hand_backend(model)
+
+    def prepare_module(self, module: nn.Module) -> nn.Module:
+        module = self._swap(module, False)
+        self._hand_backend(module)
+        return module
+
+    def plan_attention(self, seqs, device, shape: HeadShape, exact: bool) -> KernelAttentionPlan:
+        return KernelAttentionPlan(self.ops, seqs)
+
+    def measure(self, model, dtype, timed_rows):
+        return {"linears": measure_linears(model, timed_rows), "attention": f"cpu_ops {self.isa} (exact by construction)"}
+
+    def describe(self) -> str:
+        bf16 = ", bf16 linears on bf16_dot (AVX512-BF16)" if self.bf16_kernel else ""
+        return f"specfw CPU kernels ({self.isa}{bf16})"

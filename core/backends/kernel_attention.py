@@ -1,0 +1,75 @@
+"""Attention of one-row queries on specfw's compiled CPU kernel (``kernels/cpu_ops.cpp``).
+
+Built once per forward from the host slot lists: every sequence that is not a prompt prefill is
+one group -- a shared prefix of KV slots (what all its new tokens see) and, per new token, its
+own extra slots (its visible tree nodes or causal predecessors, itself last). The kernel reads
+K/V in place from the pool through those slot lists (no gather, no upcast copy), reads each
+prefix entry once for all the group's rows, and reduces every (row, head) in one fixed order
+over the row's keys in cache order: a tree node's output has the bits of the plain decode step
+that produces the same token, and plain rows never depend on the batch. Prompt prefills (no
+prefix, causal) keep one causal SDPA call per sequence, the same in plain and speculative runs.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..attention import _attend_one
+from ..forward_batch import SeqSpan
+
+
+def _is_prompt_prefill(s: SeqSpan) -> bool:
+    return s.q_len > 1 and s.prefix_len == 0 and s.tree_mask is None
+
+
+class KernelAttentionPlan:
+    def __init__(self, ops, seqs: list[SeqSpan]):
+        self.ops = ops
+        self.prefills = [s for s in seqs if _is_prompt_prefill(s)]
+        prefix, prefix_len, row_q, extras, extra_len = [], [0], [], [], [0]
+        for s in seqs:
+            if _is_prompt_prefill(s):
+                continue
+            n = int(s.kv_slots.numel())
+            if s.q_len == 1 and s.tree_mask is None:   # a decode row: everything but itself is prefix
+                prefix.append(s.kv_slots[: n - 1])
+                extras.append(s.kv_slots[n - 1:])
+                counts = [1]
+            else:
+                tm = s.tree_mask if s.tree_mask is not None else torch.ones(s.q_len, s.q_len, dtype=torch.bool).tril_()
+                m = tm.shape[1]
+                prefix.append(s.kv_slots[: n - m])
+                extras.append(s.kv_slots[n - m:].expand(s.q_len, m)[tm])   # row-major: row 0's, row 1's, ...
+                counts = tm.sum(1).tolist()
+            prefix_len.append(prefix_len[-1] + int(prefix[-1].numel()))
+            row_q.extend(range(s.q_start, s.q_start + s.q_len))
+            for c in counts:
+                extra_len.append(extra_len[-1] + int(c))
+        self.groups = len(prefix)
+        self.rows = len(row_q)
+        if self.groups:
+            cat = lambda ts: torch.cat(ts).to(torch.long).contiguous()  # noqa: E731
+            self.prefix_ptr = torch.tensor(prefix_len, dtype=torch.long)
+            self.prefix_slots = cat(prefix)
+            self.row_ptr = torch.tensor(_row_ptr(seqs), dtype=torch.long)
+            self.row_q = torch.tensor(row_q, dtype=torch.long)
+            self.extra_ptr = torch.tensor(extra_len, dtype=torch.long)
+            self.extra_slots = cat(extras)
+
+    def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
+        q = q.contiguous()
+        covered = self.rows + sum(s.q_len for s in self.prefills)
+        out = torch.empty_like(q) if covered == q.shape[0] else torch.zeros_like(q)
+        if self.groups:
+            self.ops.attention(q, k_cache, v_cache, out, float(scale), self.prefix_ptr, self.prefix_slots,
+                               self.row_ptr, self.row_q, self.extra_ptr, self.extra_slots)
+        for s in self.prefills:
+            out[s.q_start:s.q_start + s.q_len] = _attend_one(q, k_cache, v_cache, s, scale)
+        return out
+
+
+def _row_ptr(seqs: list[SeqSpan]) -> list[int]:
+    ptr = [0]
+    for s in seqs:
+        if not _is_prompt_prefill(s):
+            ptr.append(ptr[-1] + s.q_len)
+    return ptr

@@ -1,0 +1,412 @@
+// specfw CPU kernels for decoding: a linear layer (fp32 or bf16 weights) and attention of
+// one-row queries over the slot-based KV pool. Batch invariant by construction: every output
+// is reduced in one fixed order that depends only on its own inputs, never on how many rows
+// the call has, which tile a row lands in or which thread computes it.
+//
+// One source, compiled once per instruction set (kernels/__init__.py picks by the CPU's flags):
+//   -mavx512f -mavx512bw -mavx512vl -mfma  -> SPECFW_ISA "avx512" (16-lane vectors)
+//   -mavx2 -mfma                           -> SPECFW_ISA "avx2"   (8-lane vectors)
+//   (no flags)                             -> SPECFW_ISA "portable" (8-lane arrays; the compiler
+//                                             vectorises with baseline SSE2)
+// The AVX2 and AVX-512 linears give identical bits (both accumulate with FMA in k order); the
+// portable one multiplies and adds separately.
+//
+// Linear: y[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]); the weight packed once as
+// [ceil(N/16), K, 16] (16 outputs side by side per k: one or two vector loads), each output
+// accumulated in fp32 over k = 0..K-1 in sequence. bf16 weights are widened in registers.
+// One or two rows: the weight streams once at memory speed; more rows reuse each loaded weight
+// vector for a tile of rows.
+//
+// Attention: rows are grouped by request; a group has a shared prefix of KV slots and, per row,
+// its own extra slots (its visible tree nodes, or its own new token). Per (group, head) the
+// prefix K/V entries are read once for all the group's rows. A row's keys are its prefix then
+// its extras, in that order: score_j = (q . k_j) * scale, p_j = exp(score_j - max), the sum of
+// p_j in lanes j mod W, out = (sum_j p_j v_j) / sum in j order -- the same values, in the same
+// order, whether the row is a lone decode step or one node of a 16-row tree.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <tuple>
+#include <type_traits>
+#include <vector>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 16;   // outputs per packed weight block
+
+// ---------------------------------------------------------------- vectors of W fp32 lanes
+#if defined(__AVX512F__)
+#define SPECFW_ISA "avx512"
+constexpr int W = 16;
+using V = __m512;
+inline V vzero() { return _mm512_setzero_ps(); }
+inline V vset1(float a) { return _mm512_set1_ps(a); }
+inline V vload(const float* p) { return _mm512_loadu_ps(p); }
+inline V vload(const uint16_t* p) {
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+inline void vstore(float* p, V a) { _mm512_storeu_ps(p, a); }
+inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+inline V vadd(V a, V b) { return _mm512_add_ps(a, b); }
+inline V vmax(V a, V b) { return _mm512_max_ps(a, b); }
+inline V vdiv(V a, V b) { return _mm512_div_ps(a, b); }
+inline float vhsum(V a) {   // fixed order: halves, then halves again
+  __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
+  __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  q = _mm_add_ss(q, _mm_movehdup_ps(q));
+  return _mm_cvtss_f32(q);
+}
+inline float vhmax(V a) { return _mm512_reduce_max_ps(a); }
+#elif defined(__AVX2__)
+#define SPECFW_ISA "avx2"
+constexpr int W = 8;
+using V = __m256;
+inline V vzero() { return _mm256_setzero_ps(); }
+inline V vset1(float a) { return _mm256_set1_ps(a); }
+inline V vload(const float* p) { return _mm256_loadu_ps(p); }
+inline V vload(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i*)p)), 16));
+}
+inline void vstore(float* p, V a) { _mm256_storeu_ps(p, a); }
+inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+inline V vadd(V a, V b) { return _mm256_add_ps(a, b); }
+inline V vmax(V a, V b) { return _mm256_max_ps(a, b); }
+inline V vdiv(V a, V b) { return _mm256_div_ps(a, b); }
+inline float vhsum(V a) {
+  __m128 q = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  q = _mm_add_ps(q, _mm_movehl_ps(q, q));
+  q = _mm_add_ss(q, _mm_movehdup_ps(q));
+  return _mm_cvtss_f32(q);
+}
+inline float vhmax(V a) {
+  __m128 q = _mm_max_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+  q = _mm_max_ps(q, _mm_movehl_ps(q, q));
+  q = _mm_max_ss(q, _mm_movehdup_ps(q));
+  return _mm_cvtss_f32(q);
+}
+#else
+#define SPECFW_ISA "portable"
+constexpr int W = 8;
+struct V { float l[W]; };
+inline V vzero() { V r; for (int i = 0; i < W; ++i) r.l[i] = 0.f; return r; }
+inline V vset1(float a) { V r; for (int i = 0; i < W; ++i) r.l[i] = a; return r; }
+inline V vload(const float* p) { V r; std::memcpy(r.l, p, sizeof r.l); return r; }
+inline V vload(const uint16_t* p) {
+  V r;
+  for (int i = 0; i < W; ++i) { uint32_t b = uint32_t(p[i]) << 16; std::memcpy(&r.l[i], &b, 4); }
+  return r;
+}
+inline void vstore(float* p, V a) { std::memcpy(p, a.l, sizeof a.l); }
+inline V vfma(V a, V b, V c) { V r; for (int i = 0; i < W; ++i) r.l[i] = a.l[i] * b.l[i] + c.l[i]; return r; }
+inline V vadd(V a, V b) { V r; for (int i = 0; i < W; ++i) r.l[i] = a.l[i] + b.l[i]; return r; }
+inline V vmax(V a, V b) { V r; for (int i = 0; i < W; ++i) r.l[i] = std::max(a.l[i], b.l[i]); return r; }
+inline V vdiv(V a, V b) { V r; for (int i = 0; i < W; ++i) r.l[i] = a.l[i] / b.l[i]; return r; }
+inline float vhsum(V a) { return ((a.l[0] + a.l[4]) + (a.l[2] + a.l[6])) + ((a.l[1] + a.l[5]) + (a.l[3] + a.l[7])); }
+inline float vhmax(V a) { float m = a.l[0]; for (int i = 1; i < W; ++i) m = std::max(m, a.l[i]); return m; }
+#endif
+
+constexpr int VB = kBlock / W;   // vectors per weight block (1 or 2)
+
+// exp of every lane (Cephes' expf polynomial; |rel. error| < 2e-7 over the clamped range)
+inline V vexp(V x) {
+#if defined(__AVX2__)
+#if defined(__AVX512F__)
+  auto mul = [](V a, V b) { return _mm512_mul_ps(a, b); };
+  auto sub = [](V a, V b) { return _mm512_sub_ps(a, b); };
+  x = _mm512_min_ps(_mm512_max_ps(x, vset1(-87.3f)), vset1(88.3f));
+  V fx = _mm512_roundscale_ps(vfma(x, vset1(1.44269504088896341f), vset1(0.5f)), _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+#else
+  auto mul = [](V a, V b) { return _mm256_mul_ps(a, b); };
+  auto sub = [](V a, V b) { return _mm256_sub_ps(a, b); };
+  x = _mm256_min_ps(_mm256_max_ps(x, vset1(-87.3f)), vset1(88.3f));
+  V fx = _mm256_floor_ps(vfma(x, vset1(1.44269504088896341f), vset1(0.5f)));
+#endif
+  x = sub(x, mul(fx, vset1(0.693359375f)));
+  x = sub(x, mul(fx, vset1(-2.12194440e-4f)));
+  V y = vset1(1.9875691500e-4f);
+  y = vfma(y, x, vset1(1.3981999507e-3f));
+  y = vfma(y, x, vset1(8.3334519073e-3f));
+  y = vfma(y, x, vset1(4.1665795894e-2f));
+  y = vfma(y, x, vset1(1.6666665459e-1f));
+  y = vfma(y, x, vset1(5.0000001201e-1f));
+  y = vfma(y, mul(x, x), vadd(x, vset1(1.f)));
+#if defined(__AVX512F__)
+  __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvttps_epi32(fx), _mm512_set1_epi32(127)), 23);
+  return mul(y, _mm512_castsi512_ps(e));
+#else
+  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvttps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return mul(y, _mm256_castsi256_ps(e));
+#endif
+#else
+  V r;
+  for (int i = 0; i < W; ++i) r.l[i] = std::exp(x.l[i]);
+  return r;
+#endif
+}
+
+inline uint16_t to_bf16(float f) {   // round to nearest even (NaN kept quiet)
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  if ((b & 0x7fffffffu) > 0x7f800000u) return uint16_t((b >> 16) | 0x40);
+  b += 0x7fffu + ((b >> 16) & 1u);
+  return uint16_t(b >> 16);
+}
+
+inline float from_bf16(uint16_t h) {
+  uint32_t b = uint32_t(h) << 16;
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+
+// ---------------------------------------------------------------- linear
+
+// MR rows x NT weight blocks; w points at the first block ([K][16] each, blocks K*16 apart)
+template <int MR, int NT, typename WT>
+inline void tile(const WT* w, int64_t K, const float* x, const float* bias, float* y, int64_t N, int64_t n_valid) {
+  V acc[MR][NT * VB];
+  for (int m = 0; m < MR; ++m)
+    for (int t = 0; t < NT * VB; ++t) acc[m][t] = vzero();
+  for (int64_t k = 0; k < K; ++k) {
+    V wv[NT * VB];
+    for (int b = 0; b < NT; ++b)
+      for (int v = 0; v < VB; ++v) wv[b * VB + v] = vload(w + (b * K + k) * kBlock + v * W);
+    for (int m = 0; m < MR; ++m) {
+      const V xb = vset1(x[m * K + k]);
+      for (int t = 0; t < NT * VB; ++t) acc[m][t] = vfma(wv[t], xb, acc[m][t]);
+    }
+  }
+  float buf[NT * kBlock];
+  for (int m = 0; m < MR; ++m) {
+    for (int t = 0; t < NT * VB; ++t) vstore(buf + t * W, acc[m][t]);
+    for (int64_t n = 0; n < n_valid; ++n) y[m * N + n] = bias ? buf[n] + bias[n] : buf[n];
+  }
+}
+
+#if defined(__AVX512F__)
+constexpr int kTileRows = 8;   // 16 accumulators of two blocks
+#else
+constexpr int kTileRows = 6;   // 12 accumulators of one block
+#endif
+
+template <int NT, typename WT>
+void rows_of(int64_t M, const WT* w, int64_t K, const float* x, const float* bias, float* y, int64_t N, int64_t n_valid) {
+  int64_t m = 0;
+  for (; m + kTileRows <= M; m += kTileRows) tile<kTileRows, NT>(w, K, x + m * K, bias, y + m * N, N, n_valid);
+  const float* xm = x + m * K;
+  float* ym = y + m * N;
+  switch (M - m) {
+    case 7: tile<7, NT>(w, K, xm, bias, ym, N, n_valid); break;
+    case 6: tile<6, NT>(w, K, xm, bias, ym, N, n_valid); break;
+    case 5: tile<5, NT>(w, K, xm, bias, ym, N, n_valid); break;
+    case 4: tile<4, NT>(w, K, xm, bias, ym, N, n_valid); break;
+    case 3: tile<3, NT>(w, K, xm, bias, ym, N, n_valid); break;
+    case 2: tile<2, NT>(w, K, xm, bias, ym, N, n_valid); break;
+    case 1: tile<1, NT>(w, K, xm, bias, ym, N, n_valid); break;
+    default: break;
+  }
+}
+
+template <typename WT>
+void linear_impl(int64_t M, const WT* W_, int64_t K, int64_t NB, const float* X, const float* B, float* Y, int64_t N) {
+  // work item: two blocks (32 outputs); with few rows both blocks run in one tile (more
+  // independent accumulators), with more rows each block runs its own row tiles (AVX2 has 16
+  // registers; AVX-512 keeps two blocks throughout)
+  const bool pair_tiles = W == 16 || M <= 2;
+  const int64_t items = (NB + 1) / 2;
+  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t b = 2 * i, n0 = b * kBlock;
+      const int64_t n_valid = std::min<int64_t>(N - n0, 2 * kBlock);
+      const WT* wb = W_ + b * K * kBlock;
+      const float* bb = B ? B + n0 : nullptr;
+      if (b + 1 < NB && pair_tiles) {
+        rows_of<2>(M, wb, K, X, bb, Y + n0, N, n_valid);
+      } else {
+        rows_of<1>(M, wb, K, X, bb, Y + n0, N, std::min<int64_t>(n_valid, kBlock));
+        if (b + 1 < NB)
+          rows_of<1>(M, wb + K * kBlock, K, X, bb ? bb + kBlock : nullptr, Y + n0 + kBlock, N, n_valid - kBlock);
+      }
+    }
+  });
+}
+
+// w [N, K] fp32 or bf16 -> [ceil(N/16), K, 16], zero padded
+torch::Tensor pack(torch::Tensor w) {
+  TORCH_CHECK(w.dim() == 2, "pack: a 2-d weight");
+  TORCH_CHECK(w.scalar_type() == torch::kFloat32 || w.scalar_type() == torch::kBFloat16, "pack: float32 or bfloat16");
+  const int64_t N = w.size(0), K = w.size(1), NB = (N + kBlock - 1) / kBlock;
+  auto padded = torch::constant_pad_nd(w.contiguous(), {0, 0, 0, NB * kBlock - N});
+  return padded.view({NB, kBlock, K}).transpose(1, 2).contiguous();
+}
+
+// x [M, K] fp32 or bf16; packed from pack(); bias fp32 [N] or empty -> y [M, N] in x's dtype
+torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, torch::Tensor bias) {
+  TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.size(2) == kBlock, "linear: x [M, K], packed [NB, K, 16]");
+  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0);
+  TORCH_CHECK(packed.size(1) == K && NB * kBlock >= N, "linear: input width does not match the packed weight");
+  TORCH_CHECK(!bias.numel() || (bias.scalar_type() == torch::kFloat32 && bias.numel() == N), "linear: fp32 bias [N]");
+  auto xf = x.to(torch::kFloat32).contiguous();
+  auto y = torch::empty({M, N}, xf.options());
+  if (M == 0) return y.to(x.scalar_type());
+  const float* B = bias.numel() ? bias.data_ptr<float>() : nullptr;
+  if (packed.scalar_type() == torch::kBFloat16)
+    linear_impl(M, reinterpret_cast<const uint16_t*>(packed.data_ptr()), K, NB, xf.data_ptr<float>(), B, y.data_ptr<float>(), N);
+  else
+    linear_impl(M, packed.data_ptr<float>(), K, NB, xf.data_ptr<float>(), B, y.data_ptr<float>(), N);
+  return x.scalar_type() == torch::kFloat32 ? y : y.to(x.scalar_type());
+}
+
+// ---------------------------------------------------------------- attention
+
+inline float load_scalar(const float* p) { return *p; }
+inline float load_scalar(const uint16_t* p) { return from_bf16(*p); }
+
+template <typename T>
+inline float dot(const float* q, const T* k, int64_t D) {
+  V acc = vzero();
+  int64_t d = 0;
+  for (; d + W <= D; d += W) acc = vfma(vload(q + d), vload(k + d), acc);
+  float s = vhsum(acc);
+  for (; d < D; ++d) s += q[d] * load_scalar(k + d);
+  return s;
+}
+
+template <typename T>
+inline void axpy(float a, const T* v, float* acc, int64_t D) {   // acc += a * v
+  const V av = vset1(a);
+  int64_t d = 0;
+  for (; d + W <= D; d += W) vstore(acc + d, vfma(av, vload(v + d), vload(acc + d)));
+  for (; d < D; ++d) acc[d] += a * load_scalar(v + d);
+}
+
+// p[0..L) <- exp(p - max), returns their sum (lanes j mod W, then vhsum)
+inline float softmax_numerators(float* p, int64_t L) {
+  V mv = vset1(-std::numeric_limits<float>::infinity());
+  int64_t j = 0;
+  for (; j + W <= L; j += W) mv = vmax(mv, vload(p + j));
+  float m = vhmax(mv);
+  for (int64_t t = j; t < L; ++t) m = std::max(m, p[t]);
+  const V neg = vset1(-m);
+  V sv = vzero();
+  for (j = 0; j + W <= L; j += W) {
+    V e = vexp(vadd(vload(p + j), neg));
+    vstore(p + j, e);
+    sv = vadd(sv, e);
+  }
+  if (j < L) {   // the tail through the same vector exp, zero lanes added as exact zeros
+    float tmp[W];
+    for (int t = 0; t < W; ++t) tmp[t] = j + t < L ? p[j + t] : -std::numeric_limits<float>::infinity();
+    V e = vexp(vadd(vload(tmp), neg));
+    vstore(tmp, e);
+    for (int t = 0; j + t < L; ++t) p[j + t] = tmp[t];
+    for (int t = int(L - j); t < W; ++t) tmp[t] = 0.f;
+    sv = vadd(sv, vload(tmp));
+  }
+  return vhsum(sv);
+}
+
+template <typename T>
+void attention_impl(const T* Q, const T* Kc, const T* Vc, T* O, int64_t H, int64_t Hkv, int64_t D, float scale,
+                    const int64_t* prefix_ptr, const int64_t* prefix_slots, const int64_t* row_ptr,
+                    const int64_t* row_q, const int64_t* extra_ptr, const int64_t* extra_slots, int64_t G) {
+  const int64_t group = H / Hkv;
+  constexpr int64_t kKeyBlock = 32;   // keys per pass over the group's rows (K/V rows stay in L1)
+  at::parallel_for(0, G * H, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> qf, sc, acc;
+    for (int64_t item = i0; item < i1; ++item) {
+      const int64_t g = item / H, h = item % H, kvh = h / group;
+      const int64_t p0 = prefix_ptr[g], P = prefix_ptr[g + 1] - p0;
+      const int64_t r0 = row_ptr[g], R = row_ptr[g + 1] - r0;
+      int64_t Lmax = 0;
+      for (int64_t r = 0; r < R; ++r) Lmax = std::max(Lmax, P + extra_ptr[r0 + r + 1] - extra_ptr[r0 + r]);
+      qf.assign(R * D, 0.f);
+      sc.assign(R * Lmax, 0.f);
+      acc.assign(R * D, 0.f);
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t d = 0; d < D; ++d) qf[r * D + d] = load_scalar(Q + (row_q[r0 + r] * H + h) * D + d);
+      auto kv_row = [&](const T* cache, int64_t slot) { return cache + (slot * Hkv + kvh) * D; };
+      // scores: the shared prefix, each key read once for all rows; then each row's extras
+      for (int64_t j0 = 0; j0 < P; j0 += kKeyBlock) {
+        const int64_t j1 = std::min(P, j0 + kKeyBlock);
+        for (int64_t r = 0; r < R; ++r)
+          for (int64_t j = j0; j < j1; ++j)
+            sc[r * Lmax + j] = dot(qf.data() + r * D, kv_row(Kc, prefix_slots[p0 + j]), D) * scale;
+      }
+      for (int64_t r = 0; r < R; ++r)
+        for (int64_t e = extra_ptr[r0 + r]; e < extra_ptr[r0 + r + 1]; ++e)
+          sc[r * Lmax + P + e - extra_ptr[r0 + r]] = dot(qf.data() + r * D, kv_row(Kc, extra_slots[e]), D) * scale;
+      std::vector<float> sums(R);
+      for (int64_t r = 0; r < R; ++r)
+        sums[r] = softmax_numerators(sc.data() + r * Lmax, P + extra_ptr[r0 + r + 1] - extra_ptr[r0 + r]);
+      // weighted values in key order: the prefix (shared reads), then each row's extras
+      for (int64_t j0 = 0; j0 < P; j0 += kKeyBlock) {
+        const int64_t j1 = std::min(P, j0 + kKeyBlock);
+        for (int64_t r = 0; r < R; ++r)
+          for (int64_t j = j0; j < j1; ++j)
+            axpy(sc[r * Lmax + j], kv_row(Vc, prefix_slots[p0 + j]), acc.data() + r * D, D);
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        float* a = acc.data() + r * D;
+        for (int64_t e = extra_ptr[r0 + r]; e < extra_ptr[r0 + r + 1]; ++e)
+          axpy(sc[r * Lmax + P + e - extra_ptr[r0 + r]], kv_row(Vc, extra_slots[e]), a, D);
+        T* o = O + (row_q[r0 + r] * H + h) * D;
+        for (int64_t d = 0; d < D; ++d) {
+          const float val = a[d] / sums[r];
+          if constexpr (std::is_same<T, float>::value) o[d] = val; else o[d] = to_bf16(val);
+        }
+      }
+    }
+  });
+}
+
+// q [T, H, D]; k_cache, v_cache [S, Hkv, D] (q's dtype); out [T, H, D] (rows not listed are left
+// as they are). Groups: prefix_ptr [G+1] into prefix_slots; row_ptr [G+1] into row_q (query
+// rows) and extra_ptr [R+1] into extra_slots.
+void attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor out, double scale,
+               torch::Tensor prefix_ptr, torch::Tensor prefix_slots, torch::Tensor row_ptr, torch::Tensor row_q,
+               torch::Tensor extra_ptr, torch::Tensor extra_slots) {
+  TORCH_CHECK(q.dim() == 3 && k_cache.dim() == 3 && v_cache.sizes() == k_cache.sizes(), "attention: q [T, H, D], caches [S, Hkv, D]");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && q.scalar_type() == v_cache.scalar_type() && out.scalar_type() == q.scalar_type(),
+              "attention: q, caches and out of one dtype");
+  TORCH_CHECK(q.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous() && out.is_contiguous() && out.sizes() == q.sizes(),
+              "attention: contiguous tensors, out shaped like q");
+  const int64_t H = q.size(1), D = q.size(2), Hkv = k_cache.size(1);
+  TORCH_CHECK(k_cache.size(2) == D && H % Hkv == 0, "attention: head_dim / kv heads mismatch");
+  for (auto* t : {&prefix_ptr, &prefix_slots, &row_ptr, &row_q, &extra_ptr, &extra_slots})
+    TORCH_CHECK(t->scalar_type() == torch::kInt64 && t->is_contiguous(), "attention: int64 index tensors");
+  const int64_t G = row_ptr.numel() - 1;
+  if (G <= 0) return;
+  const auto args = std::make_tuple(prefix_ptr.data_ptr<int64_t>(), prefix_slots.data_ptr<int64_t>(), row_ptr.data_ptr<int64_t>(),
+                                    row_q.data_ptr<int64_t>(), extra_ptr.data_ptr<int64_t>(), extra_slots.data_ptr<int64_t>());
+  if (q.scalar_type() == torch::kFloat32) {
+    attention_impl(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), out.data_ptr<float>(), H, Hkv, D,
+                   float(scale), std::get<0>(args), std::get<1>(args), std::get<2>(args), std::get<3>(args), std::get<4>(args),
+                   std::get<5>(args), G);
+  } else {
+    TORCH_CHECK(q.scalar_type() == torch::kBFloat16, "attention: float32 or bfloat16");
+    auto p = [](torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); };
+    attention_impl(p(q), p(k_cache), p(v_cache), p(out), H, Hkv, D, float(scale), std::get<0>(args), std::get<1>(args),
+                   std::get<2>(args), std::get<3>(args), std::get<4>(args), std::get<5>(args), G);
+  }
+}
+
+std::string isa() { return SPECFW_ISA; }
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("isa", &isa, "the instruction set this build was compiled for");
+  m.def("pack", &pack, "pack a [N, K] fp32/bf16 weight for linear()");
+  m.def("linear", &linear, "batch-invariant linear over a packed weight");
+  m.def("attention", &attention, "batch-invariant attention of one-row queries over the KV pool");
+}

@@ -1,0 +1,170 @@
+"""specfw's compiled CPU kernels (kernels/cpu_ops.cpp) on every instruction set this CPU runs:
+the portable build everywhere, AVX2 and AVX-512 where the flags allow (skipped elsewhere).
+Values against a float64 reference; every row's bits independent of the other rows, of the
+thread count and of the tree it sits in (a tree row == the lone decode row of the same context)."""
+import pytest
+import torch
+
+from specfw.kernels import ISAS, cpu_isa, cpu_ops, isa_supported
+from specfw.forward_batch import SeqSpan
+
+
+def _ops(isa):
+    if not isa_supported(isa):
+        pytest.skip(f"this CPU cannot run {isa} code")
+    ops = cpu_ops(isa)
+    assert ops is not None, f"the {isa} build failed"   # gcc and ninja are on every machine here
+    assert ops.isa() == isa
+    return ops
+
+
+isas = pytest.mark.parametrize("isa", ISAS)
+
+
+def test_auto_isa_is_the_best_the_cpu_has(monkeypatch):
+    monkeypatch.delenv("SPECFW_CPU_ISA", raising=False)
+    best = next(i for i in ISAS if isa_supported(i))
+    assert cpu_isa() == best and cpu_isa("auto") == best
+    assert cpu_isa("portable") == "portable"
+    monkeypatch.setenv("SPECFW_CPU_ISA", "portable")
+    assert cpu_isa() == "portable"
+    with pytest.raises(ValueError, match="allowed"):
+        cpu_isa("sse9")
+
+
+def test_forcing_an_isa_the_cpu_lacks_names_the_key(tiny_model_dir):
+    from conftest import make_cfg
+    from specfw.config import ConfigError, validate
+    cfg = make_cfg(cpu_isa="avx9")
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    assert e.value.key == "engine.cpu_isa" and "portable" in str(e.value)
+    missing = [i for i in ("avx512", "avx2") if not isa_supported(i)]
+    if missing:
+        with pytest.raises(ConfigError) as e:
+            validate(make_cfg(cpu_isa=missing[0]))
+        assert e.value.key == "engine.cpu_isa" and "cannot run" in str(e.value)
+
+
+@isas
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n,k,bias", [(960, 576, False), (50, 577, True), (17, 64, True), (1536, 576, False)])
+def test_linear_values_and_row_independence(isa, dtype, n, k, bias):
+    ops = _ops(isa)
+    g = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g) if bias else torch.empty(0)
+    packed = ops.pack(w)
+    for rows in (1, 2, 3, 5, 8, 13, 16, 33):
+        x = torch.randn(rows, k, generator=g).to(dtype)
+        y = ops.linear(x, packed, n, b)
+        assert y.dtype == dtype and y.shape == (rows, n)
+        ref = x.double() @ w.double().t() + (b.double() if bias else 0)
+        tol = 1e-5 if dtype == torch.float32 else 8e-3   # bf16: one rounding of the fp32 sum
+        assert (y.double() - ref).abs().max() <= tol * ref.abs().max()
+        alone = torch.cat([ops.linear(x[i:i + 1], packed, n, b) for i in range(rows)])
+        assert torch.equal(y, alone), f"{rows} rows: a row's bits depend on the other rows"
+
+
+@isas
+def test_linear_rows_do_not_depend_on_the_thread_count(isa):
+    ops = _ops(isa)
+    w, x = torch.randn(3072, 576), torch.randn(9, 576)
+    packed = ops.pack(w)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = ops.linear(x, packed, 3072, torch.empty(0))
+        torch.set_num_threads(2)
+        two = ops.linear(x, packed, 3072, torch.empty(0))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(one, two)
+
+
+def test_avx2_and_avx512_linears_round_alike():
+    """Both accumulate with FMA in k order: the same bits, so a machine's results do not depend on
+    which of the two it runs."""
+    a, b = _ops("avx2"), _ops("avx512")
+    w, x = torch.randn(100, 300), torch.randn(5, 300)
+    assert torch.equal(a.linear(x, a.pack(w), 100, torch.empty(0)), b.linear(x, b.pack(w), 100, torch.empty(0)))
+
+
+def _reference(q, k_cache, v_cache, slots, scale):
+    """[H, D] float64 attention of one query row over ``slots``."""
+    H, Hkv = q.shape[0], k_cache.shape[1]
+    k = k_cache[slots].double().repeat_interleave(H // Hkv, 1)
+    v = v_cache[slots].double().repeat_interleave(H // Hkv, 1)
+    s = torch.einsum("hd,khd->hk", q.double(), k) * scale
+    return torch.einsum("hk,khd->hd", s.softmax(-1), v)
+
+
+def _random_tree(n: int, g: torch.Generator, chain: bool = False) -> torch.Tensor:
+    """An ancestor mask [n, n] (node 0 the root, parents earlier, self included)."""
+    mask = torch.eye(n, dtype=torch.bool)
+    for i in range(1, n):
+        parent = i - 1 if chain else int(torch.randint(0, i, (1,), generator=g))
+        mask[i] |= mask[parent]
+    return mask
+
+
+@isas
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (6, 2, 20)])
+def test_attention_plan_values_and_tree_rows_equal_lone_decode_rows(isa, dtype, heads, kv_heads, head_dim):
+    """A batch of: a prompt prefill, two plain decode rows, a tree (random or chain) after a
+    prefix, a causal extend after a prefix, and a draft-style span whose mask also covers earlier drafted nodes. Every row matches
+    the float64 reference, and every non-prefill row has exactly the bits of a lone decode row
+    over the same keys."""
+    from specfw.backends.kernel_attention import KernelAttentionPlan
+    ops = _ops(isa)
+    g = torch.Generator().manual_seed(heads * 100 + head_dim)
+    S = 1200
+    k_cache = torch.randn(S, kv_heads, head_dim, generator=g).to(dtype)
+    v_cache = torch.randn(S, kv_heads, head_dim, generator=g).to(dtype)
+    perm = torch.randperm(S, generator=g)
+    take = iter(perm.split(1))
+    slots = lambda n: torch.cat([next(take) for _ in range(n)])   # noqa: E731
+    tree = _random_tree(7, g)
+    chain = _random_tree(5, g, chain=True)
+    earlier = torch.tensor([[True, False, True, False, True, False]] * 3, dtype=torch.bool)  # 3 new rows, 3 older nodes
+    draft_mask = torch.cat([earlier[:, :3], torch.eye(3, dtype=torch.bool)], 1)
+    spans, start = [], 0
+    for q_len, prefix, mask in ((6, 0, None), (1, 300, None), (1, 17, None), (7, 250, tree), (4, 30, None),
+                                (5, 40, chain), (3, 60, draft_mask)):
+        kv = slots(prefix + q_len)
+        spans.append(SeqSpan(q_start=start, q_len=q_len, kv_slots=kv, tree_mask=mask))
+        start += q_len
+    q = torch.randn(start, heads, head_dim, generator=g).to(dtype)
+    scale = head_dim ** -0.5
+    out = KernelAttentionPlan(ops, spans)(q, k_cache, v_cache, scale)
+    tol = 2e-5 if dtype == torch.float32 else 3e-2
+    for s in spans:
+        n = int(s.kv_slots.numel())
+        tm = s.tree_mask if s.tree_mask is not None else torch.ones(s.q_len, s.q_len, dtype=torch.bool).tril()
+        m = tm.shape[1]
+        for i in range(s.q_len):
+            visible = torch.cat([s.kv_slots[: n - m], s.kv_slots[n - m:][tm[i]]])
+            row = s.q_start + i
+            ref = _reference(q[row], k_cache, v_cache, visible, scale)
+            assert (out[row].double() - ref).abs().max() < tol, (s.q_len, i)
+            if s.q_len == 1 or s.prefix_len > 0:
+                lone = KernelAttentionPlan(ops, [SeqSpan(0, 1, visible)])(q[row:row + 1], k_cache, v_cache, scale)
+                assert torch.equal(lone[0], out[row]), f"tree row {i} of a {s.q_len}-row span differs from a lone decode row"
+
+
+@isas
+def test_attention_of_a_fully_drafted_span_without_prefix(isa):
+    """Edge cases: a group with an empty prefix (a draft span whose visible keys are all its own),
+    and a one-key row."""
+    from specfw.backends.kernel_attention import KernelAttentionPlan
+    ops = _ops(isa)
+    k_cache, v_cache = torch.randn(10, 2, 16), torch.randn(10, 2, 16)
+    q = torch.randn(3, 4, 16)
+    mask = torch.tensor([[True, False, False], [True, True, False], [True, False, True]])
+    spans = [SeqSpan(0, 2, torch.tensor([4, 7]), tree_mask=mask[:2, :2]), SeqSpan(2, 1, torch.tensor([9]))]
+    plan = KernelAttentionPlan(ops, spans)
+    out = plan(q, k_cache, v_cache, 0.25)
+    assert torch.allclose(out[0].double(), _reference(q[0], k_cache, v_cache, torch.tensor([4]), 0.25), atol=1e-5)
+    assert torch.allclose(out[1].double(), _reference(q[1], k_cache, v_cache, torch.tensor([4, 7]), 0.25), atol=1e-5)
+    assert torch.allclose(out[2], v_cache[9].repeat_interleave(2, 0), atol=1e-6)   # one key: its value
