@@ -110,6 +110,7 @@ def target_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
         sorted_p, idx = probs.sort(dim=-1, descending=True)
         cum = sorted_p.cumsum(-1)
         drop = (cum - sorted_p) >= p.top_p          # keep the smallest prefix reaching top_p
+        drop[..., 0] = False                        # and the top token (top_p below float32's range)
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
     if p.min_p > 0:

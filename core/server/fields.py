@@ -10,19 +10,20 @@ and the published OpenAPI schema.
   ``value``; anything else is ``unsupported_parameter``.
 
 The request models are strict (``ConfigDict(strict=True)``): ``true`` is not a token id, ``"5"``
-is not an integer, ``1.5`` is not an integer; and non-finite numbers (JSON ``NaN``, ``Infinity``)
-are rejected (``allow_inf_nan=False``).
+is not an integer, ``1.5`` is not an integer (``5.0`` is, as in JSON Schema); and non-finite
+numbers (JSON ``NaN``, ``Infinity``) are rejected (``allow_inf_nan=False``). ``seed`` is any
+integer, used modulo 2**64.
 """
 from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import AfterValidator, ConfigDict, Field
+from pydantic import AfterValidator, BeforeValidator, ConfigDict, Field
 from pydantic_core import PydanticCustomError
 
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
-INT64_MIN, UINT64_MAX = -(2 ** 63), 2 ** 64 - 1
+SEED_MOD = 2 ** 64
 
 STRICT = ConfigDict(strict=True, allow_inf_nan=False)
 
@@ -39,20 +40,31 @@ def _valid_unicode(s: str) -> str:
     return s
 
 
+def _integral(v):
+    """``5.0`` is the integer 5 (JSON Schema's view); other floats stay floats and fail."""
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+def integer(**limits):
+    """An integer field with JSON Schema limits (``ge``, ``le``, ...) that also takes ``5.0``."""
+    return Annotated[int, Field(**limits), BeforeValidator(_integral)]
+
+
+Int = integer()
 Text = Annotated[str, AfterValidator(_valid_unicode)]
 PromptText = Annotated[str, AfterValidator(_valid_unicode), Field(min_length=1)]
-TokenId = Annotated[int, Field(ge=0, json_schema_extra={TOKEN_ID_MARK: True})]
+TokenId = integer(ge=0, json_schema_extra={TOKEN_ID_MARK: True})
 TokenIds = Annotated[list[TokenId], Field(min_length=1)]
-Choices = Annotated[int, Field(ge=1, le=MAX_N, json_schema_extra={CHOICES_MARK: True})]
-Seed = Annotated[int, Field(ge=INT64_MIN, le=UINT64_MAX)]
+Choices = integer(ge=1, le=MAX_N, json_schema_extra={CHOICES_MARK: True})
+Seed = Annotated[Int, AfterValidator(lambda v: v % SEED_MOD)]
 Temperature = Annotated[float, Field(ge=0, le=2)]
 TopP = Annotated[float, Field(gt=0, le=1)]
-TopK = Annotated[int, Field(ge=-1, json_schema_extra={"not": {"const": 0}})]   # -1 = off
+TopK = integer(ge=-1, json_schema_extra={"not": {"const": 0}})   # -1 = off
 MinP = Annotated[float, Field(ge=0, le=1)]
 Penalty = Annotated[float, Field(ge=-2, le=2)]
 RepetitionPenalty = Annotated[float, Field(gt=0)]
-MaxTokens = Annotated[int, Field(ge=1)]
-TopLogprobs = Annotated[int, Field(ge=0, le=MAX_TOP_LOGPROBS)]
+MaxTokens = integer(ge=1)
+TopLogprobs = integer(ge=0, le=MAX_TOP_LOGPROBS)
 
 
 def only(name: str, *values: Any):

@@ -38,6 +38,9 @@ ROUTES: dict[tuple[str, str], tuple[Any, bool, tuple[int, ...]]] = {
     ("/health", "get"): (schemas.Health, False, (503,)),
 }
 
+# one server-sent event: data is a JSON chunk, an error body, or "[DONE]"
+SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"}}, "required": ["data"]}
+
 ERROR_TEXT = {
     400: "Invalid request: malformed JSON, a wrong type, a value out of range, an unsupported parameter "
          "(code unsupported_parameter), invalid Unicode (invalid_unicode), or a prompt + max_tokens that does not "
@@ -60,7 +63,7 @@ def build_openapi(app, *, vocab_size: int, max_queued: int, secured: bool) -> di
         op = spec["paths"][path][method]
         content = {"application/json": {"schema": _component(comps, model)}}
         if streams:
-            content["text/event-stream"] = {"schema": {"type": "string"}}
+            content["text/event-stream"] = {"schema": SSE_EVENT}
         statuses = set(errors) | ({401} if secured and path not in OPEN_PATHS else set())
         op["responses"] = {"200": {"description": "OK", "content": content}}
         for status in sorted(statuses):

@@ -18,7 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from ..sampling import SamplingParams
 from .errors import APIError
-from .fields import (MAX_N, STRICT, Choices, MaxTokens, MinP, Penalty, PromptText, RepetitionPenalty, Seed,
+from .fields import (MAX_N, STRICT, Choices, Int, MaxTokens, MinP, Penalty, PromptText, RepetitionPenalty, Seed,
                      Temperature, Text, TokenId, TokenIds, TopK, TopLogprobs, TopP, empty, only)
 
 __all__ = ["MAX_N", "ChatCompletionRequest", "CompletionRequest", "GenerateRequest"]
@@ -142,7 +142,7 @@ class CompletionRequest(_SamplingFields):
     logprobs: Optional[TopLogprobs] = None          # number of top logprobs per token (0 = only the chosen token)
     echo: Annotated[StrictBool, *only("echo", False)] = False
     suffix: Annotated[Optional[Text], *only("suffix", "", None)] = None
-    best_of: Annotated[Optional[int], *only("best_of", 1, None)] = None
+    best_of: Annotated[Optional[Int], *only("best_of", 1, None)] = None
 
     def check(self) -> None:
         pass
