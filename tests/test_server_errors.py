@@ -234,7 +234,9 @@ def test_queue_full_is_503(server, http):
         with cf.ThreadPoolExecutor(1) as ex:
             waiting = ex.submit(http.post, COMPL, json={"prompt": "Hi", "max_tokens": 3, "temperature": 0})
             assert wait_until(lambda: server.state.bridge.snapshot.waiting == 1, 20)   # B waits
-            _err(http.post(COMPL, json={"prompt": "Hi", "max_tokens": 3}), 503, None, "queue_full")  # C
+            full = http.post(COMPL, json={"prompt": "Hi", "max_tokens": 3})                 # C
+            _err(full, 503, None, "queue_full")
+            assert full.headers["retry-after"] == "1"
             s.close()                                          # A disconnects → aborted, B runs
             assert waiting.result(60).status_code == 200
     finally:

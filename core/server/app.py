@@ -116,6 +116,11 @@ def create_app(engine: Engine | AsyncEngine, *, api_key: str | None = None,
     return app
 
 
+def api_key_from(server_cfg) -> str | None:
+    """``server.api_key``, else the ``SPECFW_API_KEY`` environment variable, else no key."""
+    return server_cfg.api_key or os.environ.get(API_KEY_ENV) or None
+
+
 def _version() -> str:
     try:
         from importlib.metadata import version
@@ -131,8 +136,7 @@ def run_server(cfg) -> None:
     import uvicorn
     t0 = time.perf_counter()
     bridge = AsyncEngine.build(lambda: Engine(cfg))   # all torch work on the engine thread (see build)
-    api_key = cfg.server.api_key or os.environ.get(API_KEY_ENV) or None
-    app = create_app(bridge, api_key=api_key, owns=True, max_request_bytes=int(cfg.server.max_request_bytes))
+    app = create_app(bridge, api_key=api_key_from(cfg.server), owns=True, max_request_bytes=int(cfg.server.max_request_bytes))
     logger.info("engine built in %.1f s; listening on http://%s:%d", time.perf_counter() - t0,
                 cfg.server.host, cfg.server.port)
     config = uvicorn.Config(app, host=cfg.server.host, port=int(cfg.server.port), log_config=None,
@@ -166,4 +170,4 @@ def _Server(config, bridge):  # noqa: N802 - a class built lazily (uvicorn is im
     return _uvicorn_server_class()(config, bridge)
 
 
-__all__ = ["create_app", "run_server", "APIKeyMiddleware"]
+__all__ = ["create_app", "run_server", "api_key_from", "APIKeyMiddleware"]

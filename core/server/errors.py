@@ -91,8 +91,9 @@ def _respond(request: Request, err: APIError) -> JSONResponse:
 
 async def validation_handler(request: Request, exc: RequestValidationError) -> JSONResponse:
     errs = exc.errors()
-    # the deepest error names the offending value best (a union reports one error per member)
-    e = max(errs, key=lambda x: len(x.get("loc", ()))) if errs else {"msg": "invalid request", "loc": (), "type": ""}
+    # our own error types say most, then the deepest error (a union reports one per member)
+    e = max(errs, key=lambda x: (x.get("type") in _PYDANTIC_CODES, len(x.get("loc", ())))) if errs else \
+        {"msg": "invalid request", "loc": (), "type": ""}
     if e.get("type") == "json_invalid":
         return _respond(request, bad_request(f"Invalid JSON body: {e.get('msg')}", None, "invalid_json"))
     param = _param_from_loc(e.get("loc", ()))
