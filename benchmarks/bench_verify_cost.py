@@ -5,7 +5,10 @@ to a one-row decode step: the hardware curve the adaptive draft budget learns on
 
 ``--width W`` shapes the tree as a root and levels of W nodes (1 = a chain, the worst case for the
 batch-invariant attention, which runs one attention call per distinct depth). Prints the curve
-with ``engine.batch_invariant`` on (the default) and off, measured interleaved in one run.
+for three settings measured interleaved in one run: specfw's CPU kernels (``engine.cpu_isa``,
+default auto; exact by construction), torch's ops batch invariant (``engine.cpu_isa=none``: row
+plans, one-row SDPA calls) and torch's ops loose (``batch_invariant=false``: masked tree attention).
+``--isa avx2`` forces the kernels' AVX2 build (on an AVX-512 CPU too).
 """
 from __future__ import annotations
 
@@ -34,18 +37,22 @@ def main():
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--width", type=int, default=1)
     ap.add_argument("--no-packed-gemm", action="store_true")
+    ap.add_argument("--isa", default="auto", help="engine.cpu_isa of the kernel row (auto|avx512|avx2|portable)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from specfw.config import EngineConfig, ModelConfig, SpecfwConfig, SpeculativeConfig
     from specfw.engine import Engine
     from specfw.model_runner import build_forward_batch
 
+    from specfw.machine import cpu_description
+    settings = {"kernels": (args.isa, True), "torch exact": ("none", True), "torch loose": ("none", False)}
     runners = {}
-    for invariant in (True, False):
+    for name, (isa, invariant) in settings.items():
         eng = Engine(SpecfwConfig(model=ModelConfig(dtype=args.dtype), speculative=SpeculativeConfig(),
                                   engine=EngineConfig(num_threads=args.threads, cpu_packed_gemm=not args.no_packed_gemm,
-                                                      batch_invariant=invariant, max_total_tokens=args.prefix + 64)))
-        runners[invariant] = (eng.runner, eng.runner.allocator.alloc(args.prefix))
+                                                      cpu_isa=isa, batch_invariant=invariant,
+                                                      max_total_tokens=args.prefix + 64)))
+        runners[name] = (eng.runner, eng.runner.allocator.alloc(args.prefix))
     sizes = list(range(1, 17)) + [24, 32]
     best: dict[tuple[bool, int], float] = {}
     for _ in tqdm(range(args.reps), desc="sweeps"):
@@ -53,23 +60,21 @@ def main():
             mask = level_tree_mask(T, args.width) if T > 1 else None
             ids = torch.randint(0, 1000, (T,))
             depth = mask.sum(1) - 1 if mask is not None else torch.zeros(1, dtype=torch.long)
-            for invariant, (runner, prefix) in runners.items():
+            for name, (runner, prefix) in runners.items():
                 slots = runner.allocator.alloc(T)
                 chunk = [(ids, args.prefix + depth, slots, prefix, mask)]
                 runner.forward(build_forward_batch(chunk))
                 t0 = time.perf_counter()
                 for _ in range(5):
                     runner.forward(build_forward_batch(chunk))
-                key = (invariant, T)
+                key = (name, T)
                 best[key] = min(best.get(key, float("inf")), (time.perf_counter() - t0) / 5)
                 runner.allocator.free(slots)
-    print(f"\nforward cost by tree rows ({args.dtype}, {args.threads} threads, prefix {args.prefix}, "
-          f"tree levels of {args.width}, packed GEMM {'off' if args.no_packed_gemm else 'on'})")
-    print("rows   batch_invariant=true      batch_invariant=false")
+    print(f"\nforward cost by tree rows ({args.dtype}, prefix {args.prefix}, tree levels of {args.width}, "
+          f"kernels {runners['kernels'][0].backend.describe()})\non {cpu_description()}")
+    print("rows " + "".join(f"{name:>22s}" for name in runners))
     for T in sizes:
-        a, b = best[(True, T)], best[(False, T)]
-        print(f"{T:4d}   {a * 1e3:7.2f} ms {a / best[(True, 1)]:5.2f}x     {b * 1e3:7.2f} ms {b / best[(False, 1)]:5.2f}x")
-
+        print(f"{T:4d} " + "".join(f"{best[(n, T)] * 1e3:10.2f} ms {best[(n, T)] / best[(n, 1)]:5.2f}x  " for n in runners))
 
 if __name__ == "__main__":
     main()

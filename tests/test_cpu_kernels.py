@@ -168,3 +168,44 @@ def test_attention_of_a_fully_drafted_span_without_prefix(isa):
     assert torch.allclose(out[0].double(), _reference(q[0], k_cache, v_cache, torch.tensor([4]), 0.25), atol=1e-5)
     assert torch.allclose(out[1].double(), _reference(q[1], k_cache, v_cache, torch.tensor([4, 7]), 0.25), atol=1e-5)
     assert torch.allclose(out[2], v_cache[9].repeat_interleave(2, 0), atol=1e-6)   # one key: its value
+
+
+@isas
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_layer_glue_matches_torch_and_is_per_row(isa, dtype):
+    """add_rms_norm, rope_write and silu_mul against the model's torch formulas (HF's numerics)."""
+    import torch.nn.functional as F
+    from specfw.models.llama import RMSNorm, Rotary
+    ops = _ops(isa)
+    g = torch.Generator().manual_seed(3)
+    rows, D, H, Hkv, hd, inter = 5, 96, 4, 2, 16, 64
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    x, res = (torch.randn(rows, D, generator=g).to(dtype) for _ in range(2))
+    norm = RMSNorm(D, 1e-5).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.rand(D, generator=g) + 0.5)
+    xs = x.clone()
+    y = ops.add_rms_norm(xs, res, norm.weight.detach(), 1e-5)
+    with torch.inference_mode():
+        ref_sum = x + res
+        assert torch.allclose(xs.float(), ref_sum.float(), atol=tol)
+        assert torch.allclose(y.float(), norm(ref_sum).float(), rtol=tol, atol=tol)
+        alone = torch.cat([ops.add_rms_norm(ref_sum[i:i + 1].clone(), ref_sum.new_empty(0), norm.weight.detach(), 1e-5)
+                           for i in range(rows)])
+        assert torch.equal(alone, ops.add_rms_norm(ref_sum.clone(), ref_sum.new_empty(0), norm.weight.detach(), 1e-5))
+    # rope on q and k, k and v into the cache
+    qkv = torch.randn(rows, (H + 2 * Hkv) * hd, generator=g).to(dtype)
+    pos = torch.tensor([0, 3, 7, 100, 5])
+    ang = pos[:, None].float() * torch.rand(hd // 2, generator=g)[None]
+    cos, sin = (torch.cat([f(ang), f(ang)], -1).to(dtype)[:, None] for f in (torch.cos, torch.sin))
+    kc, vc = torch.zeros(20, Hkv, hd, dtype=dtype), torch.zeros(20, Hkv, hd, dtype=dtype)
+    slots = torch.tensor([4, 9, 0, 13, 2])
+    q = ops.rope_write(qkv, cos, sin, kc, vc, slots, H, Hkv)
+    qk = Rotary.apply(qkv[:, : (H + Hkv) * hd].view(rows, H + Hkv, hd), cos, sin)
+    assert torch.allclose(q.float(), qk[:, :H].float(), atol=tol)
+    assert torch.allclose(kc[slots].float(), qk[:, H:].float(), atol=tol)
+    assert torch.equal(vc[slots], qkv[:, (H + Hkv) * hd:].view(rows, Hkv, hd))
+    # silu(gate) * up
+    gu = torch.randn(rows, 2 * inter, generator=g).to(dtype) * 4
+    ref = F.silu(gu[:, :inter].float()) * gu[:, inter:].float()
+    assert torch.allclose(ops.silu_mul(gu).float(), ref, rtol=tol * 2, atol=tol * 2)

@@ -62,6 +62,11 @@ class Backend:
     def plan_attention(self, seqs: list[SeqSpan], device: torch.device, shape: HeadShape, exact: bool) -> AttentionPlan:
         raise NotImplementedError
 
+    def fused_ops(self, dtype: torch.dtype, intermediate: int):
+        """Fused per-row layer glue (``add_rms_norm``, ``rope_write``, ``silu_mul``, as in
+        ``kernels/cpu_ops.cpp``) for this dtype and MLP width, or None: the model's torch ops."""
+        return None
+
     def forward_rows(self, T: int, dtype: torch.dtype) -> int:
         return T
 

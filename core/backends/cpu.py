@@ -58,6 +58,9 @@ class CpuBackend(Backend):
         self._hand_backend(module)
         return module
 
+    def fused_ops(self, dtype, intermediate: int):
+        return self.ops if dtype in (torch.float32, torch.bfloat16) and intermediate % 16 == 0 else None
+
     def plan_attention(self, seqs, device, shape: HeadShape, exact: bool) -> KernelAttentionPlan:
         return KernelAttentionPlan(self.ops, seqs)
 

@@ -271,22 +271,48 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, torch::Te
 inline float load_scalar(const float* p) { return *p; }
 inline float load_scalar(const uint16_t* p) { return from_bf16(*p); }
 
-template <typename T>
-inline float dot(const float* q, const T* k, int64_t D) {
-  V acc = vzero();
-  int64_t d = 0;
-  for (; d + W <= D; d += W) acc = vfma(vload(q + d), vload(k + d), acc);
-  float s = vhsum(acc);
-  for (; d < D; ++d) s += q[d] * load_scalar(k + d);
-  return s;
+// Scores of one query over n keys: s[j] = (q . k_j) * scale, q . k summed as W-lane partial sums
+// over the D/W full vectors in order, then vhsum, then the tail dims in order. ND: D / W as a
+// template constant (registers), 0 for any other count (same order, runtime loop).
+template <int ND, typename T>
+void row_scores(const float* q, int64_t D, const T* cache, int64_t slot_stride, const int64_t* slots, int64_t n,
+                float scale, float* s) {
+  const int64_t nd = ND ? ND : D / W;
+  V qv[ND ? ND : 1];
+  if (ND) for (int i = 0; i < ND; ++i) qv[i] = vload(q + i * W);
+  for (int64_t j = 0; j < n; ++j) {
+    const T* k = cache + slots[j] * slot_stride;
+    V a = vzero();
+    for (int64_t i = 0; i < nd; ++i) a = vfma(ND ? qv[ND ? i : 0] : vload(q + i * W), vload(k + i * W), a);
+    float x = vhsum(a);
+    for (int64_t d = nd * W; d < D; ++d) x += q[d] * load_scalar(k + d);
+    s[j] = x * scale;
+  }
 }
 
-template <typename T>
-inline void axpy(float a, const T* v, float* acc, int64_t D) {   // acc += a * v
-  const V av = vset1(a);
-  int64_t d = 0;
-  for (; d + W <= D; d += W) vstore(acc + d, vfma(av, vload(v + d), vload(acc + d)));
-  for (; d < D; ++d) acc[d] += a * load_scalar(v + d);
+// acc[0..D) += sum_j p[j] * v_j over n keys, each dim accumulated in j order
+template <int ND, typename T>
+void row_values(const float* p, int64_t D, const T* cache, int64_t slot_stride, const int64_t* slots, int64_t n,
+                float* acc) {
+  const int64_t nd = ND ? ND : D / W;
+  if (ND) {
+    V a[ND ? ND : 1];
+    for (int i = 0; i < ND; ++i) a[i] = vload(acc + i * W);
+    for (int64_t j = 0; j < n; ++j) {
+      const T* v = cache + slots[j] * slot_stride;
+      const V pj = vset1(p[j]);
+      for (int i = 0; i < ND; ++i) a[i] = vfma(pj, vload(v + i * W), a[i]);
+    }
+    for (int i = 0; i < ND; ++i) vstore(acc + i * W, a[i]);
+  } else {
+    for (int64_t j = 0; j < n; ++j) {
+      const T* v = cache + slots[j] * slot_stride;
+      const V pj = vset1(p[j]);
+      for (int64_t i = 0; i < nd; ++i) vstore(acc + i * W, vfma(pj, vload(v + i * W), vload(acc + i * W)));
+    }
+  }
+  for (int64_t d = nd * W; d < D; ++d)
+    for (int64_t j = 0; j < n; ++j) acc[d] += p[j] * load_scalar(cache + slots[j] * slot_stride + d);
 }
 
 // p[0..L) <- exp(p - max), returns their sum (lanes j mod W, then vhsum)
@@ -315,50 +341,50 @@ inline float softmax_numerators(float* p, int64_t L) {
   return vhsum(sv);
 }
 
-template <typename T>
+template <int ND, typename T>
 void attention_impl(const T* Q, const T* Kc, const T* Vc, T* O, int64_t H, int64_t Hkv, int64_t D, float scale,
                     const int64_t* prefix_ptr, const int64_t* prefix_slots, const int64_t* row_ptr,
                     const int64_t* row_q, const int64_t* extra_ptr, const int64_t* extra_slots, int64_t G) {
-  const int64_t group = H / Hkv;
-  constexpr int64_t kKeyBlock = 32;   // keys per pass over the group's rows (K/V rows stay in L1)
+  const int64_t group = H / Hkv, stride = Hkv * D;
+  constexpr int64_t kKeyBlock = 64;   // keys per pass over the group's rows (their K/V stay in L1)
   at::parallel_for(0, G * H, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> qf, sc, acc;
+    std::vector<float> qf, sc, acc, sums;
     for (int64_t item = i0; item < i1; ++item) {
       const int64_t g = item / H, h = item % H, kvh = h / group;
       const int64_t p0 = prefix_ptr[g], P = prefix_ptr[g + 1] - p0;
       const int64_t r0 = row_ptr[g], R = row_ptr[g + 1] - r0;
       int64_t Lmax = 0;
       for (int64_t r = 0; r < R; ++r) Lmax = std::max(Lmax, P + extra_ptr[r0 + r + 1] - extra_ptr[r0 + r]);
-      qf.assign(R * D, 0.f);
-      sc.assign(R * Lmax, 0.f);
+      qf.resize(R * D);
+      sc.resize(R * Lmax);
       acc.assign(R * D, 0.f);
+      sums.resize(R);
       for (int64_t r = 0; r < R; ++r)
         for (int64_t d = 0; d < D; ++d) qf[r * D + d] = load_scalar(Q + (row_q[r0 + r] * H + h) * D + d);
-      auto kv_row = [&](const T* cache, int64_t slot) { return cache + (slot * Hkv + kvh) * D; };
-      // scores: the shared prefix, each key read once for all rows; then each row's extras
+      const T* Kh = Kc + kvh * D;
+      const T* Vh = Vc + kvh * D;
+      const int64_t* pre = prefix_slots + p0;
+      // scores: the shared prefix block by block (each key read once for all rows), then each row's extras
       for (int64_t j0 = 0; j0 < P; j0 += kKeyBlock) {
-        const int64_t j1 = std::min(P, j0 + kKeyBlock);
+        const int64_t n = std::min(P - j0, kKeyBlock);
         for (int64_t r = 0; r < R; ++r)
-          for (int64_t j = j0; j < j1; ++j)
-            sc[r * Lmax + j] = dot(qf.data() + r * D, kv_row(Kc, prefix_slots[p0 + j]), D) * scale;
-      }
-      for (int64_t r = 0; r < R; ++r)
-        for (int64_t e = extra_ptr[r0 + r]; e < extra_ptr[r0 + r + 1]; ++e)
-          sc[r * Lmax + P + e - extra_ptr[r0 + r]] = dot(qf.data() + r * D, kv_row(Kc, extra_slots[e]), D) * scale;
-      std::vector<float> sums(R);
-      for (int64_t r = 0; r < R; ++r)
-        sums[r] = softmax_numerators(sc.data() + r * Lmax, P + extra_ptr[r0 + r + 1] - extra_ptr[r0 + r]);
-      // weighted values in key order: the prefix (shared reads), then each row's extras
-      for (int64_t j0 = 0; j0 < P; j0 += kKeyBlock) {
-        const int64_t j1 = std::min(P, j0 + kKeyBlock);
-        for (int64_t r = 0; r < R; ++r)
-          for (int64_t j = j0; j < j1; ++j)
-            axpy(sc[r * Lmax + j], kv_row(Vc, prefix_slots[p0 + j]), acc.data() + r * D, D);
+          row_scores<ND>(qf.data() + r * D, D, Kh, stride, pre + j0, n, scale, sc.data() + r * Lmax + j0);
       }
       for (int64_t r = 0; r < R; ++r) {
+        const int64_t e0 = extra_ptr[r0 + r], ne = extra_ptr[r0 + r + 1] - e0;
+        row_scores<ND>(qf.data() + r * D, D, Kh, stride, extra_slots + e0, ne, scale, sc.data() + r * Lmax + P);
+        sums[r] = softmax_numerators(sc.data() + r * Lmax, P + ne);
+      }
+      // weighted values in key order: the prefix (shared reads), then each row's extras
+      for (int64_t j0 = 0; j0 < P; j0 += kKeyBlock) {
+        const int64_t n = std::min(P - j0, kKeyBlock);
+        for (int64_t r = 0; r < R; ++r)
+          row_values<ND>(sc.data() + r * Lmax + j0, D, Vh, stride, pre + j0, n, acc.data() + r * D);
+      }
+      for (int64_t r = 0; r < R; ++r) {
+        const int64_t e0 = extra_ptr[r0 + r], ne = extra_ptr[r0 + r + 1] - e0;
         float* a = acc.data() + r * D;
-        for (int64_t e = extra_ptr[r0 + r]; e < extra_ptr[r0 + r + 1]; ++e)
-          axpy(sc[r * Lmax + P + e - extra_ptr[r0 + r]], kv_row(Vc, extra_slots[e]), a, D);
+        row_values<ND>(sc.data() + r * Lmax + P, D, Vh, stride, extra_slots + e0, ne, a);
         T* o = O + (row_q[r0 + r] * H + h) * D;
         for (int64_t d = 0; d < D; ++d) {
           const float val = a[d] / sums[r];
@@ -367,6 +393,17 @@ void attention_impl(const T* Q, const T* Kc, const T* Vc, T* O, int64_t H, int64
       }
     }
   });
+}
+
+template <typename T, typename... A>
+void attention_dispatch(int64_t D, A... args) {
+  switch (D / W) {   // head dims of 32..256 keep q and the value accumulators in registers
+    case 2: attention_impl<2, T>(args...); break;
+    case 4: attention_impl<4, T>(args...); break;
+    case 8: attention_impl<8, T>(args...); break;
+    case 16: attention_impl<16, T>(args...); break;
+    default: attention_impl<0, T>(args...); break;
+  }
 }
 
 // q [T, H, D]; k_cache, v_cache [S, Hkv, D] (q's dtype); out [T, H, D] (rows not listed are left
@@ -389,15 +426,143 @@ void attention(torch::Tensor q, torch::Tensor k_cache, torch::Tensor v_cache, to
   const auto args = std::make_tuple(prefix_ptr.data_ptr<int64_t>(), prefix_slots.data_ptr<int64_t>(), row_ptr.data_ptr<int64_t>(),
                                     row_q.data_ptr<int64_t>(), extra_ptr.data_ptr<int64_t>(), extra_slots.data_ptr<int64_t>());
   if (q.scalar_type() == torch::kFloat32) {
-    attention_impl(q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), out.data_ptr<float>(), H, Hkv, D,
+    attention_dispatch<float>(D, q.data_ptr<float>(), k_cache.data_ptr<float>(), v_cache.data_ptr<float>(), out.data_ptr<float>(), H, Hkv, D,
                    float(scale), std::get<0>(args), std::get<1>(args), std::get<2>(args), std::get<3>(args), std::get<4>(args),
                    std::get<5>(args), G);
   } else {
     TORCH_CHECK(q.scalar_type() == torch::kBFloat16, "attention: float32 or bfloat16");
     auto p = [](torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); };
-    attention_impl(p(q), p(k_cache), p(v_cache), p(out), H, Hkv, D, float(scale), std::get<0>(args), std::get<1>(args),
+    attention_dispatch<uint16_t>(D, p(q), p(k_cache), p(v_cache), p(out), H, Hkv, D, float(scale), std::get<0>(args), std::get<1>(args),
                    std::get<2>(args), std::get<3>(args), std::get<4>(args), std::get<5>(args), G);
   }
+}
+
+// ---------------------------------------------------------------- per-row elementwise ops
+// The decoder layer's glue in one call each instead of 5-10 torch ops (at batch 1 their dispatch
+// cost more than the attention). Every row is computed on its own: batch invariant.
+
+template <typename T> inline float ld(const T* p, int64_t i) { return load_scalar(p + i); }
+template <typename T> inline void st(T* p, int64_t i, float v) {
+  if constexpr (std::is_same<T, float>::value) p[i] = v; else p[i] = to_bf16(v);
+}
+template <typename T> inline float rnd(float v) {   // round to T and back (bf16: as torch rounds each op)
+  if constexpr (std::is_same<T, float>::value) return v; else return from_bf16(to_bf16(v));
+}
+
+template <typename T>
+void add_rms_norm_impl(T* x, const T* res, const T* w, T* y, int64_t rows, int64_t D, float eps) {
+  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+    std::vector<float> f(D);
+    for (int64_t r = r0; r < r1; ++r) {
+      T* xr = x + r * D;
+      for (int64_t d = 0; d < D; ++d) {
+        float v = ld(xr, d);
+        if (res) { v = rnd<T>(v + ld(res + r * D, d)); st(xr, d, v); }
+        f[d] = v;
+      }
+      V acc = vzero();
+      int64_t d = 0;
+      for (; d + W <= D; d += W) { V v = vload(f.data() + d); acc = vfma(v, v, acc); }
+      float ss = vhsum(acc);
+      for (; d < D; ++d) ss += f[d] * f[d];
+      const float inv = 1.f / std::sqrt(ss / float(D) + eps);
+      for (d = 0; d < D; ++d) st(y + r * D, d, rnd<T>(rnd<T>(f[d] * inv) * ld(w, d)));
+    }
+  });
+}
+
+// x [rows, D]; residual [rows, D] or empty (then x is left as is); weight [D] -> normed [rows, D].
+// With a residual, x becomes x + residual (in place) and is normalised: the pre-norm residual add.
+torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.numel() == x.size(1), "add_rms_norm: x [rows, D] contiguous, weight [D]");
+  TORCH_CHECK(weight.scalar_type() == x.scalar_type() && (!residual.numel() || (residual.sizes() == x.sizes() &&
+              residual.scalar_type() == x.scalar_type())), "add_rms_norm: one dtype, residual shaped like x");
+  auto w = weight.contiguous();
+  auto res = residual.numel() ? residual.contiguous() : residual;
+  auto y = torch::empty_like(x);
+  const int64_t rows = x.size(0), D = x.size(1);
+  if (x.scalar_type() == torch::kFloat32)
+    add_rms_norm_impl<float>(x.data_ptr<float>(), res.numel() ? res.data_ptr<float>() : nullptr, w.data_ptr<float>(),
+                             y.data_ptr<float>(), rows, D, float(eps));
+  else {
+    TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "add_rms_norm: float32 or bfloat16");
+    auto p = [](torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); };
+    add_rms_norm_impl<uint16_t>(p(x), res.numel() ? p(res) : nullptr, p(w), p(y), rows, D, float(eps));
+  }
+  return y;
+}
+
+template <typename T>
+void rope_write_impl(const T* qkv, const T* cos, const T* sin, T* kc, T* vc, const int64_t* slots, T* q,
+                     int64_t rows, int64_t H, int64_t Hkv, int64_t D) {
+  const int64_t width = (H + 2 * Hkv) * D, half = D / 2;
+  at::parallel_for(0, rows, 4, [&](int64_t r0, int64_t r1) {
+    for (int64_t r = r0; r < r1; ++r) {
+      const T* row = qkv + r * width;
+      const T* c = cos + r * D;
+      const T* s = sin + r * D;
+      for (int64_t h = 0; h < H + Hkv; ++h) {   // rope on q heads, then k heads (HF: x*cos + rotate_half(x)*sin)
+        const T* x = row + h * D;
+        T* out = h < H ? q + (r * H + h) * D : kc + (slots[r] * Hkv + (h - H)) * D;
+        for (int64_t d = 0; d < D; ++d) {
+          const float rot = d < half ? -ld(x, d + half) : ld(x, d - half);
+          st(out, d, rnd<T>(rnd<T>(ld(x, d) * ld(c, d)) + rnd<T>(rnd<T>(rot) * ld(s, d))));
+        }
+      }
+      std::memcpy(vc + slots[r] * Hkv * D, row + (H + Hkv) * D, sizeof(T) * Hkv * D);
+    }
+  });
+}
+
+// qkv [rows, (H + 2 Hkv) D]; cos, sin [rows, D]; caches [S, Hkv, D]; slots [rows] -> q [rows, H, D]
+// with rope applied; k (roped) and v written to the caches at ``slots``.
+torch::Tensor rope_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
+                         torch::Tensor v_cache, torch::Tensor slots, int64_t H, int64_t Hkv) {
+  const int64_t rows = qkv.size(0), D = k_cache.size(2);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.size(1) == (H + 2 * Hkv) * D && D % 2 == 0, "rope_write: qkv [rows, (H + 2 Hkv) D]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(1) == Hkv, "rope_write: contiguous caches [S, Hkv, D]");
+  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.numel() == rows, "rope_write: int64 slots [rows]");
+  TORCH_CHECK(qkv.scalar_type() == k_cache.scalar_type() && cos.scalar_type() == qkv.scalar_type(), "rope_write: one dtype");
+  auto c = cos.reshape({rows, D}).contiguous(), s = sin.reshape({rows, D}).contiguous(), sl = slots.contiguous();
+  const int64_t S = k_cache.size(0);
+  const int64_t* sp = sl.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) TORCH_CHECK(sp[r] >= 0 && sp[r] < S, "rope_write: slot out of range");
+  auto q = torch::empty({rows, H, D}, qkv.options());
+  if (qkv.scalar_type() == torch::kFloat32)
+    rope_write_impl<float>(qkv.data_ptr<float>(), c.data_ptr<float>(), s.data_ptr<float>(), k_cache.data_ptr<float>(),
+                           v_cache.data_ptr<float>(), sp, q.data_ptr<float>(), rows, H, Hkv, D);
+  else {
+    auto p = [](torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); };
+    rope_write_impl<uint16_t>(p(qkv), p(c), p(s), p(k_cache), p(v_cache), sp, p(q), rows, H, Hkv, D);
+  }
+  return q;
+}
+
+template <typename T>
+void silu_mul_impl(const T* gu, T* y, int64_t rows, int64_t I) {
+  at::parallel_for(0, rows * I / W, 256, [&](int64_t c0, int64_t c1) {
+    float g[W], u[W], e[W];
+    for (int64_t c = c0; c < c1; ++c) {
+      const int64_t r = c * W / I, i = c * W % I;
+      for (int t = 0; t < W; ++t) { g[t] = ld(gu + r * 2 * I, i + t); u[t] = ld(gu + r * 2 * I + I, i + t); e[t] = -g[t]; }
+      vstore(e, vexp(vload(e)));
+      for (int t = 0; t < W; ++t) st(y + r * I, i + t, rnd<T>(rnd<T>(g[t] / (1.f + e[t])) * u[t]));
+    }
+  });
+}
+
+// gate_up [rows, 2I] (gate | up) -> silu(gate) * up [rows, I]; I a multiple of the vector width
+torch::Tensor silu_mul(torch::Tensor gate_up) {
+  TORCH_CHECK(gate_up.dim() == 2 && gate_up.is_contiguous() && gate_up.size(1) % (2 * W) == 0, "silu_mul: gate_up [rows, 2I], I % W == 0");
+  const int64_t rows = gate_up.size(0), I = gate_up.size(1) / 2;
+  auto y = torch::empty({rows, I}, gate_up.options());
+  if (gate_up.scalar_type() == torch::kFloat32)
+    silu_mul_impl<float>(gate_up.data_ptr<float>(), y.data_ptr<float>(), rows, I);
+  else {
+    TORCH_CHECK(gate_up.scalar_type() == torch::kBFloat16, "silu_mul: float32 or bfloat16");
+    silu_mul_impl<uint16_t>(reinterpret_cast<uint16_t*>(gate_up.data_ptr()), reinterpret_cast<uint16_t*>(y.data_ptr()), rows, I);
+  }
+  return y;
 }
 
 std::string isa() { return SPECFW_ISA; }
@@ -409,4 +574,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "pack a [N, K] fp32/bf16 weight for linear()");
   m.def("linear", &linear, "batch-invariant linear over a packed weight");
   m.def("attention", &attention, "batch-invariant attention of one-row queries over the KV pool");
+  m.def("add_rms_norm", &add_rms_norm, "x += residual (optional, in place); RMSNorm(x) * weight");
+  m.def("rope_write", &rope_write, "rope on q and k heads; k and v written to the KV pool; returns q");
+  m.def("silu_mul", &silu_mul, "silu(gate) * up");
 }

@@ -73,7 +73,9 @@ class DecoderLayer(nn.Module):
         self.scale = self.head_dim ** -0.5
         self.intermediate = cfg.intermediate_size
 
-    def forward(self, x, fb: ForwardBatch, kv: KVPool, layer: int, cos, sin) -> torch.Tensor:
+    def forward(self, x, fb: ForwardBatch, kv: KVPool, layer: int, cos, sin, fused=None) -> torch.Tensor:
+        if fused is not None:
+            return self._forward_fused(x, fb, kv, layer, cos, sin, fused)
         T = x.shape[0]
         qkv = self.qkv_proj(self.input_layernorm(x))
         # rope on q and k heads together: one set of ops instead of two
@@ -85,6 +87,18 @@ class DecoderLayer(nn.Module):
         x = x + self.o_proj(o.reshape(T, self.q_size))
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).split(self.intermediate, dim=-1)
         return x + self.down_proj(F.silu(gate) * up)
+
+    def _forward_fused(self, x, fb: ForwardBatch, kv: KVPool, layer: int, cos, sin, ops) -> torch.Tensor:
+        """The same layer with the backend's fused per-row glue (``Backend.fused_ops``): norm,
+        rope + KV write, residual add + norm, silu * up -- one call each."""
+        none = x.new_empty(0)
+        x = x.contiguous().clone()   # updated in place by the residual add below
+        qkv = self.qkv_proj(ops.add_rms_norm(x, none, self.input_layernorm.weight, self.input_layernorm.eps))
+        q = ops.rope_write(qkv, cos, sin, kv.k[layer], kv.v[layer], fb.out_slots, self.n_heads, self.n_kv)
+        o = fb.attn_plan(q, kv.k[layer], kv.v[layer], self.scale)
+        h = ops.add_rms_norm(x, self.o_proj(o.reshape(x.shape[0], self.q_size)), self.post_attention_layernorm.weight,
+                             self.post_attention_layernorm.eps)
+        return x + self.down_proj(ops.silu_mul(self.gate_up_proj(h)))
 
 
 class LlamaModel(nn.Module):
@@ -110,11 +124,12 @@ class LlamaModel(nn.Module):
         cos, sin = self.rotary.lookup(fb.positions)
         backend = self.backend or default_backend(x.device)
         fb.attn_plan = backend.plan_attention(fb.seqs, x.device, self.head_shape(x.dtype), backend.batch_invariant)
+        fused = backend.fused_ops(x.dtype, self.layers[0].intermediate)
         captured = {}
         for i, layer in enumerate(self.layers):
             if i in fb.capture_layers:
                 captured[i] = x
-            x = layer(x, fb, kv, i, cos, sin)
+            x = layer(x, fb, kv, i, cos, sin, fused)
         hidden = x
         captured[len(self.layers)] = x
         aux = [captured[i] for i in fb.capture_layers]   # in the requested order (ids may repeat)
