@@ -89,7 +89,7 @@ def main():
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0)
     plain = engine_for(SpeculativeConfig())
     prompts = load_prompts(args.dataset, args.n, plain)
-    plain_device = plain.device
+    plain_device, kernels = plain.device, plain.backend.describe()
     plain.generate([prompts[0]], SamplingParams(max_new_tokens=4, temperature=0))
     rows = []
     base_tps, ref = run_engine(plain, prompts, params, "plain")
@@ -130,8 +130,10 @@ def main():
                          exact=sum(o == r for o, r in zip(outs, ref)) == len(ref)))
         del eng
 
+    from specfw.machine import cpu_description
     print(f"\n{args.dataset}: {len(prompts)} prompts x {args.max_new_tokens} new tokens, batch 1, greedy, "
           f"{args.dtype}, device {plain_device}, {args.threads} threads, batch_invariant={not args.no_batch_invariant}")
+    print(f"on {cpu_description()}; kernels: {kernels}")
     print(f"{'algorithm':<44} {'tok/s':>8} {'speedup':>8} {'accept len':>11} {'== plain':>9}")
     for r in rows:
         al = f"{r['accept_len']:.2f}" if r.get("accept_len") else "-"

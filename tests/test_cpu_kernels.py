@@ -209,3 +209,21 @@ def test_fused_layer_glue_matches_torch_and_is_per_row(isa, dtype):
     gu = torch.randn(rows, 2 * inter, generator=g).to(dtype) * 4
     ref = F.silu(gu[:, :inter].float()) * gu[:, inter:].float()
     assert torch.allclose(ops.silu_mul(gu).float(), ref, rtol=tol * 2, atol=tol * 2)
+
+
+def test_kernel_linear_packs_bf16_valued_fp32_weights_as_bf16_with_the_same_bits():
+    """fp32 weights holding bf16 values (a bf16 checkpoint in an fp32 engine) stream half the
+    bytes and give exactly the fp32 weight's results; other fp32 weights stay fp32."""
+    from torch import nn
+    from specfw.backends.kernel_linear import KernelLinear
+    ops = _ops(cpu_isa())
+    lin = nn.Linear(200, 70)
+    with torch.no_grad():
+        lin.weight.copy_(lin.weight.to(torch.bfloat16).float())
+    narrow = KernelLinear(lin, ops, cpu_isa())
+    assert narrow.packed.dtype == torch.bfloat16 and torch.equal(narrow.weight.float(), lin.weight)
+    wide_ref = ops.pack(lin.weight.detach())   # the same values packed as fp32
+    x = torch.randn(6, 200)
+    assert torch.equal(narrow(x), ops.linear(x, wide_ref, 70, lin.bias.detach()))
+    lin2 = nn.Linear(200, 70)
+    assert KernelLinear(lin2, ops, cpu_isa()).packed.dtype == torch.float32
