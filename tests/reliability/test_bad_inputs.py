@@ -5,7 +5,7 @@ import json
 import httpx2
 import pytest
 
-from servers import engine_counts, serve
+from .servers import engine_counts, serve
 
 CHAT, COMPL, GEN = "/v1/chat/completions", "/v1/completions", "/generate"
 KEY = "table-key"

@@ -8,7 +8,7 @@ import sys
 import time
 from pathlib import Path
 
-from servers import serve
+from .servers import serve
 
 HERE = Path(__file__).parent
 KEY = "fuzz-key"

@@ -11,7 +11,7 @@ import httpx2
 import pytest
 
 from server_helpers import wait_until
-from servers import engine_counts, serve
+from .servers import engine_counts, serve
 
 LIMIT = 4 * 2 ** 20
 QUESTIONS = ["Say hi", "What is 2+2?", "Name a color.", "Write one word about the sea.", "Count to five.",
@@ -25,7 +25,7 @@ def server(demo_dir):
 
 
 def _batch(srv, poison_index=None):
-    from sse_clients import stream
+    from .sse_clients import stream
     body = {"max_tokens": 32, "temperature": 0, "ignore_eos": True, "stream": True}
 
     async def run():
@@ -70,7 +70,7 @@ def test_poisoned_request_fails_alone(server, figures):
 
 
 def test_large_body_does_not_stall_a_stream(server, figures):
-    from sse_clients import stream
+    from .sse_clients import stream
     big_prompt = "hello world, this is a long prompt. " * ((LIMIT - 4096) // 36)
     big = json.dumps({"prompt": big_prompt, "max_tokens": 4}).encode()
     assert len(big) < LIMIT

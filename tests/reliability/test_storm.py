@@ -8,7 +8,7 @@ import httpx2
 import pytest
 
 from server_helpers import wait_until
-from servers import engine_counts, serve
+from .servers import engine_counts, serve
 
 CLIENTS, DROPPERS, MAX_TOKENS = 120, 30, 24
 
@@ -22,7 +22,7 @@ def _speculative(kind):
 
 @pytest.mark.parametrize("kind", ["plain", "eagle3"])
 def test_disconnect_storm(demo_dir, kind, figures):
-    from sse_clients import stream
+    from .sse_clients import stream
     with serve(max_total_tokens=8192, max_running_requests=32, **_speculative(kind)) as srv:
         body = {"prompt": "Write a long story about the sea.", "max_tokens": MAX_TOKENS, "temperature": 0.8,
                 "ignore_eos": True, "stream": True}
