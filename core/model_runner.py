@@ -6,7 +6,7 @@ import logging
 
 import torch
 
-from .backends import Backend, make_backend
+from .backends import Backend, default_backend as plain_or_kernels
 from .forward_batch import ForwardBatch, ForwardOutput, SeqSpan
 from .kv_cache import KVPool
 
@@ -23,7 +23,7 @@ class ModelRunner:
         decode steps and either a batch of concurrent ones (plain decoding) or a draft tree
         (speculative: ``num_draft_tokens``). The runner works on the device the model's weights are on."""
         self.device = next(model.parameters()).device
-        self.backend = backend or make_backend(self.device, batch_invariant=False)
+        self.backend = backend or plain_or_kernels(self.device)
         self.backend.prepare_target(model)
         if self.backend.batch_invariant and self.device.type != "meta":
             logger.info("batch invariance on %s with %s (rows per linear call: layers): %s", self.device,

@@ -28,9 +28,21 @@ def make_backend(device: torch.device | str = "cpu", batch_invariant: bool = Tru
     return TorchBackend(device, batch_invariant, cpu_packed_gemm, cpu_bf16_kernel)
 
 
+def default_backend(device: torch.device | str) -> Backend:
+    """The best kernels for ``device`` with the engine's defaults, not batch invariant: for a
+    runner built without an engine (drafts' own runners get ``Backend.for_drafting()``)."""
+    return make_backend(device, False)
+
+
+def plain_backend(device: torch.device | str) -> Backend:
+    """Torch's plain ops, loose attention plans: for a model run without a ModelRunner."""
+    from .torch_ops import TorchBackend
+    return TorchBackend(device, batch_invariant=False, packed_gemm=False)
+
+
 def backend_from_config(engine_cfg, device: torch.device) -> Backend:
     return make_backend(device, engine_cfg.batch_invariant, str(getattr(engine_cfg, "cpu_isa", "auto")),
                         engine_cfg.cpu_packed_gemm, engine_cfg.cpu_bf16_kernel)
 
 
-__all__ = ["AttentionPlan", "Backend", "HeadShape", "backend_from_config", "make_backend"]
+__all__ = ["AttentionPlan", "Backend", "HeadShape", "backend_from_config", "default_backend", "make_backend", "plain_backend"]

@@ -83,6 +83,11 @@ class Backend:
         return other
 
     def _hand_backend(self, module: nn.Module) -> None:
-        for m in module.modules():
+        """Modules that attend declare a ``backend`` attribute and get this backend; modules with
+        a ``fuse_projections()`` (draft layers) fuse their projections first, so the fused
+        linears get this backend's kernels too."""
+        for m in list(module.modules()):
+            if hasattr(m, "fuse_projections"):
+                m.fuse_projections()
             if hasattr(m, "backend"):
                 m.backend = self

@@ -54,9 +54,8 @@ class CpuBackend(Backend):
         self._hand_backend(model)
 
     def prepare_module(self, module: nn.Module) -> nn.Module:
-        module = self._swap(module, False)
         self._hand_backend(module)
-        return module
+        return self._swap(module, False)
 
     def fused_ops(self, dtype, intermediate: int):
         return self.ops if dtype in (torch.float32, torch.bfloat16) and intermediate % 16 == 0 else None

@@ -47,11 +47,11 @@ class TorchBackend(Backend):
         self._hand_backend(model)
 
     def prepare_module(self, module: nn.Module) -> nn.Module:
+        self._hand_backend(module)
         if self.packed_gemm:
             use_fast_linears(module, bf16_kernel=self.bf16_kernel)
             if type(module) is nn.Linear:   # a bare layer (e.g. an FR-Spec lm_head)
                 module = fast_linear_for(module, bf16_kernel=self.bf16_kernel) or module
-        self._hand_backend(module)
         return module
 
     def plan_attention(self, seqs, device, shape: HeadShape, exact: bool) -> SdpaPlan:

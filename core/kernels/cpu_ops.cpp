@@ -451,7 +451,7 @@ template <typename T> inline float rnd(float v) {   // round to T and back (bf16
 
 template <typename T>
 void add_rms_norm_impl(T* x, const T* res, const T* w, T* y, int64_t rows, int64_t D, float eps) {
-  at::parallel_for(0, rows, 16, [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
     std::vector<float> f(D);
     for (int64_t r = r0; r < r1; ++r) {
       T* xr = x + r * D;
@@ -496,7 +496,7 @@ template <typename T>
 void rope_write_impl(const T* qkv, const T* cos, const T* sin, T* kc, T* vc, const int64_t* slots, T* q,
                      int64_t rows, int64_t H, int64_t Hkv, int64_t D) {
   const int64_t width = (H + 2 * Hkv) * D, half = D / 2;
-  at::parallel_for(0, rows, 4, [&](int64_t r0, int64_t r1) {
+  at::parallel_for(0, rows, 32, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* row = qkv + r * width;
       const T* c = cos + r * D;
@@ -540,7 +540,8 @@ torch::Tensor rope_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin
 
 template <typename T>
 void silu_mul_impl(const T* gu, T* y, int64_t rows, int64_t I) {
-  at::parallel_for(0, rows * I / W, 256, [&](int64_t c0, int64_t c1) {
+  at::parallel_for(0, rows * I / W, 4096, [&]   // below ~32k outputs: one thread (no barrier)
+      (int64_t c0, int64_t c1) {
     float g[W], u[W], e[W];
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t r = c * W / I, i = c * W % I;

@@ -45,11 +45,32 @@ class DraftDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.scale = self.head_dim ** -0.5
         self.backend = None   # the target runner's kernel backend (ModelRunner.prepare hands it over)
+        self.qkv_fused: nn.Linear | None = None       # inference copies of q/k/v and gate/up in one
+        self.gate_up_fused: nn.Linear | None = None   # linear each (fuse_projections)
+
+    def fuse_projections(self) -> None:
+        """Inference only: q/k/v and gate/up as one linear each (half the kernel calls per draft
+        step; the checkpoint-named layers stay for training and saving). Called by the backend's
+        ``prepare_module`` before it swaps in its kernels."""
+        a, m = self.self_attn, self.mlp
+        with torch.no_grad():
+            qkv = nn.Linear(a.q_proj.in_features, a.q_proj.out_features + 2 * a.k_proj.out_features,
+                            bias=a.q_proj.bias is not None, device=a.q_proj.weight.device, dtype=a.q_proj.weight.dtype)
+            qkv.weight.copy_(torch.cat([a.q_proj.weight, a.k_proj.weight, a.v_proj.weight]))
+            if a.q_proj.bias is not None:
+                qkv.bias.copy_(torch.cat([a.q_proj.bias, a.k_proj.bias, a.v_proj.bias]))
+            gate_up = nn.Linear(m.gate_proj.in_features, 2 * m.gate_proj.out_features, bias=False,
+                                device=m.gate_proj.weight.device, dtype=m.gate_proj.weight.dtype)
+            gate_up.weight.copy_(torch.cat([m.gate_proj.weight, m.up_proj.weight]))
+        self.qkv_fused, self.gate_up_fused = qkv.requires_grad_(False), gate_up.requires_grad_(False)
 
     def forward(self, attn_in: torch.Tensor, residual: torch.Tensor, fb: ForwardBatch, kv: KVPool,
                 rotary: Rotary) -> torch.Tensor:
         """attn_in [T, in_dim] feeds q/k/v; residual [T, H] is added to the attention output."""
         T = attn_in.shape[0]
+        ops = self.backend.fused_ops(attn_in.dtype, self.mlp.gate_proj.out_features) if self.backend else None
+        if ops is not None and self.qkv_fused is not None:
+            return self._forward_fused(attn_in, residual, fb, kv, rotary, ops)
         cos, sin = rotary.lookup(fb.positions)
         q = Rotary.apply(self.self_attn.q_proj(attn_in).view(T, self.n_heads, self.head_dim), cos, sin)
         k = Rotary.apply(self.self_attn.k_proj(attn_in).view(T, self.n_kv, self.head_dim), cos, sin)
@@ -62,6 +83,20 @@ class DraftDecoderLayer(nn.Module):
         o = fb.attn_plan(q, kv.k[0], kv.v[0], self.scale)
         x = residual + self.self_attn.o_proj(o.reshape(T, -1))
         return x + self.mlp(self.post_attention_layernorm(x))
+
+    def _forward_fused(self, attn_in, residual, fb: ForwardBatch, kv: KVPool, rotary: Rotary, ops) -> torch.Tensor:
+        """``forward`` on the fused projections and the backend's fused glue (rope + KV write,
+        residual add + norm, silu * up): ~6 calls instead of ~25."""
+        T = attn_in.shape[0]
+        cos, sin = rotary.lookup(fb.positions)
+        q = ops.rope_write(self.qkv_fused(attn_in), cos, sin, kv.k[0], kv.v[0], fb.out_slots, self.n_heads, self.n_kv)
+        if fb.attn_plan is None:
+            fb.attn_plan = self.backend.plan_attention(fb.seqs, attn_in.device,
+                                                       HeadShape(q.dtype, self.n_heads, self.n_kv, self.head_dim), exact=False)
+        x = residual.contiguous().clone()
+        h = ops.add_rms_norm(x, self.self_attn.o_proj(fb.attn_plan(q, kv.k[0], kv.v[0], self.scale).reshape(T, -1)),
+                             self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
+        return x + self.mlp.down_proj(ops.silu_mul(self.gate_up_fused(h)))
 
     def forward_dense(self, attn_in: torch.Tensor, residual: torch.Tensor, positions: torch.Tensor,
                       rotary: Rotary, attn_mask: torch.Tensor | None = None) -> torch.Tensor:

@@ -147,5 +147,5 @@ class LlamaModel(nn.Module):
 
 def default_backend(device: torch.device):
     """Torch's ops, loose plans: for a model run without a ModelRunner (tests, training tools)."""
-    from ..backends.torch_ops import TorchBackend
-    return TorchBackend(device, batch_invariant=False, packed_gemm=False)
+    from ..backends import plain_backend
+    return plain_backend(device)

@@ -1,0 +1,74 @@
+"""The kernel seam (specfw.backends): which backend the engine gets, what prepare_module does to a
+drafter's layer, and that kernel settings stay inside the backends."""
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from specfw.backends import make_backend
+from specfw.backends.cpu import CpuBackend
+from specfw.backends.kernel_linear import KernelLinear
+from specfw.backends.torch_ops import TorchBackend
+from specfw.kernels import cpu_ops
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_backend_choice_follows_device_and_cpu_isa():
+    assert isinstance(make_backend("meta"), TorchBackend)
+    assert isinstance(make_backend("cpu", cpu_isa="none"), TorchBackend)
+    cpu = make_backend("cpu", cpu_isa="portable")
+    assert isinstance(cpu, CpuBackend) and cpu.isa == "portable"
+    assert make_backend("cpu", batch_invariant=True).for_drafting().batch_invariant is False
+
+
+def test_kernel_backend_falls_back_to_torch_ops_when_kernels_cannot_build(monkeypatch):
+    from specfw import kernels
+    monkeypatch.setenv("SPECFW_NO_KERNELS", "1")
+    monkeypatch.setattr(kernels, "_cache", {})
+    assert cpu_ops() is None
+    assert isinstance(make_backend("cpu"), TorchBackend)
+
+
+def test_prepare_module_fuses_a_draft_layer_and_keeps_its_output(tiny_model_dir):
+    """A draft layer prepared by the CPU backend runs q/k/v and gate/up as one kernel linear each
+    and the fused glue; its output matches the unfused torch path."""
+    from transformers import LlamaConfig
+    from specfw.forward_batch import SeqSpan
+    from specfw.kv_cache import KVPool
+    from specfw.model_runner import build_forward_batch
+    from specfw.models.draft_layer import DraftDecoderLayer
+    from specfw.models.llama import Rotary
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                      max_position_embeddings=256, rms_norm_eps=1e-5)
+    torch.manual_seed(0)
+    plain = DraftDecoderLayer(cfg).eval().requires_grad_(False)
+    fused = DraftDecoderLayer(cfg).eval().requires_grad_(False)
+    fused.load_state_dict(plain.state_dict())
+    make_backend("cpu").prepare_module(fused)
+    assert isinstance(fused.qkv_fused, KernelLinear) and isinstance(fused.gate_up_fused, KernelLinear)
+    rotary = Rotary(cfg, 256, torch.float32)
+    x, res = torch.randn(5, 64), torch.randn(5, 64)
+    outs = []
+    for layer in (plain, fused):
+        kv = KVPool(1, 2, 16, 32)
+        prefix = kv.allocator.alloc(2)
+        kv.k[0][prefix] = 0.5
+        kv.v[0][prefix] = 0.25
+        fb = build_forward_batch([(torch.arange(5), torch.arange(2, 7), kv.allocator.alloc(5), prefix, None)])
+        with torch.inference_mode():
+            outs.append(layer(x, res, fb, kv, rotary))
+    assert torch.allclose(outs[0], outs[1], atol=1e-4), (outs[0] - outs[1]).abs().max()
+
+
+def test_model_runner_kv_pool_and_plugins_carry_no_kernel_flags():
+    """Kernel choices live in specfw.backends: the model, the runner, the KV pool, the workers and
+    the plugins never read engine.cpu_* or batch_invariant settings."""
+    flags = re.compile(r"cpu_packed_gemm|cpu_bf16_kernel|cpu_isa|\bpacked_gemm\b|\bbf16_kernel\b|"
+                       r"(engine|cfg|config|model)\.batch_invariant\b|batch_invariant\s*=\s*(True|False|cfg)")
+    paths = [ROOT / "core" / "model_runner.py", ROOT / "core" / "kv_cache.py", ROOT / "core" / "worker.py",
+             *(ROOT / "core" / "models").glob("*.py"), *(ROOT / "core" / "spec").glob("*.py"),
+             *(ROOT / "plugins").rglob("*.py")]
+    offenders = [str(p.relative_to(ROOT)) for p in paths if flags.search(p.read_text())]
+    assert not offenders, offenders
