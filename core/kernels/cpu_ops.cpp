@@ -172,7 +172,10 @@ inline float from_bf16(uint16_t h) {
 
 // MR rows x NT weight blocks; w points at the first block ([K][16] each, blocks K*16 apart)
 template <int MR, int NT, typename WT>
-inline void tile(const WT* w, int64_t K, const float* x, const float* bias, float* y, int64_t N, int64_t n_valid) {
+inline void tile(const WT* w, int64_t K, const float* x, const float* bias, float* y, int64_t N, int64_t n_valid,
+                 const WT* pf = nullptr) {
+  // pf: the blocks this thread streams next, prefetched one line per k while this tile computes
+  // (memory and arithmetic overlap: without it a multi-row tile waited for DRAM, then computed)
   V acc[MR][NT * VB];
   for (int m = 0; m < MR; ++m)
     for (int t = 0; t < NT * VB; ++t) acc[m][t] = vzero();
@@ -180,6 +183,8 @@ inline void tile(const WT* w, int64_t K, const float* x, const float* bias, floa
     V wv[NT * VB];
     for (int b = 0; b < NT; ++b)
       for (int v = 0; v < VB; ++v) wv[b * VB + v] = vload(w + (b * K + k) * kBlock + v * W);
+    if (pf)
+      for (int b = 0; b < NT; ++b) __builtin_prefetch(pf + (b * K + k) * kBlock, 0, 3);
     for (int m = 0; m < MR; ++m) {
       const V xb = vset1(x[m * K + k]);
       for (int t = 0; t < NT * VB; ++t) acc[m][t] = vfma(wv[t], xb, acc[m][t]);
@@ -199,19 +204,21 @@ constexpr int kTileRows = 6;   // 12 accumulators of one block
 #endif
 
 template <int NT, typename WT>
-void rows_of(int64_t M, const WT* w, int64_t K, const float* x, const float* bias, float* y, int64_t N, int64_t n_valid) {
+void rows_of(int64_t M, const WT* w, int64_t K, const float* x, const float* bias, float* y, int64_t N, int64_t n_valid,
+             const WT* pf) {
   int64_t m = 0;
-  for (; m + kTileRows <= M; m += kTileRows) tile<kTileRows, NT>(w, K, x + m * K, bias, y + m * N, N, n_valid);
+  for (; m + kTileRows <= M; m += kTileRows, pf = nullptr)   // the first row tile prefetches
+    tile<kTileRows, NT>(w, K, x + m * K, bias, y + m * N, N, n_valid, pf);
   const float* xm = x + m * K;
   float* ym = y + m * N;
   switch (M - m) {
-    case 7: tile<7, NT>(w, K, xm, bias, ym, N, n_valid); break;
-    case 6: tile<6, NT>(w, K, xm, bias, ym, N, n_valid); break;
-    case 5: tile<5, NT>(w, K, xm, bias, ym, N, n_valid); break;
-    case 4: tile<4, NT>(w, K, xm, bias, ym, N, n_valid); break;
-    case 3: tile<3, NT>(w, K, xm, bias, ym, N, n_valid); break;
-    case 2: tile<2, NT>(w, K, xm, bias, ym, N, n_valid); break;
-    case 1: tile<1, NT>(w, K, xm, bias, ym, N, n_valid); break;
+    case 7: tile<7, NT>(w, K, xm, bias, ym, N, n_valid, pf); break;
+    case 6: tile<6, NT>(w, K, xm, bias, ym, N, n_valid, pf); break;
+    case 5: tile<5, NT>(w, K, xm, bias, ym, N, n_valid, pf); break;
+    case 4: tile<4, NT>(w, K, xm, bias, ym, N, n_valid, pf); break;
+    case 3: tile<3, NT>(w, K, xm, bias, ym, N, n_valid, pf); break;
+    case 2: tile<2, NT>(w, K, xm, bias, ym, N, n_valid, pf); break;
+    case 1: tile<1, NT>(w, K, xm, bias, ym, N, n_valid, pf); break;
     default: break;
   }
 }
@@ -229,12 +236,15 @@ void linear_impl(int64_t M, const WT* W_, int64_t K, int64_t NB, const float* X,
       const int64_t n_valid = std::min<int64_t>(N - n0, 2 * kBlock);
       const WT* wb = W_ + b * K * kBlock;
       const float* bb = B ? B + n0 : nullptr;
+      // the next work item's two blocks (with one or two rows the hardware prefetcher keeps up alone)
+      const WT* next = M > 2 && b + 3 < NB ? wb + 2 * K * kBlock : nullptr;
       if (b + 1 < NB && pair_tiles) {
-        rows_of<2>(M, wb, K, X, bb, Y + n0, N, n_valid);
+        rows_of<2>(M, wb, K, X, bb, Y + n0, N, n_valid, next);
       } else {
-        rows_of<1>(M, wb, K, X, bb, Y + n0, N, std::min<int64_t>(n_valid, kBlock));
+        rows_of<1>(M, wb, K, X, bb, Y + n0, N, std::min<int64_t>(n_valid, kBlock), next);
         if (b + 1 < NB)
-          rows_of<1>(M, wb + K * kBlock, K, X, bb ? bb + kBlock : nullptr, Y + n0 + kBlock, N, n_valid - kBlock);
+          rows_of<1>(M, wb + K * kBlock, K, X, bb ? bb + kBlock : nullptr, Y + n0 + kBlock, N, n_valid - kBlock,
+                     next ? next + K * kBlock : nullptr);
       }
     }
   });
