@@ -7,7 +7,8 @@
 
 Prints tokens/s, speedup over plain decode, accept length (tokens per verify forward, bonus
 included), accept rate and per-position acceptance; writes JSON and a bar plot to --out.
-Batch 1 (one request at a time), greedy, same prompts and thread count for every row.
+Batch 1 (one request at a time; ``--concurrency N``: all prompts submitted at once, N decoded
+together), greedy, same prompts and thread count for every row.
 """
 from __future__ import annotations
 
@@ -45,7 +46,11 @@ def load_prompts(dataset: str, n: int, engine):
     return [engine.tokenize_chat([{"role": "user", "content": q}]) for q in mtbench_first_turns(n)]
 
 
-def run_engine(engine, prompts, params, label):
+def run_engine(engine, prompts, params, label, concurrency: int = 1):
+    if concurrency > 1:
+        t0 = time.perf_counter()
+        outs = [o.token_ids for o in engine.generate(prompts, params, progress=True)]
+        return sum(len(o) for o in outs) / (time.perf_counter() - t0), outs
     n, t = 0, 0.0
     outs = []
     for p in tqdm(prompts, desc=label):
@@ -70,6 +75,7 @@ def main():
     ap.add_argument("--no-batch-invariant", action="store_true", help="every row with engine.batch_invariant=false")
     ap.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
                     help="an engine.* setting for every row, e.g. cpu_bf16_kernel=false (repeatable)")
+    ap.add_argument("--concurrency", type=int, default=1, help="requests decoded together (all prompts submitted at once)")
     ap.add_argument("--out", type=Path, default=Path("bench_results"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -82,7 +88,7 @@ def main():
 
     def engine_for(spec):
         return Engine(SpecfwConfig(model=ModelConfig(dtype=args.dtype, device=args.device), speculative=spec,
-                                   engine=EngineConfig(max_running_requests=1, num_threads=args.threads,
+                                   engine=EngineConfig(max_running_requests=args.concurrency, num_threads=args.threads,
                                                        batch_invariant=not args.no_batch_invariant,
                                                        **parse_algo(":" + ",".join(args.engine))[1])))
 
@@ -92,7 +98,7 @@ def main():
     plain_device, kernels = plain.device, plain.backend.describe()
     plain.generate([prompts[0]], SamplingParams(max_new_tokens=4, temperature=0))
     rows = []
-    base_tps, ref = run_engine(plain, prompts, params, "plain")
+    base_tps, ref = run_engine(plain, prompts, params, "plain", args.concurrency)
     rows.append(dict(algo="plain", tok_s=base_tps, speedup=1.0, accept_len=1.0, exact=True))
 
     if args.hf_prompt_lookup:
@@ -120,7 +126,7 @@ def main():
         eng = engine_for(cfg)
         eng.generate([prompts[0]], SamplingParams(max_new_tokens=4, temperature=0))
         eng.stats.__init__()
-        tps, outs = run_engine(eng, prompts, params, spec_str)
+        tps, outs = run_engine(eng, prompts, params, spec_str, args.concurrency)
         st = eng.stats
         pos = [a / p if p else 0.0 for a, p in zip(st.position_accepts, st.position_proposals)]
         rows.append(dict(algo=spec_str, tok_s=tps, speedup=tps / base_tps, accept_len=st.accept_length,
@@ -131,7 +137,8 @@ def main():
         del eng
 
     from specfw.machine import cpu_description
-    print(f"\n{args.dataset}: {len(prompts)} prompts x {args.max_new_tokens} new tokens, batch 1, greedy, "
+    print(f"\n{args.dataset}: {len(prompts)} prompts x {args.max_new_tokens} new tokens, "
+          f"{'batch 1' if args.concurrency == 1 else f'{args.concurrency} concurrent'}, greedy, "
           f"{args.dtype}, device {plain_device}, {args.threads} threads, batch_invariant={not args.no_batch_invariant}")
     print(f"on {cpu_description()}; kernels: {kernels}")
     print(f"{'algorithm':<44} {'tok/s':>8} {'speedup':>8} {'accept len':>11} {'== plain':>9}")

@@ -110,3 +110,18 @@ def _build():
         logger.info("bf16 dot kernel: this CPU has no avx512_bf16; using oneDNN")
         return None
     return _load(_SOURCE, "specfw_bf16_dot", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"], "bf16 dot kernel")
+
+
+def build_all() -> dict[str, bool]:
+    """Build (or load from the cache) this CPU's kernels: the auto-picked ISA, the portable build
+    and, where the CPU has AVX512-BF16, ``bf16_dot``. For ``scripts/setup.sh``, so that the first
+    server start or test run does not compile."""
+    done = {isa: cpu_ops(isa) is not None for isa in dict.fromkeys([cpu_isa(), "portable"])}
+    if cpu_has_avx512_bf16():
+        done["bf16_dot"] = bf16_dot() is not None
+    return done
+
+
+if __name__ == "__main__":   # python -m specfw.kernels
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    print("specfw CPU kernels:", build_all())
