@@ -121,7 +121,3 @@ def build_all() -> dict[str, bool]:
         done["bf16_dot"] = bf16_dot() is not None
     return done
 
-
-if __name__ == "__main__":   # python -m specfw.kernels
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    print("specfw CPU kernels:", build_all())
