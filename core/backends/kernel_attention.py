@@ -25,7 +25,7 @@ class KernelAttentionPlan:
     def __init__(self, ops, seqs: list[SeqSpan]):
         self.ops = ops
         self.prefills = [s for s in seqs if _is_prompt_prefill(s)]
-        prefix, prefix_len, row_q, extras, extra_len = [], [0], [], [], [0]
+        prefix, prefix_len, row_ptr, row_q, extras, extra_len = [], [0], [0], [], [], [0]
         for s in seqs:
             if _is_prompt_prefill(s):
                 continue
@@ -42,18 +42,18 @@ class KernelAttentionPlan:
                 counts = tm.sum(1).tolist()
             prefix_len.append(prefix_len[-1] + int(prefix[-1].numel()))
             row_q.extend(range(s.q_start, s.q_start + s.q_len))
+            row_ptr.append(len(row_q))
             for c in counts:
                 extra_len.append(extra_len[-1] + int(c))
         self.groups = len(prefix)
         self.rows = len(row_q)
         if self.groups:
-            cat = lambda ts: torch.cat(ts).to(torch.long).contiguous()  # noqa: E731
             self.prefix_ptr = torch.tensor(prefix_len, dtype=torch.long)
-            self.prefix_slots = cat(prefix)
-            self.row_ptr = torch.tensor(_row_ptr(seqs), dtype=torch.long)
+            self.prefix_slots = torch.cat(prefix).to(torch.long).contiguous()
+            self.row_ptr = torch.tensor(row_ptr, dtype=torch.long)
             self.row_q = torch.tensor(row_q, dtype=torch.long)
             self.extra_ptr = torch.tensor(extra_len, dtype=torch.long)
-            self.extra_slots = cat(extras)
+            self.extra_slots = torch.cat(extras).to(torch.long).contiguous()
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
         q = q.contiguous()
@@ -66,10 +66,3 @@ class KernelAttentionPlan:
             out[s.q_start:s.q_start + s.q_len] = _attend_one(q, k_cache, v_cache, s, scale)
         return out
 
-
-def _row_ptr(seqs: list[SeqSpan]) -> list[int]:
-    ptr = [0]
-    for s in seqs:
-        if not _is_prompt_prefill(s):
-            ptr.append(ptr[-1] + s.q_len)
-    return ptr

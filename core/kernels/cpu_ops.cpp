@@ -460,14 +460,13 @@ template <typename T> inline float rnd(float v) {   // round to T and back (bf16
 }
 
 template <typename T>
-void add_rms_norm_impl(T* x, const T* res, const T* w, T* y, int64_t rows, int64_t D, float eps) {
+void add_rms_norm_impl(const T* x, const T* res, T* sum, const T* w, T* y, int64_t rows, int64_t D, float eps) {
   at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
     std::vector<float> f(D);
     for (int64_t r = r0; r < r1; ++r) {
-      T* xr = x + r * D;
       for (int64_t d = 0; d < D; ++d) {
-        float v = ld(xr, d);
-        if (res) { v = rnd<T>(v + ld(res + r * D, d)); st(xr, d, v); }
+        float v = ld(x + r * D, d);
+        if (res) { v = rnd<T>(v + ld(res + r * D, d)); st(sum + r * D, d, v); }
         f[d] = v;
       }
       V acc = vzero();
@@ -481,25 +480,26 @@ void add_rms_norm_impl(T* x, const T* res, const T* w, T* y, int64_t rows, int64
   });
 }
 
-// x [rows, D]; residual [rows, D] or empty (then x is left as is); weight [D] -> normed [rows, D].
-// With a residual, x becomes x + residual (in place) and is normalised: the pre-norm residual add.
-torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
+// x [rows, D]; residual [rows, D] or empty; weight [D] -> (sum, normed): sum = x + residual (x
+// itself without a residual), normed = RMSNorm(sum) * weight -- the pre-norm residual add.
+std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.numel() == x.size(1), "add_rms_norm: x [rows, D] contiguous, weight [D]");
   TORCH_CHECK(weight.scalar_type() == x.scalar_type() && (!residual.numel() || (residual.sizes() == x.sizes() &&
               residual.scalar_type() == x.scalar_type())), "add_rms_norm: one dtype, residual shaped like x");
   auto w = weight.contiguous();
   auto res = residual.numel() ? residual.contiguous() : residual;
   auto y = torch::empty_like(x);
+  auto sum = res.numel() ? torch::empty_like(x) : x;
   const int64_t rows = x.size(0), D = x.size(1);
   if (x.scalar_type() == torch::kFloat32)
-    add_rms_norm_impl<float>(x.data_ptr<float>(), res.numel() ? res.data_ptr<float>() : nullptr, w.data_ptr<float>(),
-                             y.data_ptr<float>(), rows, D, float(eps));
+    add_rms_norm_impl<float>(x.data_ptr<float>(), res.numel() ? res.data_ptr<float>() : nullptr, sum.data_ptr<float>(),
+                             w.data_ptr<float>(), y.data_ptr<float>(), rows, D, float(eps));
   else {
     TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "add_rms_norm: float32 or bfloat16");
     auto p = [](torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); };
-    add_rms_norm_impl<uint16_t>(p(x), res.numel() ? p(res) : nullptr, p(w), p(y), rows, D, float(eps));
+    add_rms_norm_impl<uint16_t>(p(x), res.numel() ? p(res) : nullptr, p(sum), p(w), p(y), rows, D, float(eps));
   }
-  return y;
+  return {sum, y};
 }
 
 template <typename T>
@@ -585,7 +585,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "pack a [N, K] fp32/bf16 weight for linear()");
   m.def("linear", &linear, "batch-invariant linear over a packed weight");
   m.def("attention", &attention, "batch-invariant attention of one-row queries over the KV pool");
-  m.def("add_rms_norm", &add_rms_norm, "x += residual (optional, in place); RMSNorm(x) * weight");
+  m.def("add_rms_norm", &add_rms_norm, "(x + residual, RMSNorm(x + residual) * weight); residual optional");
   m.def("rope_write", &rope_write, "rope on q and k heads; k and v written to the KV pool; returns q");
   m.def("silu_mul", &silu_mul, "silu(gate) * up");
 }

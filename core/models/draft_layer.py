@@ -93,8 +93,7 @@ class DraftDecoderLayer(nn.Module):
         if fb.attn_plan is None:
             fb.attn_plan = self.backend.plan_attention(fb.seqs, attn_in.device,
                                                        HeadShape(q.dtype, self.n_heads, self.n_kv, self.head_dim), exact=False)
-        x = residual.contiguous().clone()
-        h = ops.add_rms_norm(x, self.self_attn.o_proj(fb.attn_plan(q, kv.k[0], kv.v[0], self.scale).reshape(T, -1)),
+        x, h = ops.add_rms_norm(residual.contiguous(), self.self_attn.o_proj(fb.attn_plan(q, kv.k[0], kv.v[0], self.scale).reshape(T, -1)),
                              self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
         return x + self.mlp.down_proj(ops.silu_mul(self.gate_up_fused(h)))
 

@@ -91,12 +91,11 @@ class DecoderLayer(nn.Module):
     def _forward_fused(self, x, fb: ForwardBatch, kv: KVPool, layer: int, cos, sin, ops) -> torch.Tensor:
         """The same layer with the backend's fused per-row glue (``Backend.fused_ops``): norm,
         rope + KV write, residual add + norm, silu * up -- one call each."""
-        none = x.new_empty(0)
-        x = x.contiguous().clone()   # updated in place by the residual add below
-        qkv = self.qkv_proj(ops.add_rms_norm(x, none, self.input_layernorm.weight, self.input_layernorm.eps))
+        x = x.contiguous()
+        qkv = self.qkv_proj(ops.add_rms_norm(x, x.new_empty(0), self.input_layernorm.weight, self.input_layernorm.eps)[1])
         q = ops.rope_write(qkv, cos, sin, kv.k[layer], kv.v[layer], fb.out_slots, self.n_heads, self.n_kv)
         o = fb.attn_plan(q, kv.k[layer], kv.v[layer], self.scale)
-        h = ops.add_rms_norm(x, self.o_proj(o.reshape(x.shape[0], self.q_size)), self.post_attention_layernorm.weight,
+        x, h = ops.add_rms_norm(x, self.o_proj(o.reshape(x.shape[0], self.q_size)), self.post_attention_layernorm.weight,
                              self.post_attention_layernorm.eps)
         return x + self.down_proj(ops.silu_mul(self.gate_up_proj(h)))
 
