@@ -72,3 +72,36 @@ def test_model_runner_kv_pool_and_plugins_carry_no_kernel_flags():
              *(ROOT / "plugins").rglob("*.py")]
     offenders = [str(p.relative_to(ROOT)) for p in paths if flags.search(p.read_text())]
     assert not offenders, offenders
+
+
+def test_huge_page_relocation_keeps_values_in_one_aligned_buffer():
+    from specfw.backends import huge_pages
+    ts = [torch.randn(700, 1024), torch.randn(3, 5).to(torch.bfloat16), torch.randn(512, 512)]
+    out = huge_pages.relocate(ts)
+    assert all(torch.equal(a, b) and a.dtype == b.dtype and a.shape == b.shape for a, b in zip(ts, out))
+    if not huge_pages.huge_pages_available():
+        assert all(a is b for a, b in zip(ts, out))
+        return
+    assert out[0].data_ptr() % huge_pages.HUGE_PAGE == 0
+    assert all(t.data_ptr() % 64 == 0 for t in out)
+    assert out[0].untyped_storage().data_ptr() == out[2].untyped_storage().data_ptr()   # one buffer
+    small = [torch.randn(4, 4)]
+    assert huge_pages.relocate(small)[0] is small[0]   # under 2 MB: not worth a buffer
+
+
+def test_cpu_backend_puts_packed_weights_on_one_buffer():
+    from specfw.backends import huge_pages
+    from specfw.backends.kernel_linear import KernelLinear
+    from specfw.kernels import cpu_ops
+    ops = cpu_ops("portable")
+    if ops is None or not huge_pages.huge_pages_available():
+        pytest.skip("no kernels or no transparent huge pages here")
+    from specfw.backends.cpu import CpuBackend
+    model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.Linear(1024, 512))
+    x = torch.randn(3, 512)
+    ref = model(x)
+    CpuBackend(ops, "portable").prepare_module(model)
+    layers = [m for m in model.modules() if isinstance(m, KernelLinear)]
+    assert len(layers) == 2
+    assert layers[0].packed.untyped_storage().data_ptr() == layers[1].packed.untyped_storage().data_ptr()
+    torch.testing.assert_close(model(x), ref, rtol=1e-4, atol=1e-4)

@@ -9,7 +9,9 @@ flags; forcing ``avx2`` on an AVX-512 CPU tests and times that path there too).
 * attention: ``KernelAttentionPlan`` for every decode, tree and extend row (one fixed reduction
   order per (row, head), exact for plain and tree rows alike), one causal SDPA call per prompt
   prefill;
-* no padded rows, no row plans: nothing depends on what else is in a forward.
+* no padded rows, no row plans: nothing depends on what else is in a forward;
+* the packed weights of the target (and of each draft module) in one buffer on 2 MB pages
+  (``huge_pages``).
 """
 from __future__ import annotations
 
@@ -18,6 +20,7 @@ from torch import nn
 
 from ..cpu_linear import DotBF16Linear, bf16_kernel_available
 from ..invariance import measure_linears
+from . import huge_pages
 from .base import Backend, HeadShape
 from .kernel_attention import KernelAttentionPlan
 from .kernel_linear import KernelLinear
@@ -52,10 +55,13 @@ class CpuBackend(Backend):
     def prepare_target(self, model: nn.Module) -> None:
         self._swap(model, self.batch_invariant)
         self._hand_backend(model)
+        _onto_huge_pages(model)
 
     def prepare_module(self, module: nn.Module) -> nn.Module:
         self._hand_backend(module)
-        return self._swap(module, False)
+        module = self._swap(module, False)
+        _onto_huge_pages(module)
+        return module
 
     def fused_ops(self, dtype, intermediate: int):
         return self.ops if dtype in (torch.float32, torch.bfloat16) and intermediate % 16 == 0 else None
@@ -69,3 +75,10 @@ class CpuBackend(Backend):
     def describe(self) -> str:
         bf16 = ", bf16 linears on bf16_dot (AVX512-BF16)" if self.bf16_kernel else ""
         return f"specfw CPU kernels ({self.isa}{bf16})"
+
+
+def _onto_huge_pages(module: nn.Module) -> None:
+    """Every ``KernelLinear``'s packed weight moved into one huge-page buffer (``huge_pages``)."""
+    layers = [m for m in module.modules() if isinstance(m, KernelLinear)]
+    for layer, packed in zip(layers, huge_pages.relocate([m.packed for m in layers])):
+        layer.packed = packed
