@@ -64,6 +64,15 @@ class DraftDecoderLayer(nn.Module):
             gate_up.weight.copy_(torch.cat([m.gate_proj.weight, m.up_proj.weight]))
         self.qkv_fused, self.gate_up_fused = qkv.requires_grad_(False), gate_up.requires_grad_(False)
 
+    def norm_rows(self, norm: RMSNorm, x: torch.Tensor) -> torch.Tensor:
+        """``norm(x)`` for a head's own norms (around this layer: EAGLE-3's input and hidden norms,
+        the final norm), one call of the backend's fused op where it has one (a draft only
+        proposes: its bits need not match torch's)."""
+        ops = self.backend.fused_ops(x.dtype, self.mlp.gate_proj.out_features) if self.backend else None
+        if ops is None or x.dim() != 2:
+            return norm(x)
+        return ops.add_rms_norm(x.contiguous(), x.new_empty(0), norm.weight, norm.eps)[1]
+
     def forward(self, attn_in: torch.Tensor, residual: torch.Tensor, fb: ForwardBatch, kv: KVPool,
                 rotary: Rotary) -> torch.Tensor:
         """attn_in [T, in_dim] feeds q/k/v; residual [T, H] is added to the attention output."""

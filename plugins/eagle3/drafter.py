@@ -48,4 +48,4 @@ class Eagle3Drafter(FeatureDrafter):
         layer = self.head.midlayer
         out = layer(layer.attn_input(self.embed(tokens), features), features, fb, self.kv, self.rotary)
         sel = out if fb.logits_indices is None else out.index_select(0, fb.logits_indices)
-        return self.head.lm_head(self.head.norm(sel)).float(), out
+        return self.head.lm_head(layer.norm_rows(self.head.norm, sel)).float(), out

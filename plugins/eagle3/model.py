@@ -25,7 +25,7 @@ class Eagle3MidLayer(DraftDecoderLayer):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
     def attn_input(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], dim=-1)
+        return torch.cat([self.norm_rows(self.input_layernorm, embeds), self.norm_rows(self.hidden_norm, hidden)], dim=-1)
 
 
 class Eagle3Head(nn.Module):
