@@ -31,6 +31,7 @@ class ModelConfig:
     path: Optional[str] = None            # HF directory, hub id or .gguf file; null = demo model (SmolLM2-135M-Instruct)
     revision: Optional[str] = None        # hub revision when path is a hub id
     dtype: DType = DType.float32          # weights, activations and KV cache dtype
+    quantization: str = "none"            # none | int8 (weight-only, per-output-channel scales) | int4 (weight-only, groups of 32, scale+min) | gguf (the .gguf file's own Q8_0/Q4_0/Q4_1 blocks, bit-identical to none); CPU kernels only (docs/quantization.md)
     device: str = "auto"                  # auto | cpu | cuda | cuda:N: where weights, KV cache and activations live (auto: CUDA when torch sees one)
     context_length: Optional[int] = None  # max tokens per sequence; null = the model's max_position_embeddings
     served_model_name: Optional[str] = None  # name reported by /v1/models; null = directory name
@@ -64,6 +65,7 @@ class ServerConfig:
 class SpeculativeConfig:
     """Base of every algorithm's schema; ``none`` is plain decoding."""
     algorithm: str = "none"               # registered algorithm name (equals the option name)
+    draft_model_quantization: Optional[str] = None  # null (as model.quantization; gguf: only linears with GGUF blocks) | unquant | none | int8 | int4 | gguf
 
 
 @dataclass
@@ -104,6 +106,7 @@ def validate(cfg) -> None:
     positive("engine.decode_log_interval", e.decode_log_interval)
     positive("model.context_length", cfg.model.context_length, allow_none=True)
     check_cpu_isa(str(getattr(e, "cpu_isa", "auto")))
+    check_quantization(cfg)
     from .device import check_device_name
     check_device_name(str(cfg.model.device), "model.device")
     if e.kv_cache_memory_gb <= 0:
@@ -133,6 +136,20 @@ def check_cpu_isa(isa: str) -> None:
         if not isa_supported(isa):
             raise ConfigError("engine.cpu_isa", f"this CPU cannot run '{isa}' code (see /proc/cpuinfo flags); "
                                                 f"allowed here: {[i for i in CPU_ISAS if i not in ('avx512', 'avx2') or isa_supported(i)]}")
+
+
+def check_quantization(cfg) -> None:
+    """``model.quantization`` and ``speculative.draft_model_quantization``: known schemes."""
+    from .backends.quant_linear import DRAFT_SCHEMES, SCHEMES
+    q = str(getattr(cfg.model, "quantization", "none"))
+    if q not in SCHEMES:
+        raise ConfigError("model.quantization", f"'{q}' is not one of {list(SCHEMES)}")
+    try:
+        dq = getattr(cfg.speculative, "draft_model_quantization", None)
+    except Exception:   # no speculative node yet (MISSING)
+        dq = None
+    if dq is not None and str(dq) not in DRAFT_SCHEMES:
+        raise ConfigError("speculative.draft_model_quantization", f"'{dq}' is not one of {[None, *DRAFT_SCHEMES]}")
 
 
 def speculative_config(cfg):

@@ -67,7 +67,8 @@ class Engine:
         dtype = str(getattr(cfg.model.dtype, "value", cfg.model.dtype))
         self.device = resolve_device(str(getattr(cfg.model, "device", "auto")))
         loaded = load_model(cfg.model.path, dtype=dtype, revision=cfg.model.revision,
-                            max_positions=cfg.model.context_length, device=self.device)
+                            max_positions=cfg.model.context_length, device=self.device,
+                            quantization=str(getattr(cfg.model, "quantization", "none")))
         self.loaded, self.tokenizer, self.model_path = loaded, loaded.tokenizer, loaded.path
         self.dtype = DTYPES[dtype]
         self.tree_shape = speculative_tree_shape(cfg, loaded.hf_config)
@@ -78,7 +79,7 @@ class Engine:
         layer0 = loaded.model.layers[0]
         num_slots = cfg.engine.max_total_tokens or KVPool.slots_for_budget(
             cfg.engine.kv_cache_memory_gb * 2**30, loaded.model.num_layers, layer0.n_kv, layer0.head_dim, self.dtype)
-        self.backend = backend_from_config(cfg.engine, self.device)
+        self.backend = backend_from_config(cfg.engine, self.device, cfg)
         self.runner = ModelRunner(loaded.model, loaded.hf_config, num_slots, self.dtype, backend=self.backend,
                                   timed_rows=(1, typical_rows))
         self.stats = EngineStats()

@@ -106,6 +106,19 @@ def _fuse_into(model: LlamaModel, state: dict[str, torch.Tensor]) -> None:
         logger.warning("ignored %d unexpected tensors, e.g. %s", len(leftover), leftover[:3])
 
 
+def _attach_gguf(model: LlamaModel, cfg, path: Path) -> None:
+    import json
+    from .backends.quant_linear import attach_gguf_blocks
+    meta = Path(path) / "specfw_converted.json"
+    source = json.loads(meta.read_text()).get("source") if meta.exists() else None
+    if not source or not Path(source).is_file():
+        raise ModelLoadError("model.quantization: gguf needs a .gguf model.path (or the demo model); "
+                             f"{path} was not converted from a GGUF file")
+    n = attach_gguf_blocks(model, source, cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None)
+                           or cfg.num_attention_heads)
+    logger.info("gguf: %d linears keep the blocks of %s", n, Path(source).name)
+
+
 def load_config(path: Path):
     """The target's transformers config. MiMo checkpoints (``model_type: mimo``, remote code in
     transformers) are Qwen2 plus MTP layers: their config loads as a Qwen2Config."""
@@ -120,9 +133,11 @@ def load_config(path: Path):
 
 
 def load_model(ref: str | None, dtype: str = "float32", revision: str | None = None,
-               max_positions: int | None = None, device: str | torch.device = "cpu") -> LoadedModel:
+               max_positions: int | None = None, device: str | torch.device = "cpu",
+               quantization: str = "none") -> LoadedModel:
     """The model in ``dtype`` on ``device`` (weights are read on the host, then moved; tied
-    embeddings stay tied), its config and tokenizer."""
+    embeddings stay tied), its config and tokenizer. ``quantization="gguf"``: the linears also
+    get the source GGUF file's blocks (``gguf_weight``), which the CPU backend runs."""
     from transformers import AutoTokenizer
     if dtype not in DTYPES:
         raise ModelLoadError(f"model.dtype: '{dtype}' is not one of {sorted(DTYPES)}")
@@ -141,6 +156,8 @@ def load_model(ref: str | None, dtype: str = "float32", revision: str | None = N
     model.rotary = type(model.rotary)(cfg, npos, tdtype)
     _fuse_into(model, load_state_dict(path))
     model.eval()
+    if quantization == "gguf":
+        _attach_gguf(model, cfg, path)
     if torch.device(device).type != "cpu":
         model.to(device)
         model.rotary.to(device)

@@ -12,9 +12,11 @@ logger = logging.getLogger(__name__)
 
 
 def make_backend(device: torch.device | str = "cpu", batch_invariant: bool = True, cpu_isa: str = "auto",
-                 cpu_packed_gemm: bool = True, cpu_bf16_kernel: bool = True) -> Backend:
+                 cpu_packed_gemm: bool = True, cpu_bf16_kernel: bool = True, quantization: str = "none",
+                 draft_quantization: str | None = None) -> Backend:
     """``CpuBackend`` on a CPU where specfw's kernels build for ``cpu_isa`` (``auto``: the best the
-    CPU's flags allow; ``none``: torch's ops), else ``TorchBackend``."""
+    CPU's flags allow; ``none``: torch's ops), else ``TorchBackend``. Quantized weights
+    (``quantization`` / ``draft_quantization`` other than none) need the CPU backend."""
     from .torch_ops import TorchBackend
     device = torch.device(device)
     if device.type == "cpu" and cpu_isa != "none":
@@ -23,8 +25,11 @@ def make_backend(device: torch.device | str = "cpu", batch_invariant: bool = Tru
         ops = cpu_ops(isa)
         if ops is not None:
             from .cpu import CpuBackend
-            return CpuBackend(ops, isa, batch_invariant, cpu_bf16_kernel)
+            return CpuBackend(ops, isa, batch_invariant, cpu_bf16_kernel, quantization, draft_quantization)
         logger.warning("specfw's CPU kernels are unavailable here: using torch's ops")
+    if quantization != "none" or draft_quantization not in (None, "none", "unquant"):
+        raise ValueError("model.quantization: quantized weights run on specfw's CPU kernels only "
+                         "(a CPU device and engine.cpu_isa other than none)")
     return TorchBackend(device, batch_invariant, cpu_packed_gemm, cpu_bf16_kernel)
 
 
@@ -40,9 +45,18 @@ def plain_backend(device: torch.device | str) -> Backend:
     return TorchBackend(device, batch_invariant=False, packed_gemm=False)
 
 
-def backend_from_config(engine_cfg, device: torch.device) -> Backend:
+def backend_from_config(engine_cfg, device: torch.device, cfg=None) -> Backend:
+    """``cfg`` (the whole config) adds ``model.quantization`` and ``speculative.draft_model_quantization``."""
+    quant, draft = "none", None
+    if cfg is not None:
+        quant = str(getattr(cfg.model, "quantization", "none"))
+        try:
+            draft = getattr(cfg.speculative, "draft_model_quantization", None)
+        except Exception:
+            draft = None
     return make_backend(device, engine_cfg.batch_invariant, str(getattr(engine_cfg, "cpu_isa", "auto")),
-                        engine_cfg.cpu_packed_gemm, engine_cfg.cpu_bf16_kernel)
+                        engine_cfg.cpu_packed_gemm, engine_cfg.cpu_bf16_kernel, quant,
+                        None if draft is None else str(draft))
 
 
 __all__ = ["AttentionPlan", "Backend", "HeadShape", "backend_from_config", "default_backend", "make_backend", "plain_backend"]

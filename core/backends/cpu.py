@@ -9,6 +9,9 @@ flags; forcing ``avx2`` on an AVX-512 CPU tests and times that path there too).
 * attention: ``KernelAttentionPlan`` for every decode, tree and extend row (one fixed reduction
   order per (row, head), exact for plain and tree rows alike), one causal SDPA call per prompt
   prefill;
+* quantized linears (``model.quantization`` for the target, ``speculative.draft_model_quantization``
+  for draft modules and draft models): ``QuantLinear`` on ``kernels/quant_ops.cpp``
+  (``quant_linear.py``; invariant by construction too);
 * no padded rows, no row plans: nothing depends on what else is in a forward;
 * the packed weights of the target (and of each draft module) in one buffer on 2 MB pages
   (``huge_pages``).
@@ -24,44 +27,65 @@ from . import huge_pages
 from .base import Backend, HeadShape
 from .kernel_attention import KernelAttentionPlan
 from .kernel_linear import KernelLinear
+from .quant_linear import QuantLinear, supports
 
 
 class CpuBackend(Backend):
     name = "cpu"
 
-    def __init__(self, ops, isa: str, batch_invariant: bool = True, bf16_kernel: bool = True):
+    def __init__(self, ops, isa: str, batch_invariant: bool = True, bf16_kernel: bool = True,
+                 quantization: str = "none", draft_quantization: str | None = None):
         super().__init__(torch.device("cpu"), batch_invariant)
         self.ops, self.isa = ops, isa
         self.bf16_kernel = bf16_kernel and bf16_kernel_available()
+        self.quantization = quantization
+        # draft modules: null = the target's scheme, unquant = none
+        self.draft_quantization = quantization if draft_quantization is None else draft_quantization.replace("unquant", "none")
+        self.qops = None
+        if "none" != self.quantization or "none" != self.draft_quantization:
+            from ..kernels import quant_ops
+            self.qops = quant_ops(isa)
+            if self.qops is None:
+                raise RuntimeError("model.quantization: the quantized CPU kernels (kernels/quant_ops.cpp) could not be built")
 
-    def linear_for(self, linear: nn.Linear, batch_invariant: bool) -> nn.Module | None:
+    def linear_for(self, linear: nn.Linear, batch_invariant: bool, scheme: str = "none") -> nn.Module | None:
         w = linear.weight
         if type(linear) is not nn.Linear or w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
             return None
+        if scheme == "gguf" and hasattr(linear, "gguf_weight"):
+            return QuantLinear(linear.gguf_weight, linear.bias, self.qops, "gguf")
+        if scheme in ("int8", "int4") and supports(linear, scheme):
+            return QuantLinear.from_linear(linear, self.qops, scheme)
         if w.dtype == torch.bfloat16 and self.bf16_kernel:
             return DotBF16Linear(linear, batch_invariant)
         return KernelLinear(linear, self.ops, self.isa, batch_invariant)
 
-    def _swap(self, module: nn.Module, batch_invariant: bool) -> nn.Module:
+    def _swap(self, module: nn.Module, batch_invariant: bool, scheme: str = "none") -> nn.Module:
         if type(module) is nn.Linear:   # a bare layer (e.g. an FR-Spec lm_head)
-            return self.linear_for(module, batch_invariant) or module
+            return self.linear_for(module, batch_invariant, scheme) or module
         for parent in list(module.modules()):
             for name, child in list(parent.named_children()):
-                fast = self.linear_for(child, batch_invariant) if type(child) is nn.Linear else None
+                fast = self.linear_for(child, batch_invariant, scheme) if type(child) is nn.Linear else None
                 if fast is not None:
                     setattr(parent, name, fast)
         return module
 
     def prepare_target(self, model: nn.Module) -> None:
-        self._swap(model, self.batch_invariant)
+        self._swap(model, self.batch_invariant, self.quantization)
         self._hand_backend(model)
         _onto_huge_pages(model)
 
     def prepare_module(self, module: nn.Module) -> nn.Module:
         self._hand_backend(module)
-        module = self._swap(module, False)
+        module = self._swap(module, False, self.draft_quantization)
         _onto_huge_pages(module)
         return module
+
+    def for_drafting(self) -> "CpuBackend":
+        """Also a draft model's own runner: its target is quantized with the draft scheme."""
+        other = super().for_drafting()
+        other.quantization = self.draft_quantization
+        return other
 
     def fused_ops(self, dtype, intermediate: int):
         return self.ops if dtype in (torch.float32, torch.bfloat16) and intermediate % 16 == 0 else None
@@ -74,7 +98,9 @@ class CpuBackend(Backend):
 
     def describe(self) -> str:
         bf16 = ", bf16 linears on bf16_dot (AVX512-BF16)" if self.bf16_kernel else ""
-        return f"specfw CPU kernels ({self.isa}{bf16})"
+        quant = f", weights {self.quantization}" if self.quantization != "none" else ""
+        draft = f", draft weights {self.draft_quantization}" if self.draft_quantization != self.quantization else ""
+        return f"specfw CPU kernels ({self.isa}{bf16}{quant}{draft})"
 
 
 def _onto_huge_pages(module: nn.Module) -> None:

@@ -21,6 +21,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("bf16_dot.cpp")
 _OPS_SOURCE = Path(__file__).with_name("cpu_ops.cpp")
+_QUANT_SOURCE = Path(__file__).with_name("quant_ops.cpp")
 _cache: dict[str, object] = {}
 
 
@@ -64,6 +65,17 @@ def cpu_ops(isa: str | None = None):
     key = f"cpu_ops_{isa}"
     if key not in _cache:
         _cache[key] = _load(_OPS_SOURCE, f"specfw_cpu_ops_{isa}", _ISA_FLAGS[isa], "cpu kernels " + isa)
+    return _cache[key]
+
+
+def quant_ops(isa: str | None = None):
+    """``quant_ops.cpp`` (weight-only int8/int4/GGUF-block linears) built for ``isa``, or None.
+    Built with ``-ffp-contract=off``: its dequantization must round like gguf-py's (no FMA)."""
+    isa = isa or cpu_isa()
+    key = f"quant_ops_{isa}"
+    if key not in _cache:
+        _cache[key] = _load(_QUANT_SOURCE, f"specfw_quant_ops_{isa}", [*_ISA_FLAGS[isa], "-ffp-contract=off"],
+                            "quantized kernels " + isa)
     return _cache[key]
 
 
@@ -120,6 +132,7 @@ def build_all() -> dict[str, bool]:
     and, where the CPU has AVX512-BF16, ``bf16_dot``. For ``scripts/setup.sh``, so that the first
     server start or test run does not compile."""
     done = {isa: cpu_ops(isa) is not None for isa in dict.fromkeys([cpu_isa(), "portable"])}
+    done.update({f"quant_{isa}": quant_ops(isa) is not None for isa in dict.fromkeys([cpu_isa(), "portable"])})
     if cpu_has_avx512_bf16():
         done["bf16_dot"] = bf16_dot() is not None
     return done

@@ -1,0 +1,220 @@
+"""``QuantLinear``: a weight-only quantized linear on ``kernels/quant_ops.cpp``.
+
+Schemes (``model.quantization``, ``speculative.draft_model_quantization``; see
+docs/quantization.md):
+
+* ``int8`` -- symmetric, one fp32 scale per output channel: ``q = round(w / s)``,
+  ``s = max|w| / 127``, ``w' = s * q``;
+* ``int4`` -- asymmetric, groups of ``INT4_GROUP`` = 32 inputs per output with an fp32 scale and
+  min: ``s = (max - min) / 15``, ``q = round((w - min) / s)`` in 0..15, ``w' = s * q + min``;
+* ``gguf`` -- the GGUF file's own blocks (Q8_0, Q4_0, Q4_1), kept as they are: each weight is
+  dequantized in registers to exactly the fp32 value of the fp32 checkpoint specfw converts the
+  file to, so outputs are bit-identical to ``none`` on that checkpoint (``attach_gguf_blocks``
+  verifies every tensor at load).
+
+Every output is accumulated in fp32 in k order whatever the rows (batch invariant by
+construction, like ``KernelLinear``), so greedy speculation stays exact within each scheme.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+SCHEMES = ("none", "int8", "int4", "gguf")
+DRAFT_SCHEMES = (*SCHEMES, "unquant")
+INT4_GROUP = 32
+BLOCK = 16   # outputs per packed block (as cpu_ops' linear)
+
+
+@dataclass
+class QuantWeight:
+    """Codes and scales in the kernel's layout (``quant_ops.cpp``)."""
+    codes: torch.Tensor            # int8 [NB, K, 16] (bits 8) or uint8 [NB, K/2, 16] (bits 4)
+    scale: torch.Tensor            # fp32 [NB, K/G, 16]
+    minv: torch.Tensor             # fp32 like scale, or empty
+    bits: int
+    offset: int                    # subtracted from a 4-bit code (8 for Q4_0)
+    group: int
+    out_features: int
+    in_features: int
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.minv))
+
+
+def _blocked(t: torch.Tensor) -> torch.Tensor:
+    """[N, X] -> [ceil(N/16), X, 16] (zero padded), as ``cpu_ops.pack``."""
+    n = t.shape[0]
+    nb = (n + BLOCK - 1) // BLOCK
+    if nb * BLOCK != n:
+        t = torch.cat([t, t.new_zeros(nb * BLOCK - n, t.shape[1])])
+    return t.view(nb, BLOCK, t.shape[1]).transpose(1, 2).contiguous()
+
+
+def pack(codes: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None, bits: int, offset: int,
+         group: int) -> QuantWeight:
+    """codes [N, K] (int8 values for bits 8, 0..15 for bits 4), scale/minv [N, K/group]."""
+    n, k = codes.shape
+    if bits == 8:
+        c = _blocked(codes.to(torch.int8))
+    else:
+        c = _blocked(codes.to(torch.uint8))
+        c = (c[:, 0::2, :] | (c[:, 1::2, :] << 4)).contiguous()
+    s = _blocked(scale.float())
+    m = _blocked(minv.float()) if minv is not None else torch.empty(0)
+    return QuantWeight(c, s, m, bits, offset, group, n, k)
+
+
+def quantize(w: torch.Tensor, scheme: str) -> QuantWeight:
+    """An fp32/bf16 weight [N, K] quantized at load (``int8`` or ``int4``)."""
+    w = w.detach().float()
+    if scheme == "int8":
+        s = w.abs().amax(1, keepdim=True) / 127
+        s = torch.where(s > 0, s, torch.ones_like(s))
+        q = torch.round(w / s).clamp(-127, 127)
+        return pack(q, s, None, 8, 0, w.shape[1])
+    if scheme == "int4":
+        n, k = w.shape
+        g = w.view(n, k // INT4_GROUP, INT4_GROUP)
+        lo, hi = g.amin(2), g.amax(2)
+        s = (hi - lo) / 15
+        s = torch.where(s > 0, s, torch.ones_like(s))
+        q = torch.round((g - lo[..., None]) / s[..., None]).clamp(0, 15).view(n, k)
+        return pack(q, s, lo, 4, 0, INT4_GROUP)
+    raise ValueError(f"quantize: scheme {scheme!r}")
+
+
+def supports(linear: nn.Module, scheme: str) -> bool:
+    k = linear.in_features
+    return k % 2 == 0 and (scheme != "int4" or k % INT4_GROUP == 0)
+
+
+class QuantLinear(nn.Module):
+    def __init__(self, qw: QuantWeight, bias: torch.Tensor | None, ops, scheme: str):
+        super().__init__()
+        self.qw, self.ops, self.scheme = qw, ops, scheme
+        self.in_features, self.out_features = qw.in_features, qw.out_features
+        self.bias = torch.empty(0) if bias is None else bias.detach().float()
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, ops, scheme: str) -> "QuantLinear":
+        return cls(quantize(linear.weight, scheme), linear.bias, ops, scheme)
+
+    @property
+    def weight(self) -> torch.Tensor:
+        """The fp32 ``[N, K]`` weight the codes stand for."""
+        q = self.qw
+        return self.ops.dequantize(q.codes, q.scale, q.minv, q.bits, q.offset, q.group, q.in_features, q.out_features)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.qw
+        y = self.ops.qlinear(x.reshape(-1, self.in_features), q.codes, q.scale, q.minv, q.bits, q.offset, q.group,
+                             self.out_features, self.bias)
+        return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"{self.in_features}, {self.out_features}, scheme={self.scheme}, {self.qw.nbytes / 2**20:.1f} MiB"
+
+
+# ---------------------------------------------------------------- GGUF blocks
+
+def gguf_blocks(raw: np.ndarray, qtype: str, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int, int]:
+    """One GGUF tensor's raw blocks [N, bytes] -> per-weight codes [N, K], d [N, K/32], m or None,
+    bits, offset. Element j of a Q4 block is byte j's low nibble, element j + 16 its high one."""
+    raw = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // 32, -1)
+    d = torch.from_numpy(raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
+    if qtype == "Q8_0":
+        q = torch.from_numpy(raw[..., 2:34].copy().view(np.int8).reshape(n, k))
+        return q, d, None, 8, 0
+    if qtype in ("Q4_0", "Q4_1"):
+        off = 2 if qtype == "Q4_0" else 4
+        qs = raw[..., off:off + 16]
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k)
+        m = torch.from_numpy(raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)) if qtype == "Q4_1" else None
+        return torch.from_numpy(q), d, m, 4, 8 if qtype == "Q4_0" else 0
+    raise ValueError(f"GGUF block type {qtype} is not supported (Q8_0, Q4_0, Q4_1)")
+
+
+def dequantize_reference(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bits: int, offset: int) -> torch.Tensor:
+    """gguf-py's arithmetic in torch: d * q in fp32, then + m (two roundings)."""
+    n, k = q.shape
+    qf = (q.to(torch.int32) - offset).float().view(n, -1, 32)
+    w = d[..., None] * qf
+    if m is not None:
+        w = w + m[..., None]
+    return w.view(n, k)
+
+
+def _reverse_permute(n: int, heads: int) -> torch.Tensor:
+    """transformers' reverse_permute_weights (q/k rows of a llama GGUF) as a row index."""
+    dim = n // heads // 2
+    return torch.arange(n).view(heads, dim, 2).transpose(1, 2).reshape(n)
+
+
+_NAMES = {"qkv_proj": ("attn_q", "attn_k", "attn_v"), "o_proj": ("attn_output",),
+          "gate_up_proj": ("ffn_gate", "ffn_up"), "down_proj": ("ffn_down",)}
+
+
+def attach_gguf_blocks(model: nn.Module, gguf_path, n_heads: int, n_kv_heads: int) -> int:
+    """Give each linear of ``model`` whose GGUF tensors are Q8_0/Q4_0/Q4_1 a ``gguf_weight``
+    (``QuantWeight``) -- only where dequantizing the blocks gives exactly the fp32 weight loaded
+    (else the linear stays fp32 and a warning says which). Returns how many got blocks."""
+    from gguf import GGUFReader
+    reader = GGUFReader(str(gguf_path))
+    tensors = {t.name: t for t in reader.tensors}
+    targets: list[tuple[nn.Linear, list[str]]] = []
+    for i, layer in enumerate(model.layers):
+        for attr, names in _NAMES.items():
+            targets.append((getattr(layer, attr), [f"blk.{i}.{n}.weight" for n in names]))
+    lm = "output.weight" if "output.weight" in tensors else "token_embd.weight"
+    targets.append((model.lm_head, [lm]))
+    done = 0
+    for linear, names in targets:
+        parts = []
+        for name in names:
+            t = tensors.get(name)
+            qtype = t.tensor_type.name if t is not None else "missing"
+            if qtype not in ("Q8_0", "Q4_0", "Q4_1"):
+                parts = None
+                break
+            n, k = int(t.shape[1]), int(t.shape[0])
+            parts.append((name, gguf_blocks(t.data, qtype, n, k)))
+        if not parts or len({p[1][3:] for p in parts}) != 1:
+            logger.info("gguf: %s stays fp32 (block types %s)", names, [tensors[n].tensor_type.name for n in names if n in tensors])
+            continue
+        qw = _match(linear.weight.detach().float(), parts, n_heads, n_kv_heads)
+        if qw is None:
+            logger.warning("gguf: %s blocks do not dequantize to the loaded weight; it stays fp32", names)
+            continue
+        linear.gguf_weight = qw
+        done += 1
+    return done
+
+
+def _match(w: torch.Tensor, parts, n_heads: int, n_kv_heads: int) -> QuantWeight | None:
+    qs, ds, ms = [], [], []
+    row = 0
+    for name, (q, d, m, bits, offset) in parts:
+        n = q.shape[0]
+        target = w[row:row + n]
+        row += n
+        heads = n_heads if name.endswith("attn_q.weight") else n_kv_heads
+        perms = [None] + ([_reverse_permute(n, heads)] if name.endswith(("attn_q.weight", "attn_k.weight")) else [])
+        for p in perms:
+            qp, dp, mp = (q, d, m) if p is None else (q[p], d[p], m[p] if m is not None else None)
+            if torch.equal(dequantize_reference(qp, dp, mp, bits, offset), target):
+                qs.append(qp), ds.append(dp), ms.append(mp)
+                break
+        else:
+            return None
+    if row != w.shape[0]:
+        return None
+    m = torch.cat(ms) if ms[0] is not None else None
+    return pack(torch.cat(qs), torch.cat(ds), m, bits, offset, 32)

@@ -1,0 +1,252 @@
+// specfw CPU kernels for weight-only quantized linears (model.quantization = int8 | int4 | gguf).
+//
+// A weight is stored as integer codes plus per-(group, output) fp32 scales d (and mins m), in
+// the output-blocked layout of cpu_ops' linear (16 outputs side by side per k):
+//   bits 8: codes int8  [NB, K, 16]                  w = d * q            (q = code)
+//   bits 4: codes uint8 [NB, K/2, 16], low nibble = even k, high nibble = odd k
+//                                                    w = d * q (+ m)      (q = nibble - offset)
+//   scale / minv fp32 [NB, K/G, 16]: group g covers k in [g*G, (g+1)*G)
+// Each weight is dequantized to fp32 exactly as gguf-py (and so the fp32 checkpoint specfw
+// converts a GGUF file to) computes it: d * q rounded to fp32, then + m rounded to fp32 -- a
+// separate multiply and add, never an FMA (built with -ffp-contract=off). Each output is then
+// accumulated over k = 0..K-1 in sequence with one FMA per k (AVX2/AVX-512 builds) or a multiply
+// then an add (portable build), starting from zero, bias added last: the very operations of
+// cpu_ops' linear on the dequantized fp32 weight. So a GGUF model run on its blocks gives the
+// bits of the same model dequantized to fp32 and run on cpu_ops, while streaming ~5x fewer bytes;
+// and the kernel is batch invariant by construction (no sum depends on row count, tile or thread).
+//
+// Per block of 16 outputs, k runs in chunks of 64: the chunk's weights are dequantized once into
+// an L1 buffer, then every tile of up to 4 rows accumulates from it (the dequantization is paid
+// once per token batch, not once per row).
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cstdint>
+#include <vector>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#define SPECFW_QISA_SIMD 1
+#endif
+
+namespace {
+
+constexpr int64_t kBlock = 16;
+constexpr int64_t kChunk = 64;
+constexpr int kTile = 4;
+
+// codes of one k (16 outputs) as integers (before scale)
+inline void codes_at(const uint8_t* codes, int bits, int64_t K, int64_t b, int64_t k, int offset, int32_t* q) {
+  if (bits == 8) {
+    const int8_t* c = reinterpret_cast<const int8_t*>(codes) + (b * K + k) * kBlock;
+    for (int l = 0; l < kBlock; ++l) q[l] = c[l];
+  } else {
+    const uint8_t* c = codes + (b * (K / 2) + k / 2) * kBlock;
+    const int sh = (k & 1) * 4;
+    for (int l = 0; l < kBlock; ++l) q[l] = int32_t((c[l] >> sh) & 0xF) - offset;
+  }
+}
+
+// f(k, w0, w1) for k = k0..k1-1 in order: the 16 dequantized weights of k (lanes 0-7, 8-15);
+// scales loaded once per group, a 4-bit byte row loaded once per pair of k
+#if defined(SPECFW_QISA_SIMD)
+template <typename F>
+inline void for_weights(const uint8_t* codes, int bits, int offset, const float* scale, const float* minv, int64_t K,
+                        int64_t G, int64_t b, int64_t k0, int64_t k1, F&& f) {
+  const int64_t groups = K / G;
+  const __m256i off = _mm256_set1_epi32(offset);
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  for (int64_t k = k0; k < k1;) {
+    const int64_t g = k / G, ke = std::min(k1, (g + 1) * G);
+    const float* d = scale + (b * groups + g) * kBlock;
+    const __m256 d0 = _mm256_loadu_ps(d), d1 = _mm256_loadu_ps(d + 8);
+    const bool has_m = minv != nullptr;
+    const __m256 m0 = has_m ? _mm256_loadu_ps(minv + (b * groups + g) * kBlock) : _mm256_setzero_ps();
+    const __m256 m1 = has_m ? _mm256_loadu_ps(minv + (b * groups + g) * kBlock + 8) : _mm256_setzero_ps();
+    auto weights = [&](__m256i q0, __m256i q1, __m256& w0, __m256& w1) {
+      w0 = _mm256_mul_ps(d0, _mm256_cvtepi32_ps(q0));   // d * q, rounded; then + m, rounded (no FMA)
+      w1 = _mm256_mul_ps(d1, _mm256_cvtepi32_ps(q1));
+      if (has_m) { w0 = _mm256_add_ps(w0, m0); w1 = _mm256_add_ps(w1, m1); }
+    };
+    for (; k < ke; k += 2) {
+      __m256 a0, a1, b0, b1;
+      if (bits == 8) {
+        const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (b * K + k) * kBlock));
+        const __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (b * K + k + 1) * kBlock));
+        weights(_mm256_cvtepi8_epi32(c), _mm256_cvtepi8_epi32(_mm_srli_si128(c, 8)), a0, a1);
+        weights(_mm256_cvtepi8_epi32(e), _mm256_cvtepi8_epi32(_mm_srli_si128(e, 8)), b0, b1);
+      } else {
+        const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + (b * (K / 2) + k / 2) * kBlock));
+        const __m128i lo = _mm_and_si128(c, mask), hi = _mm_and_si128(_mm_srli_epi16(c, 4), mask);
+        weights(_mm256_sub_epi32(_mm256_cvtepu8_epi32(lo), off), _mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)), off), a0, a1);
+        weights(_mm256_sub_epi32(_mm256_cvtepu8_epi32(hi), off), _mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)), off), b0, b1);
+      }
+      f(k, a0, a1);
+      f(k + 1, b0, b1);
+    }
+  }
+}
+#endif
+
+// dequantize k in [k0, k1) of block b into buf [(k - k0) * 16 + lane]
+void dequant_chunk(const uint8_t* codes, int bits, int offset, const float* scale, const float* minv, int64_t K,
+                   int64_t G, int64_t b, int64_t k0, int64_t k1, float* buf) {
+#if defined(SPECFW_QISA_SIMD)
+  for_weights(codes, bits, offset, scale, minv, K, G, b, k0, k1, [&](int64_t k, __m256 w0, __m256 w1) {
+    _mm256_storeu_ps(buf + (k - k0) * kBlock, w0);
+    _mm256_storeu_ps(buf + (k - k0) * kBlock + 8, w1);
+  });
+#else
+  const int64_t groups = K / G;
+  for (int64_t k = k0; k < k1; ++k) {
+    const float* d = scale + (b * groups + k / G) * kBlock;
+    const float* m = minv ? minv + (b * groups + k / G) * kBlock : nullptr;
+    int32_t q[kBlock];
+    codes_at(codes, bits, K, b, k, offset, q);
+    for (int l = 0; l < kBlock; ++l) {
+      float w = d[l] * float(q[l]);
+      if (m) w = w + m[l];
+      buf[(k - k0) * kBlock + l] = w;
+    }
+  }
+#endif
+}
+
+#if defined(SPECFW_QISA_SIMD)
+// up to 4 rows: weights dequantized in registers and used at once (no buffer), over all of K
+template <int MR>
+void fused(const uint8_t* codes, int bits, int offset, const float* scale, const float* minv, int64_t K, int64_t G,
+           int64_t b, const float* x, float* part) {
+  __m256 acc[MR][2];
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for_weights(codes, bits, offset, scale, minv, K, G, b, 0, K, [&](int64_t k, __m256 w0, __m256 w1) {
+    for (int r = 0; r < MR; ++r) {
+      const __m256 xb = _mm256_set1_ps(x[r * K + k]);
+      acc[r][0] = _mm256_fmadd_ps(w0, xb, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(w1, xb, acc[r][1]);
+    }
+  });
+  for (int r = 0; r < MR; ++r) {
+    _mm256_storeu_ps(part + r * kBlock, acc[r][0]);
+    _mm256_storeu_ps(part + r * kBlock + 8, acc[r][1]);
+  }
+}
+#endif
+
+// MR rows over the chunk in buf (n = k1 - k0 values of k), running sums in part [MR][16]
+template <int MR>
+inline void tile(const float* buf, int64_t n, const float* x, int64_t K, float* part, bool fresh) {
+#if defined(SPECFW_QISA_SIMD)
+  __m256 acc[MR][2];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < 2; ++v) acc[r][v] = fresh ? _mm256_setzero_ps() : _mm256_loadu_ps(part + r * kBlock + v * 8);
+  for (int64_t j = 0; j < n; ++j) {
+    const __m256 w0 = _mm256_loadu_ps(buf + j * kBlock), w1 = _mm256_loadu_ps(buf + j * kBlock + 8);
+    for (int r = 0; r < MR; ++r) {
+      const __m256 xb = _mm256_set1_ps(x[r * K + j]);
+      acc[r][0] = _mm256_fmadd_ps(w0, xb, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(w1, xb, acc[r][1]);
+    }
+  }
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < 2; ++v) _mm256_storeu_ps(part + r * kBlock + v * 8, acc[r][v]);
+#else
+  float acc[MR][kBlock];
+  for (int r = 0; r < MR; ++r)
+    for (int l = 0; l < kBlock; ++l) acc[r][l] = fresh ? 0.f : part[r * kBlock + l];
+  for (int64_t j = 0; j < n; ++j)
+    for (int r = 0; r < MR; ++r) {
+      const float xv = x[r * K + j];
+      for (int l = 0; l < kBlock; ++l) acc[r][l] = acc[r][l] + buf[j * kBlock + l] * xv;
+    }
+  for (int r = 0; r < MR; ++r)
+    for (int l = 0; l < kBlock; ++l) part[r * kBlock + l] = acc[r][l];
+#endif
+}
+
+inline void tile_rows(int mr, const float* buf, int64_t n, const float* x, int64_t K, float* part, bool fresh) {
+  switch (mr) {
+    case 4: tile<4>(buf, n, x, K, part, fresh); break;
+    case 3: tile<3>(buf, n, x, K, part, fresh); break;
+    case 2: tile<2>(buf, n, x, K, part, fresh); break;
+    case 1: tile<1>(buf, n, x, K, part, fresh); break;
+    default: break;
+  }
+}
+
+}  // namespace
+
+// x [M, K]; codes/scale/minv as above (minv may be empty); bias fp32 [N] or empty -> y [M, N] fp32
+torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor scale, torch::Tensor minv, int64_t bits,
+                      int64_t offset, int64_t G, int64_t N, torch::Tensor bias) {
+  TORCH_CHECK(x.dim() == 2 && (bits == 8 || bits == 4), "qlinear: x [M, K], bits 8 or 4");
+  const int64_t M = x.size(0), K = x.size(1), NB = codes.size(0);
+  TORCH_CHECK(codes.dim() == 3 && codes.size(2) == kBlock && codes.size(1) == (bits == 8 ? K : K / 2),
+              "qlinear: codes [NB, K (or K/2), 16] for this input width");
+  TORCH_CHECK(G > 0 && K % G == 0 && G % 2 == 0, "qlinear: group size (divides K, even)");
+  TORCH_CHECK(scale.scalar_type() == torch::kFloat32 && scale.numel() == NB * (K / G) * kBlock, "qlinear: scale [NB, K/G, 16]");
+  TORCH_CHECK(!minv.numel() || minv.sizes() == scale.sizes(), "qlinear: minv like scale");
+  TORCH_CHECK(NB * kBlock >= N && (!bias.numel() || bias.numel() == N), "qlinear: N / bias");
+  auto xf = x.to(torch::kFloat32).contiguous();
+  auto y = torch::empty({M, N}, xf.options());
+  if (M == 0) return y;
+  const uint8_t* C = reinterpret_cast<const uint8_t*>(codes.data_ptr());
+  const float* S = scale.data_ptr<float>();
+  const float* Mn = minv.numel() ? minv.data_ptr<float>() : nullptr;
+  const float* B = bias.numel() ? bias.data_ptr<float>() : nullptr;
+  const float* X = xf.data_ptr<float>();
+  float* Y = y.data_ptr<float>();
+  const int64_t tiles = (M + kTile - 1) / kTile, base = M / tiles, extra = M % tiles;
+  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
+    std::vector<float> buf(kChunk * kBlock), part(M * kBlock);
+    for (int64_t b = b0; b < b1; ++b) {
+#if defined(SPECFW_QISA_SIMD)
+      if (M <= 2) {   // one or two rows: dequantize in registers (memory bound; no buffer round trip)
+        if (M == 1) fused<1>(C, int(bits), int(offset), S, Mn, K, G, b, X, part.data());
+        else fused<2>(C, int(bits), int(offset), S, Mn, K, G, b, X, part.data());
+      } else
+#endif
+      for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
+        const int64_t k1 = std::min(K, k0 + kChunk);
+        dequant_chunk(C, int(bits), int(offset), S, Mn, K, G, b, k0, k1, buf.data());
+        int64_t m = 0;
+        for (int64_t t = 0; t < tiles; ++t) {
+          const int mr = int(base + (t < extra));
+          tile_rows(mr, buf.data(), k1 - k0, X + m * K + k0, K, part.data() + m * kBlock, k0 == 0);
+          m += mr;
+        }
+      }
+      const int64_t n0 = b * kBlock, nv = std::min<int64_t>(kBlock, N - n0);
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t l = 0; l < nv; ++l) Y[m * N + n0 + l] = B ? part[m * kBlock + l] + B[n0 + l] : part[m * kBlock + l];
+    }
+  });
+  return y;
+}
+
+// the fp32 weight [N, K] these codes stand for (tests, the module's .weight)
+torch::Tensor dequantize(torch::Tensor codes, torch::Tensor scale, torch::Tensor minv, int64_t bits, int64_t offset,
+                         int64_t G, int64_t K, int64_t N) {
+  const int64_t NB = codes.size(0);
+  auto out = torch::empty({NB, K, kBlock}, torch::kFloat32);
+  const uint8_t* C = reinterpret_cast<const uint8_t*>(codes.data_ptr());
+  for (int64_t b = 0; b < NB; ++b)
+    dequant_chunk(C, int(bits), int(offset), scale.data_ptr<float>(), minv.numel() ? minv.data_ptr<float>() : nullptr,
+                  K, G, b, 0, K, out.data_ptr<float>() + b * K * kBlock);
+  return out.transpose(1, 2).reshape({NB * kBlock, K}).slice(0, 0, N).contiguous();
+}
+
+std::string isa() {
+#if defined(__AVX512F__)
+  return "avx512";
+#elif defined(__AVX2__)
+  return "avx2";
+#else
+  return "portable";
+#endif
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("qlinear", &qlinear, "batch-invariant weight-only quantized linear");
+  m.def("dequantize", &dequantize, "the fp32 weight of packed codes");
+  m.def("isa", &isa, "the instruction set this build targets");
+}
