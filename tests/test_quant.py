@@ -1,0 +1,179 @@
+"""Quantized weights (model.quantization, kernels/quant_ops.cpp): the kernel against float64
+references on every ISA this CPU runs, bit identity of GGUF blocks with the fp32 kernel on the
+dequantized weight, batch/row invariance, GGUF block parsing against gguf-py, config checks, and
+greedy speculative == plain greedy within each scheme."""
+import numpy as np
+import pytest
+import torch
+
+from conftest import make_cfg
+from specfw.backends.quant_linear import (INT4_GROUP, QuantLinear, dequantize_reference, gguf_blocks, pack,
+                                          quantize)
+from specfw.config import ConfigError, validate
+from specfw.kernels import ISAS, cpu_ops, isa_supported, quant_ops
+from specfw.sampling import SamplingParams
+
+
+def _ops(isa):
+    if not isa_supported(isa):
+        pytest.skip(f"this CPU cannot run {isa}")
+    q, c = quant_ops(isa), cpu_ops(isa)
+    if q is None or c is None:
+        pytest.skip("kernels cannot be built here")
+    return q, c
+
+
+def _q4_1(n, k, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (n, k), generator=g)
+    d = torch.rand(n, k // 32, generator=g) * 0.02
+    m = -torch.rand(n, k // 32, generator=g) * 0.1
+    return q, d, m
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kind", ["Q4_1", "Q4_0", "Q8_0"])
+def test_gguf_blocks_give_the_fp32_kernels_bits(isa, kind):
+    """Dequantized in registers as gguf-py does (d*q, then +m), accumulated like cpu_ops' linear:
+    the very bits of KernelLinear on the dequantized fp32 weight, for 1..16 rows, with bias."""
+    from specfw.backends.kernel_linear import KernelLinear
+    qops, cops = _ops(isa)
+    n, k = 70, 192
+    q, d, m = _q4_1(n, k)
+    bits, offset = 4, 0
+    if kind == "Q4_0":
+        m, offset = None, 8
+    elif kind == "Q8_0":
+        q, m, bits = torch.randint(-128, 128, (n, k)), None, 8
+    w = dequantize_reference(q, d, m, bits, offset)
+    lin = torch.nn.Linear(k, n)
+    lin.weight.data.copy_(w)
+    ql = QuantLinear(pack(q, d, m, bits, offset, 32), lin.bias, qops, "gguf")
+    assert torch.equal(ql.weight, w)
+    kl = KernelLinear(lin, cops, isa)
+    x = torch.randn(16, k)
+    for rows in (1, 2, 3, 4, 5, 8, 11, 16):
+        assert torch.equal(ql(x[:rows]), kl(x[:rows])), rows
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_quantized_linear_matches_float64_and_is_row_invariant(isa, scheme):
+    qops, _ = _ops(isa)
+    torch.manual_seed(1)
+    n, k = 83, 256
+    lin = torch.nn.Linear(k, n)
+    ql = QuantLinear.from_linear(lin, qops, scheme)
+    w = ql.weight.double()
+    # the quantization error itself: int8 within half a step of max|w|/127, int4 within half a group step
+    step = (lin.weight.abs().amax(1, keepdim=True) / 127) if scheme == "int8" else (
+        (lambda g: (g.amax(2) - g.amin(2)) / 15)(lin.weight.view(n, -1, INT4_GROUP)).repeat_interleave(INT4_GROUP, 1))
+    assert ((w - lin.weight.double()).abs() <= step.double() * 0.5 + 1e-6).all()
+    x = torch.randn(20, k)
+    y = ql(x)
+    ref = x.double() @ w.T + lin.bias.double()
+    assert (y.double() - ref).abs().max() < 1e-4
+    for i in range(20):   # a row's bits never depend on the other rows
+        assert torch.equal(ql(x[i:i + 1]), y[i:i + 1])
+    assert torch.equal(ql(x[3:12]), y[3:12])
+
+
+def test_portable_and_avx2_agree_on_int_schemes():
+    """AVX2 (FMA) and portable (multiply, add) round differently; both stay close to float64."""
+    if not isa_supported("avx2"):
+        pytest.skip("no avx2")
+    a, _ = _ops("avx2")
+    p, _ = _ops("portable")
+    lin = torch.nn.Linear(128, 40)
+    x = torch.randn(5, 128)
+    qa, qp = QuantLinear.from_linear(lin, a, "int4"), QuantLinear.from_linear(lin, p, "int4")
+    assert torch.equal(qa.weight, qp.weight)
+    assert (qa(x) - qp(x)).abs().max() < 1e-5
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1"])
+def test_gguf_block_parsing_matches_gguf_py(kind):
+    gguf = pytest.importorskip("gguf")
+    from gguf.quants import dequantize
+    qtype = getattr(gguf.GGMLQuantizationType, kind)
+    n, k = 6, 64
+    size = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[kind]
+    rng = np.random.default_rng(0)
+    raw = rng.integers(0, 256, (n, k // 32, size), dtype=np.uint8)
+    scales = rng.uniform(-0.05, 0.05, (n, k // 32, 2)).astype(np.float16)
+    raw[..., 0:2] = scales[..., :1].view(np.uint8)
+    if kind == "Q4_1":
+        raw[..., 2:4] = scales[..., 1:].view(np.uint8)
+    raw = raw.reshape(n, -1)
+    expect = torch.from_numpy(dequantize(raw, qtype).reshape(n, k).astype(np.float32))
+    q, d, m, bits, offset = gguf_blocks(raw, kind, n, k)
+    assert torch.equal(dequantize_reference(q, d, m, bits, offset), expect)
+
+
+def test_config_names_the_key():
+    from specfw_plugins.ngram.config import NgramConfig
+    with pytest.raises(ConfigError, match="model.quantization.*int4"):
+        validate(make_cfg(model_quantization="int3"))
+    with pytest.raises(ConfigError, match="speculative.draft_model_quantization.*unquant"):
+        validate(make_cfg(speculative=NgramConfig(algorithm="ngram", draft_model_quantization="fp4")))
+    validate(make_cfg(model_quantization="int8", speculative=NgramConfig(algorithm="ngram", draft_model_quantization="unquant")))
+
+
+def test_gguf_needs_a_gguf_source(tiny_model_dir):
+    from specfw.engine import Engine
+    from specfw.model_loader import ModelLoadError
+    with pytest.raises(ModelLoadError, match="model.quantization"):
+        Engine(make_cfg(model_path=str(tiny_model_dir), model_quantization="gguf", max_total_tokens=1024))
+
+
+GREEDY = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
+RAW = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [1000, 20, 1000, 20, 1000], [9, 99, 999, 9999], [3, 4, 3, 4, 3, 4]]
+
+
+@pytest.fixture(scope="module")
+def tiny_draft(tiny_model_dir, tmp_path_factory):
+    from specfw_plugins.standalone.make_draft import truncate_model
+    return truncate_model(tiny_model_dir, tmp_path_factory.mktemp("tiny-draft-q"), layers=1)
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_speculative_equals_plain_within_scheme(scheme, tiny_model_dir, tiny_draft):
+    """ngram and standalone (its draft quantized too, and unquant), batch 1 and 4."""
+    from specfw.engine import Engine
+    from specfw_plugins.ngram.config import NgramConfig
+    from specfw_plugins.standalone.config import StandaloneConfig
+    kw = dict(model_path=str(tiny_model_dir), model_quantization=scheme, max_total_tokens=4096, max_running_requests=4)
+    plain = Engine(make_cfg(**kw))
+    assert any(isinstance(m, QuantLinear) for m in plain.runner.model.modules())
+    ref = [plain.generate([p], GREEDY)[0].token_ids for p in RAW]
+    assert [o.token_ids for o in plain.generate(RAW, GREEDY)] == ref
+    for spec in [NgramConfig(algorithm="ngram", num_draft_tokens=4),
+                 StandaloneConfig(algorithm="standalone", draft_model_path=str(tiny_draft), num_steps=2, topk=2,
+                                  num_draft_tokens=5),
+                 StandaloneConfig(algorithm="standalone", draft_model_path=str(tiny_draft), num_steps=3, topk=1,
+                                  draft_model_quantization="unquant")]:
+        eng = Engine(make_cfg(**kw, speculative=spec))
+        assert [eng.generate([p], GREEDY)[0].token_ids for p in RAW] == ref, spec
+        assert [o.token_ids for o in eng.generate(RAW, GREEDY)] == ref, spec
+        assert eng.stats.verify_forwards > 0
+
+
+@pytest.mark.model
+def test_demo_gguf_is_bit_identical_to_fp32():
+    """The demo's own Q4_1 file run on its blocks: the fp32 model's logits and tokens exactly."""
+    from specfw.datasets import mtbench_first_turns
+    from specfw.engine import Engine
+    params = SamplingParams(max_new_tokens=32, temperature=0)
+    ref_eng = Engine(make_cfg(max_total_tokens=4096, max_running_requests=4))
+    prompts = [ref_eng.tokenize_chat([{"role": "user", "content": q}]) for q in mtbench_first_turns(3)]
+    ref = [o.token_ids for o in ref_eng.generate(prompts, params)]
+    x = torch.randn(5, 576)
+    ref_q = ref_eng.runner.model.layers[3].gate_up_proj(x)
+    del ref_eng
+    eng = Engine(make_cfg(model_quantization="gguf", max_total_tokens=4096, max_running_requests=4))
+    model = eng.runner.model
+    quant = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    assert len(quant) == 4 * len(model.layers) + 1   # every layer linear and the (Q8_0) lm_head
+    assert torch.equal(model.layers[3].gate_up_proj(x), ref_q)
+    assert [o.token_ids for o in eng.generate(prompts, params)] == ref
+    assert [eng.generate([p], params)[0].token_ids for p in prompts] == ref
