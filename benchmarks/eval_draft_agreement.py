@@ -1,5 +1,5 @@
 """Offline quality of an EAGLE-3 draft: top-1 agreement with the target per unroll step,
-teacher-forced exactly as in training (``specfw.train.eagle3``), on held-out text.
+teacher-forced exactly as in training (``specfw_plugins.eagle3.trainer``), on held-out text.
 
     .venv/bin/python benchmarks/eval_draft_agreement.py                       # demo draft, MT-bench
     .venv/bin/python benchmarks/eval_draft_agreement.py --draft drafts/eagle3/draft --n 40
@@ -59,7 +59,7 @@ def main() -> None:
     from specfw.config import SpecfwConfig
     from specfw.demo_model import demo_model_dir
     from specfw.engine import Engine
-    from specfw.train.eagle3 import Eagle3Trainer
+    from specfw_plugins.eagle3.trainer import Eagle3Trainer
     from specfw.train.target import TargetTeacher
     from specfw_plugins.eagle3.drafter import DEMO_DRAFT
     from specfw_plugins.eagle3.model import load_eagle3

@@ -10,8 +10,8 @@ USAGE = """usage: specfw <command> [hydra overrides...]
 commands:
   generate   one-shot generation: specfw generate prompt="..." [max_new_tokens=64] [speculative=ngram]
   serve      OpenAI-compatible HTTP server: specfw serve [server.port=30000] [speculative=...]
-  train      train a draft: specfw train draft=eagle3|eagle|standalone [steps=300] [output_dir=...]
-  plugins    list installed speculative algorithms (package, version)
+  train      train a draft: specfw train draft=<registered trainer, e.g. eagle3> [steps=300] [output_dir=...]
+  plugins    list installed speculative algorithms (package, version, description, hooks) and trainers
 
 Overrides are Hydra's: key=value, group=option (speculative=<algorithm>), -m for sweeps,
 --cfg job to print the composed config.
@@ -88,13 +88,26 @@ def train_task(cfg) -> None:
     run_training(cfg)
 
 
+def implemented_hooks(obj) -> list[str]:
+    """The specfw hooks ``obj`` (an algorithm's factory class or a plugin module) implements with @hookimpl."""
+    from .hookspecs import PROJECT
+    return sorted(n for n in dir(obj) if n.startswith("specfw_") and hasattr(getattr(obj, n, None), f"{PROJECT}_impl"))
+
+
 def plugins_command() -> None:
     from .plugins import plugin_manager
     pm = plugin_manager()
-    rows = pm.describe()
     print(f"{'algorithm':<14} {'package':<28} {'version':<10} module")
-    for r in rows:
+    for r in pm.describe():
         print(f"{r.name:<14} {r.package:<28} {r.version:<10} {r.module}")
+        if r.description:
+            print(f"{'':<14} {r.description}")
+        hooks = implemented_hooks(r.factory)
+        print(f"{'':<14} hooks: {', '.join(h.removeprefix('specfw_') for h in hooks) or '(none found on the factory)'}")
+    if pm.trainers:
+        print(f"\n{'trainer':<14} {'module':<28} description")
+        for kind, t in sorted(pm.trainers.items()):
+            print(f"{kind:<14} {t.module:<28} {t.description}")
 
 
 def main(argv: list[str] | None = None) -> None:

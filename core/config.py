@@ -91,8 +91,27 @@ class GenerateConfig(SpecfwConfig):
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
+def check_unknown_keys(node, prefix: str = "") -> None:
+    """Hydra's ``+group.key=value`` adds a key even to a schema-typed node; reject any key its
+    dataclass does not declare, naming it (``speculative.foo``) and the keys it does declare."""
+    import dataclasses
+
+    from omegaconf import DictConfig, OmegaConf
+    if not isinstance(node, DictConfig):
+        return
+    schema = OmegaConf.get_type(node)
+    fields = {f.name for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else None
+    for k in node.keys():
+        if fields is not None and k not in fields:
+            raise ConfigError(f"{prefix}{k}", f"is not a key of this schema ({schema.__name__}); "
+                                              f"known keys: {sorted(fields)}")
+        if OmegaConf.is_dict(node._get_node(k)):
+            check_unknown_keys(node[k], f"{prefix}{k}.")
+
+
 def validate(cfg) -> None:
     """Range checks Hydra's type checks cannot express; raise ConfigError naming the key."""
+    check_unknown_keys(cfg)
     def positive(key, value, allow_none=False):
         if value is None and allow_none:
             return

@@ -1,4 +1,5 @@
-"""Register specfw's schemas and one ``speculative`` option per algorithm in Hydra's ConfigStore."""
+"""Register specfw's schemas and one ``speculative`` option per algorithm and one
+``draft`` option (``specfw train``) per trainer in Hydra's ConfigStore."""
 from __future__ import annotations
 
 from hydra.core.config_store import ConfigStore
@@ -12,10 +13,10 @@ def register_configs() -> ConfigStore:
     cs.store(name="generate_schema", node=GenerateConfig)
     cs.store(name="serve_schema", node=SpecfwConfig)
     cs.store(group="speculative", name="none", node=SpeculativeConfig(algorithm="none"))
-    from .train.config import Eagle3TrainConfig, EagleTrainConfig, MtpTrainConfig, StandaloneTrainConfig, TrainConfig
+    from .train.config import TrainConfig
     cs.store(name="train_schema", node=TrainConfig)
-    for node in (Eagle3TrainConfig(), EagleTrainConfig(), MtpTrainConfig(), StandaloneTrainConfig()):
-        cs.store(group="draft", name=node.kind, node=node)
+    for t in plugin_manager().trainers.values():
+        cs.store(group="draft", name=t.kind, node=t.config_class(kind=t.kind))
     for algo in plugin_manager().describe():
         cs.store(group="speculative", name=algo.name, node=algo.config_class(algorithm=algo.name),
                  provider=algo.package)

@@ -1,4 +1,6 @@
-"""Faster fp32 linear layers for CPU inference.
+"""Linear layers over torch's CPU libraries (MKL-packed fp32, oneDNN-reordered bf16) and the bf16
+dot-product kernel: the ``torch_ops`` backend (``engine.cpu_isa=none``) and the bf16 fallback of
+the ``cpu`` backend, which otherwise runs specfw's own kernels (``specfw.kernels``).
 
 ``nn.Linear`` on CPU calls MKL's sgemm on the ``[N, K]`` weight. Measured on the 2-core
 Xeon (AVX-512) machines with the demo model's shapes:

@@ -52,6 +52,23 @@ def specfw_register_algorithms(register: Callable) -> None:
     """
 
 
+@hookspec
+def specfw_register_trainers(register: Callable) -> None:
+    """Register draft trainers for ``specfw train draft=<kind>``.
+
+    Called once when the plugin manager is built, before Hydra composes the config.
+
+    :param register: ``register(kind, config_class, factory, description="", demo_draft=None,
+        copy_tokenizer=False)``. ``kind`` becomes the option ``draft=<kind>`` (by convention the
+        algorithm's name); ``config_class`` is a dataclass deriving from
+        :class:`specfw.train.config.DraftTrainConfig` (its ``check(draft)`` staticmethod validates
+        the composed node); ``factory(cfg, teacher, examples)`` returns the trainer the core's loop
+        drives (see :class:`specfw.train.common.ModuleTrainer`); ``demo_draft`` is the committed
+        draft directory ``init_draft=demo`` starts from; ``copy_tokenizer`` copies the target's
+        tokenizer files into the exported draft.
+    """
+
+
 # ---- drafting ---------------------------------------------------------------------------
 @hookspec(firstresult=True)
 def specfw_draft(ctx: "SpecContext", reqs: "list[Request]") -> "list[DraftCandidates]":

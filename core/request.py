@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .kv_cache import SlotTable
-from .sampling import SamplingParams, TokenLogprob, make_generator
+from .sampling import SamplingParams, make_generator
 
 _ids = itertools.count()
 
@@ -28,7 +28,6 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)
-    logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None       # "stop" | "length" | "abort" | "error"
     error: str | None = None
     slots: SlotTable = field(default_factory=SlotTable)

@@ -35,7 +35,6 @@ def test_prepare_module_fuses_a_draft_layer_and_keeps_its_output(tiny_model_dir)
     """A draft layer prepared by the CPU backend runs q/k/v and gate/up as one kernel linear each
     and the fused glue; its output matches the unfused torch path."""
     from transformers import LlamaConfig
-    from specfw.forward_batch import SeqSpan
     from specfw.kv_cache import KVPool
     from specfw.model_runner import build_forward_batch
     from specfw.models.draft_layer import DraftDecoderLayer

@@ -208,7 +208,7 @@ def test_mtp_trainer_unrolls_the_chain(tiny_model_dir):
     path), deeper steps add their own loss terms and agreement metrics."""
     from types import SimpleNamespace
     from specfw.train.common import unrolled_layer_step
-    from specfw.train.mtp import MtpTrainer
+    from specfw_plugins.mtp.trainer import MtpTrainer
     from specfw.train.target import TargetTeacher
     teacher = TargetTeacher(tiny_model_dir, torch.float32, torch.device("cpu"))
     ids = torch.randint(0, 49152, (2, 12))

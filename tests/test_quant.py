@@ -7,8 +7,7 @@ import pytest
 import torch
 
 from conftest import make_cfg
-from specfw.backends.quant_linear import (INT4_GROUP, QuantLinear, dequantize_reference, gguf_blocks, pack,
-                                          quantize)
+from specfw.backends.quant_linear import (INT4_GROUP, QuantLinear, dequantize_reference, gguf_blocks, pack)
 from specfw.config import ConfigError, validate
 from specfw.kernels import ISAS, cpu_ops, isa_supported, quant_ops
 from specfw.sampling import SamplingParams

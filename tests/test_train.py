@@ -143,7 +143,7 @@ def test_init_draft_starts_from_a_published_draft(tiny_model_dir, tmp_path):
     from safetensors.torch import load_file
     from specfw.config import ConfigError
     from specfw.train.data import Example
-    from specfw.train.eagle3 import Eagle3Trainer
+    from specfw_plugins.eagle3.trainer import Eagle3Trainer
     from specfw.train.target import TargetTeacher
     teacher = TargetTeacher(tiny_model_dir, torch.float32, torch.device("cpu"))
     cfg = SimpleNamespace(draft=SimpleNamespace(aux_layers=None, draft_vocab_size=16, ttt_steps=2, ttt_decay=0.8),

@@ -65,7 +65,7 @@ class DecoderLayer(nn.Module):
         bias = bool(getattr(cfg, "attention_bias", False))
         self.q_size, self.kv_size = self.n_heads * self.head_dim, self.n_kv * self.head_dim
         self.qkv_proj = nn.Linear(h, self.q_size + 2 * self.kv_size, bias=bias)
-        self.o_proj = nn.Linear(self.q_size, h, bias=bool(getattr(cfg, "attention_bias", False)) and False)
+        self.o_proj = nn.Linear(self.q_size, h, bias=False)
         self.gate_up_proj = nn.Linear(h, 2 * cfg.intermediate_size, bias=False)
         self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
@@ -139,9 +139,6 @@ class LlamaModel(nn.Module):
     def head_shape(self, dtype: torch.dtype) -> HeadShape:
         a = self.layers[0]
         return HeadShape(dtype, a.n_heads, a.n_kv, a.head_dim)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(self.norm(hidden)).float()
 
 
 def default_backend(device: torch.device):

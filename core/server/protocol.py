@@ -34,7 +34,7 @@ class StreamOptions(_Base):
 
 class TextPart(BaseModel):
     model_config = ConfigDict(extra="allow", **STRICT)
-    type: Annotated[str, *only("content part type", "text")]
+    type: Annotated[(str, *only("content part type", "text"))]
     text: Text
 
 
@@ -47,7 +47,7 @@ class ChatMessage(BaseModel):
 
 class ResponseFormat(BaseModel):
     model_config = ConfigDict(extra="allow", **STRICT)
-    type: Annotated[str, *only("response_format type", "text")] = "text"
+    type: Annotated[(str, *only("response_format type", "text"))] = "text"
 
 
 def _unsupported_list(name: str):
@@ -140,9 +140,9 @@ class CompletionRequest(_SamplingFields):
     prompt: Union[PromptText, TokenIds, Annotated[list[PromptText], Field(min_length=1)],
                   Annotated[list[TokenIds], Field(min_length=1)]]
     logprobs: Optional[TopLogprobs] = None          # number of top logprobs per token (0 = only the chosen token)
-    echo: Annotated[StrictBool, *only("echo", False)] = False
-    suffix: Annotated[Optional[Text], *only("suffix", "", None)] = None
-    best_of: Annotated[Optional[Int], *only("best_of", 1, None)] = None
+    echo: Annotated[(StrictBool, *only("echo", False))] = False
+    suffix: Annotated[(Optional[Text], *only("suffix", "", None))] = None
+    best_of: Annotated[(Optional[Int], *only("best_of", 1, None))] = None
 
     def check(self) -> None:
         pass
@@ -174,7 +174,7 @@ class GenerateSamplingParams(BaseModel):
     seed: Optional[Seed] = None
     sampling_seed: Optional[Seed] = None
     n: Choices = 1
-    skip_special_tokens: Annotated[StrictBool, *only("skip_special_tokens", True)] = True
+    skip_special_tokens: Annotated[(StrictBool, *only("skip_special_tokens", True))] = True
 
 
 class GenerateRequest(_Base):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import enum
 import logging
 from dataclasses import dataclass
-from typing import Optional
+from typing import ClassVar, Optional
 
 from ..config import ConfigError, SpeculativeConfig
 
@@ -42,6 +42,11 @@ class SpecAlgoConfig(SpeculativeConfig):
     adaptive_draft: bool = True                 # per step, draft or not and the tree size to verify, from measured tokens/s (sizes 1 = no draft, 2, 4, .., num_draft_tokens; with confidence_pruning: 1 or a per-step size)
     confidence_pruning: bool = True             # with adaptive_draft: per step, drop draft nodes whose learned acceptance probability is below tokens/s x seconds per verified node
     force_greedy_verify: bool = False           # verify greedily even for sampled requests (also SPECFW_FORCE_GREEDY_VERIFY=1)
+
+    # Inherited keys this algorithm does not read (e.g. draft_model_path for a drafter without a
+    # model). Giving one a value other than its default is an error naming the key (a specfw
+    # decision: silently ignoring a path the user typed hides a mistake).
+    unused_keys: ClassVar[tuple[str, ...]] = ()
 
     def auto_shape(self, target_arch: str) -> TreeShape:
         """SGLang's auto defaults: Llama/Grok (5, 4, 8), everything else (3, 1, 4)."""
@@ -81,6 +86,12 @@ class SpecAlgoConfig(SpeculativeConfig):
         return shape
 
     def validate(self) -> None:
+        """Value rules beyond the types (Hydra checks those); subclasses call ``super().validate()``."""
+        for k in self.unused_keys:
+            default = type(self).__dataclass_fields__[k].default
+            if getattr(self, k) != default:
+                raise ConfigError(f"speculative.{k}", f"is not used by speculative={self.algorithm}; "
+                                                      f"leave it unset (got {getattr(self, k)!r})")
         for k in ("accept_threshold_single", "accept_threshold_acc"):
             v = getattr(self, k)
             if not 0 < v <= 1:

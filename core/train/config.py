@@ -1,4 +1,5 @@
-"""``specfw train`` schemas: the target, the data, the loop, and one ``draft`` option per kind."""
+"""``specfw train`` schemas: the target, the data and the loop; each ``draft`` option is a plugin's
+(``specfw_register_trainers``)."""
 from __future__ import annotations
 
 import enum
@@ -45,42 +46,13 @@ class TrainDataConfig:
 
 @dataclass
 class DraftTrainConfig:
-    kind: str = MISSING                       # eagle | eagle3 | mtp | standalone
+    """Base of every ``draft`` option of ``specfw train``; a plugin's trainer registers a subclass
+    (``specfw_register_trainers``) whose ``kind`` equals the option's name."""
+    kind: str = MISSING                       # the registered trainer (`specfw plugins` lists them)
 
-
-@dataclass
-class Eagle3TrainConfig(DraftTrainConfig):
-    kind: str = "eagle3"
-    draft_vocab_size: int = 8192              # most frequent target tokens kept in the draft lm_head (d2t)
-    ttt_steps: int = 4                        # training-time-test unroll depth
-    ttt_decay: float = 0.8                    # loss weight of unroll step j is decay**j
-    aux_layers: Optional[list[int]] = None    # target taps (layer inputs); null = (2, L//2, L-3)
-
-
-@dataclass
-class EagleTrainConfig(DraftTrainConfig):
-    kind: str = "eagle"
-    feature_weight: float = 1.0               # SmoothL1 on the predicted feature
-    token_weight: float = 0.1                 # cross-entropy of the target's lm_head on the predicted feature
-    noise_std: float = 0.2                    # uniform noise on input features (EAGLE's robustness trick)
-
-
-@dataclass
-class MtpTrainConfig(DraftTrainConfig):
-    kind: str = "mtp"                         # one DeepSeek-style NextN layer, exported as a NextN-only checkpoint
-    ttt_steps: int = 3                        # unroll depth: the layer is reused for this many chain steps
-    ttt_decay: float = 0.8                    # loss weight of unroll step j is decay**j
-
-
-@dataclass
-class StandaloneTrainConfig(DraftTrainConfig):
-    kind: str = "standalone"
-    num_layers: int = 4                       # draft depth
-    hidden_size: int = 256                    # narrow: keeps the checkpoint small
-    intermediate_size: int = 768
-    num_attention_heads: int = 4
-    num_key_value_heads: int = 1
-    temperature: float = 1.0                  # distillation temperature (KL to the target)
+    @staticmethod
+    def check(draft) -> None:
+        """Validate the composed ``draft`` node (raise ConfigError naming ``draft.<key>``)."""
 
 
 @dataclass
@@ -108,6 +80,8 @@ class TrainConfig:
 
 
 def validate_train(cfg) -> None:
+    from ..config import check_unknown_keys
+    check_unknown_keys(cfg)
     for k in ("steps", "batch_size", "save_every"):
         if getattr(cfg, k) < 1:
             raise ConfigError(k, f"must be >= 1, got {getattr(cfg, k)}")
@@ -122,7 +96,8 @@ def validate_train(cfg) -> None:
         if not (Path(cfg.init_draft) / "config.json").exists():
             raise ConfigError("init_draft", f"'{cfg.init_draft}' is not a draft directory (no config.json); "
                                             "give a directory in the published layout or 'demo'")
-    if cfg.draft.kind in ("eagle3", "mtp") and cfg.draft.ttt_steps < 1:
-        raise ConfigError("draft.ttt_steps", f"must be >= 1, got {cfg.draft.ttt_steps}")
-    if cfg.draft.kind == "standalone" and not 1 <= cfg.draft.num_layers <= 8:
-        raise ConfigError("draft.num_layers", f"must be in 1..8, got {cfg.draft.num_layers}")
+    from ..plugins import plugin_manager
+    trainers = plugin_manager().trainers
+    if cfg.draft.kind not in trainers:
+        raise ConfigError("draft.kind", f"'{cfg.draft.kind}' is not a registered trainer; installed: {sorted(trainers)}")
+    trainers[cfg.draft.kind].config_class.check(cfg.draft)

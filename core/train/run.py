@@ -12,34 +12,28 @@ logger = logging.getLogger(__name__)
 
 
 def make_trainer(cfg, teacher, examples):
-    kind = cfg.draft.kind
-    if kind == "eagle3":
-        from .eagle3 import Eagle3Trainer
-        return Eagle3Trainer(cfg, teacher, examples)
-    if kind == "eagle":
-        from .eagle import EagleTrainer
-        return EagleTrainer(cfg, teacher, examples)
-    if kind == "mtp":
-        from .mtp import MtpTrainer
-        return MtpTrainer(cfg, teacher, examples)
-    if kind == "standalone":
-        from .standalone import StandaloneTrainer
-        return StandaloneTrainer(cfg, teacher, examples)
-    from ..config import ConfigError
-    raise ConfigError("draft.kind", f"'{kind}' is not one of ['eagle', 'eagle3', 'mtp', 'standalone']")
+    """The registered trainer of ``cfg.draft.kind`` (``specfw_register_trainers``)."""
+    from ..plugins import plugin_manager
+    trainers = plugin_manager().trainers
+    if cfg.draft.kind not in trainers:
+        from ..config import ConfigError
+        raise ConfigError("draft.kind", f"'{cfg.draft.kind}' is not a registered trainer; installed: {sorted(trainers)}")
+    return trainers[cfg.draft.kind].factory(cfg, teacher, examples)
 
 
 def init_from_draft(trainer, cfg) -> None:
     """Load the weights of ``cfg.init_draft`` (a draft directory, or "demo": the committed draft
-    of this kind) into the fresh trainer; a resumed checkpoint still takes precedence."""
-    from importlib import import_module
+    the kind's trainer registered) into the fresh trainer; a resumed checkpoint still takes precedence."""
     from safetensors.torch import load_file
+
+    from ..plugins import plugin_manager
     path = Path(cfg.init_draft)
     if cfg.init_draft == "demo":
-        path = getattr(import_module(f"specfw_plugins.{cfg.draft.kind}.drafter"), "DEMO_DRAFT", None)
+        path = plugin_manager().trainers[cfg.draft.kind].demo_draft
         if path is None:
             from ..config import ConfigError
             raise ConfigError("init_draft", f"there is no committed demo draft of kind '{cfg.draft.kind}'; give a directory")
+        path = Path(path)
     trainer.init_from(load_file(str(path / "model.safetensors")))
     logger.info("initialised the %s draft from %s", cfg.draft.kind, path)
 
@@ -98,4 +92,5 @@ def run_training(cfg) -> Path:
 
 
 def kind_needs_tokenizer(cfg) -> bool:
-    return cfg.draft.kind == "standalone"
+    from ..plugins import plugin_manager
+    return plugin_manager().trainers[cfg.draft.kind].copy_tokenizer

@@ -11,14 +11,14 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..models.llama import Rotary
-from .common import ModuleTrainer, load_matching
-from .eagle3 import head_config
+from specfw.models.llama import Rotary
+from specfw.train.common import ModuleTrainer, load_matching
+from specfw_plugins.eagle3.trainer import head_config
 
 
 class EagleTrainer(ModuleTrainer):
     def __init__(self, cfg, teacher, examples):
-        from specfw_plugins.eagle.model import EagleHead
+        from .model import EagleHead
         tcfg = teacher.config
         self.hcfg = head_config(tcfg, tcfg.vocab_size, (1,), cfg.data.max_len + 8)
         for k in ("draft_vocab_size", "target_hidden_size", "eagle_config"):

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from specfw.config import ConfigError
+from specfw.train.config import DraftTrainConfig
 from specfw.spec.config import SpecAlgoConfig
 
 
@@ -12,3 +14,18 @@ class Eagle3Config(SpecAlgoConfig):
     token_map: Optional[str] = None        # FR-Spec token map: ignored for EAGLE-3 (its draft vocab is d2t)
     draft_kv_tokens: Optional[int] = None  # draft KV pool size in tokens; null = same as the target's pool
     aux_layers: Optional[list[int]] = None  # target layers whose *input* is tapped; null = draft config or (2, L//2, L-3)
+
+
+@dataclass
+class Eagle3TrainConfig(DraftTrainConfig):
+    """``specfw train draft=eagle3`` options."""
+    kind: str = "eagle3"
+    draft_vocab_size: int = 8192              # most frequent target tokens kept in the draft lm_head (d2t)
+    ttt_steps: int = 4                        # training-time-test unroll depth
+    ttt_decay: float = 0.8                    # loss weight of unroll step j is decay**j
+    aux_layers: Optional[list[int]] = None    # target taps (layer inputs); null = (2, L//2, L-3)
+
+    @staticmethod
+    def check(draft) -> None:
+        if draft.ttt_steps < 1:
+            raise ConfigError("draft.ttt_steps", f"must be >= 1, got {draft.ttt_steps}")

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import torch
 
-from ..models.llama import Rotary
-from .common import ModuleTrainer, load_matching, unroll, unrolled_layer_step
+from specfw.models.llama import Rotary
+from specfw.train.common import ModuleTrainer, load_matching, unroll, unrolled_layer_step
 
 
 def draft_vocab_by_frequency(examples, vocab_size: int, k: int) -> torch.Tensor:
@@ -43,7 +43,7 @@ def head_config(tcfg, draft_vocab: int, aux_layers, max_pos: int):
 
 class Eagle3Trainer(ModuleTrainer):
     def __init__(self, cfg, teacher, examples):
-        from specfw_plugins.eagle3.model import Eagle3Head
+        from .model import Eagle3Head
         tcfg = teacher.config
         L = tcfg.num_hidden_layers
         self.aux_layers = tuple(cfg.draft.aux_layers or (2, L // 2, L - 3))
@@ -68,7 +68,7 @@ class Eagle3Trainer(ModuleTrainer):
 
     def init_from(self, sd: dict) -> None:
         """Start from a published EAGLE-3 draft: its weights and its draft vocabulary (``d2t``)."""
-        from ..config import ConfigError
+        from specfw.config import ConfigError
         d2t = sd["d2t"].long()
         if len(d2t) != len(self.draft_ids):
             raise ConfigError("draft.draft_vocab_size", f"init_draft has a {len(d2t)}-token draft vocabulary; "

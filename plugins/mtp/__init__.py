@@ -5,10 +5,20 @@ from __future__ import annotations
 
 from specfw.hookspecs import hookimpl
 
-from .config import MtpConfig
+from .config import MtpConfig, MtpTrainConfig
 from .drafter import MtpDrafter
 
 
 @hookimpl
 def specfw_register_algorithms(register):
     register("mtp", MtpConfig, MtpDrafter, "MTP/NextN: the target's built-in multi-token-prediction layers draft")
+
+
+def _make_trainer(cfg, teacher, examples):
+    from .trainer import MtpTrainer   # torch-heavy: imported only by `specfw train`
+    return MtpTrainer(cfg, teacher, examples)
+
+
+@hookimpl
+def specfw_register_trainers(register):
+    register("mtp", MtpTrainConfig, _make_trainer, "a NextN (MTP) layer for a target without one (chain-trained)")

@@ -4,6 +4,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from specfw.config import ConfigError
+from specfw.train.config import DraftTrainConfig
 from specfw.spec.config import SpecAlgoConfig, TreeShape
 
 
@@ -17,3 +19,16 @@ class MtpConfig(SpecAlgoConfig):
     def auto_shape(self, target_arch: str) -> TreeShape:
         """A chain of 3 (SGLang's recommendation for DeepSeek MTP): one NextN layer reused per step."""
         return TreeShape(3, 1, 4)
+
+
+@dataclass
+class MtpTrainConfig(DraftTrainConfig):
+    """``specfw train draft=mtp`` options."""
+    kind: str = "mtp"                         # one DeepSeek-style NextN layer, exported as a NextN-only checkpoint
+    ttt_steps: int = 3                        # unroll depth: the layer is reused for this many chain steps
+    ttt_decay: float = 0.8                    # loss weight of unroll step j is decay**j
+
+    @staticmethod
+    def check(draft) -> None:
+        if draft.ttt_steps < 1:
+            raise ConfigError("draft.ttt_steps", f"must be >= 1, got {draft.ttt_steps}")

@@ -16,14 +16,14 @@ from pathlib import Path
 
 import torch
 
-from ..models.llama import Rotary
-from .common import ModuleTrainer, load_matching, unroll, unrolled_layer_step
+from specfw.models.llama import Rotary
+from specfw.train.common import ModuleTrainer, load_matching, unroll, unrolled_layer_step
 
 
 class MtpTrainer(ModuleTrainer):
     def __init__(self, cfg, teacher, examples):
         from transformers import LlamaConfig
-        from specfw_plugins.mtp.model import DEEPSEEK, MtpHead
+        from .model import DEEPSEEK, MtpHead
         t = teacher.config
         keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
                 "rms_norm_eps", "vocab_size", "rope_parameters")
@@ -50,10 +50,10 @@ class MtpTrainer(ModuleTrainer):
 
     def init_from(self, sd: dict) -> None:
         """Start from a NextN checkpoint of this layout (as exported below)."""
-        from specfw_plugins.mtp.model import _names, find_mtp_layers
+        from .model import _names, find_mtp_layers
         layers = find_mtp_layers(sd, self.num_layers)
         if not layers:
-            from ..config import ConfigError
+            from specfw.config import ConfigError
             raise ConfigError("init_draft", "the checkpoint has no NextN layer (model.layers.{num_hidden_layers}.eh_proj)")
         layout, prefix = layers[min(layers)]
         names = _names(layout, prefix, self.head.layer.self_attn.q_proj.bias is not None)
@@ -85,7 +85,7 @@ class MtpTrainer(ModuleTrainer):
 
     def export(self, out: Path, dtype: torch.dtype) -> Path:
         from safetensors.torch import save_file
-        from specfw_plugins.mtp.model import DEEPSEEK, _names
+        from .model import DEEPSEEK, _names
         out.mkdir(parents=True, exist_ok=True)
         names = _names(DEEPSEEK, f"model.layers.{self.num_layers}.", self.head.layer.self_attn.q_proj.bias is not None)
         sd = {names[k]: v.to(dtype).contiguous() for k, v in self.head.state_dict().items()}

@@ -6,11 +6,22 @@ from __future__ import annotations
 
 from specfw.hookspecs import hookimpl
 
-from .config import StandaloneConfig
-from .drafter import StandaloneDrafter
+from .config import StandaloneConfig, StandaloneTrainConfig
+from .drafter import DEMO_DRAFT, StandaloneDrafter
 
 
 @hookimpl
 def specfw_register_algorithms(register):
     register("standalone", StandaloneConfig, StandaloneDrafter,
              "small draft LLM (same tokenizer), drafting num_steps deep with topk branching")
+
+
+def _make_trainer(cfg, teacher, examples):
+    from .trainer import StandaloneTrainer   # torch-heavy: imported only by `specfw train`
+    return StandaloneTrainer(cfg, teacher, examples)
+
+
+@hookimpl
+def specfw_register_trainers(register):
+    register("standalone", StandaloneTrainConfig, _make_trainer, "small Llama draft distilled from the target",
+             demo_draft=DEMO_DRAFT, copy_tokenizer=True)

@@ -5,6 +5,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from specfw.config import ConfigError
+from specfw.train.config import DraftTrainConfig
 from specfw.spec.config import SpecAlgoConfig, TreeShape
 
 
@@ -21,3 +22,20 @@ class StandaloneConfig(SpecAlgoConfig):
         super().validate()
         if self.draft_kv_tokens is not None and self.draft_kv_tokens < 1:
             raise ConfigError("speculative.draft_kv_tokens", f"must be >= 1, got {self.draft_kv_tokens}")
+
+
+@dataclass
+class StandaloneTrainConfig(DraftTrainConfig):
+    """``specfw train draft=standalone`` options."""
+    kind: str = "standalone"
+    num_layers: int = 4                       # draft depth
+    hidden_size: int = 256                    # narrow: keeps the checkpoint small
+    intermediate_size: int = 768
+    num_attention_heads: int = 4
+    num_key_value_heads: int = 1
+    temperature: float = 1.0                  # distillation temperature (KL to the target)
+
+    @staticmethod
+    def check(draft) -> None:
+        if not 1 <= draft.num_layers <= 8:
+            raise ConfigError("draft.num_layers", f"must be in 1..8, got {draft.num_layers}")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from .common import ModuleTrainer, load_matching
+from specfw.train.common import ModuleTrainer, load_matching
 
 
 class StandaloneTrainer(ModuleTrainer):
