@@ -110,12 +110,13 @@ def test_gguf_block_parsing_matches_gguf_py(kind):
 
 
 def test_config_names_the_key():
-    from specfw_plugins.ngram.config import NgramConfig
+    from specfw_plugins.standalone.config import StandaloneConfig
     with pytest.raises(ConfigError, match="model.quantization.*int4"):
         validate(make_cfg(model_quantization="int3"))
     with pytest.raises(ConfigError, match="speculative.draft_model_quantization.*unquant"):
-        validate(make_cfg(speculative=NgramConfig(algorithm="ngram", draft_model_quantization="fp4")))
-    validate(make_cfg(model_quantization="int8", speculative=NgramConfig(algorithm="ngram", draft_model_quantization="unquant")))
+        validate(make_cfg(speculative=StandaloneConfig(algorithm="standalone", draft_model_quantization="fp4")))
+    validate(make_cfg(model_quantization="int8",
+                      speculative=StandaloneConfig(algorithm="standalone", draft_model_quantization="unquant")))
 
 
 def test_gguf_needs_a_gguf_source(tiny_model_dir):
@@ -176,3 +177,23 @@ def test_demo_gguf_is_bit_identical_to_fp32():
     assert torch.equal(model.layers[3].gate_up_proj(x), ref_q)
     assert [o.token_ids for o in eng.generate(prompts, params)] == ref
     assert [eng.generate([p], params)[0].token_ids for p in prompts] == ref
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("scheme", ["int8", "gguf"])
+def test_demo_eagle3_equals_plain_within_scheme(scheme):
+    """EAGLE-3 on the demo model (its draft head quantized with the target's scheme where it can
+    be), batch 1 and 4, == plain greedy of the same scheme."""
+    from specfw.datasets import mtbench_first_turns
+    from specfw.engine import Engine
+    from specfw_plugins.eagle3.config import Eagle3Config
+    params = SamplingParams(max_new_tokens=32, temperature=0)
+    plain = Engine(make_cfg(model_quantization=scheme, max_total_tokens=4096, max_running_requests=4))
+    prompts = [plain.tokenize_chat([{"role": "user", "content": q}]) for q in mtbench_first_turns(3)]
+    ref = [plain.generate([p], params)[0].token_ids for p in prompts]
+    del plain
+    eng = Engine(make_cfg(model_quantization=scheme, max_total_tokens=4096, max_running_requests=4,
+                          speculative=Eagle3Config(algorithm="eagle3")))
+    assert [eng.generate([p], params)[0].token_ids for p in prompts] == ref
+    assert [o.token_ids for o in eng.generate(prompts, params)] == ref
+    assert eng.stats.accepted_draft_tokens > 0

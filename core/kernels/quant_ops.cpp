@@ -15,7 +15,8 @@
 // bits of the same model dequantized to fp32 and run on cpu_ops, while streaming ~5x fewer bytes;
 // and the kernel is batch invariant by construction (no sum depends on row count, tile or thread).
 //
-// Per block of 16 outputs, k runs in chunks of 64: the chunk's weights are dequantized once into
+// One or two rows: weights dequantized in registers, four (two) blocks of 16 outputs at once.
+// Three or more rows, per block of 16 outputs, k runs in chunks of 64: the chunk's weights are dequantized once into
 // an L1 buffer, then every tile of up to 4 rows accumulates from it (the dequantization is paid
 // once per token batch, not once per row).
 #include <torch/extension.h>
@@ -112,23 +113,82 @@ void dequant_chunk(const uint8_t* codes, int bits, int offset, const float* scal
 }
 
 #if defined(SPECFW_QISA_SIMD)
-// up to 4 rows: weights dequantized in registers and used at once (no buffer), over all of K
-template <int MR>
+// one or two rows against NBK blocks at once: weights dequantized in registers and used at once
+// (no buffer); NBK blocks give 2 * NBK * MR independent FMA chains (one block alone would wait on
+// the FMA latency). Per output the sum still runs k = 0..K-1 in sequence.
+template <int MR, int NBK>
 void fused(const uint8_t* codes, int bits, int offset, const float* scale, const float* minv, int64_t K, int64_t G,
            int64_t b, const float* x, float* part) {
-  __m256 acc[MR][2];
-  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
-  for_weights(codes, bits, offset, scale, minv, K, G, b, 0, K, [&](int64_t k, __m256 w0, __m256 w1) {
-    for (int r = 0; r < MR; ++r) {
-      const __m256 xb = _mm256_set1_ps(x[r * K + k]);
-      acc[r][0] = _mm256_fmadd_ps(w0, xb, acc[r][0]);
-      acc[r][1] = _mm256_fmadd_ps(w1, xb, acc[r][1]);
+  __m256 acc[MR][NBK][2];
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NBK; ++j) acc[r][j][0] = acc[r][j][1] = _mm256_setzero_ps();
+  const int64_t groups = K / G;
+  const __m256i off = _mm256_set1_epi32(offset);
+  const __m128i mask = _mm_set1_epi8(0x0F);
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t k = g * G; k < (g + 1) * G; k += 2) {
+      for (int j = 0; j < NBK; ++j) {
+        const float* d = scale + ((b + j) * groups + g) * kBlock;
+        const float* m = minv ? minv + ((b + j) * groups + g) * kBlock : nullptr;
+        __m256i q[4];
+        if (bits == 8) {
+          const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + ((b + j) * K + k) * kBlock));
+          const __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + ((b + j) * K + k + 1) * kBlock));
+          q[0] = _mm256_cvtepi8_epi32(c); q[1] = _mm256_cvtepi8_epi32(_mm_srli_si128(c, 8));
+          q[2] = _mm256_cvtepi8_epi32(e); q[3] = _mm256_cvtepi8_epi32(_mm_srli_si128(e, 8));
+        } else {
+          const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(codes + ((b + j) * (K / 2) + k / 2) * kBlock));
+          const __m128i lo = _mm_and_si128(c, mask), hi = _mm_and_si128(_mm_srli_epi16(c, 4), mask);
+          q[0] = _mm256_sub_epi32(_mm256_cvtepu8_epi32(lo), off);
+          q[1] = _mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(lo, 8)), off);
+          q[2] = _mm256_sub_epi32(_mm256_cvtepu8_epi32(hi), off);
+          q[3] = _mm256_sub_epi32(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)), off);
+        }
+        for (int h = 0; h < 2; ++h) {   // h = 0: k, h = 1: k + 1
+          __m256 w0 = _mm256_mul_ps(_mm256_loadu_ps(d), _mm256_cvtepi32_ps(q[2 * h]));
+          __m256 w1 = _mm256_mul_ps(_mm256_loadu_ps(d + 8), _mm256_cvtepi32_ps(q[2 * h + 1]));
+          if (m) { w0 = _mm256_add_ps(w0, _mm256_loadu_ps(m)); w1 = _mm256_add_ps(w1, _mm256_loadu_ps(m + 8)); }
+          for (int r = 0; r < MR; ++r) {
+            const __m256 xb = _mm256_set1_ps(x[r * K + k + h]);
+            acc[r][j][0] = _mm256_fmadd_ps(w0, xb, acc[r][j][0]);
+            acc[r][j][1] = _mm256_fmadd_ps(w1, xb, acc[r][j][1]);
+          }
+        }
+      }
     }
-  });
-  for (int r = 0; r < MR; ++r) {
-    _mm256_storeu_ps(part + r * kBlock, acc[r][0]);
-    _mm256_storeu_ps(part + r * kBlock + 8, acc[r][1]);
   }
+  for (int r = 0; r < MR; ++r)
+    for (int j = 0; j < NBK; ++j) {
+      _mm256_storeu_ps(part + (r * NBK + j) * kBlock, acc[r][j][0]);
+      _mm256_storeu_ps(part + (r * NBK + j) * kBlock + 8, acc[r][j][1]);
+    }
+}
+
+// rows 1-2: blocks [b, b + nbk) into Y
+void fused_rows(int64_t M, int nbk, const uint8_t* C, int bits, int offset, const float* S, const float* Mn, int64_t K,
+                int64_t G, int64_t b, const float* X, const float* B, float* Y, int64_t N, float* part) {
+  if (M == 1) {
+    switch (nbk) {
+      case 4: fused<1, 4>(C, bits, offset, S, Mn, K, G, b, X, part); break;
+      case 3: fused<1, 3>(C, bits, offset, S, Mn, K, G, b, X, part); break;
+      case 2: fused<1, 2>(C, bits, offset, S, Mn, K, G, b, X, part); break;
+      default: fused<1, 1>(C, bits, offset, S, Mn, K, G, b, X, part); break;
+    }
+  } else {
+    switch (nbk) {
+      case 2: fused<2, 2>(C, bits, offset, S, Mn, K, G, b, X, part); break;
+      default: fused<2, 1>(C, bits, offset, S, Mn, K, G, b, X, part); break;
+    }
+  }
+  // part [M][nbk][16] -> rows of Y
+  for (int64_t r = 0; r < M; ++r)
+    for (int j = 0; j < nbk; ++j) {
+      const int64_t n0 = (b + j) * kBlock, nv = std::min<int64_t>(kBlock, N - n0);
+      for (int64_t l = 0; l < nv; ++l) {
+        const float v = part[(r * nbk + j) * kBlock + l];
+        Y[r * N + n0 + l] = B ? v + B[n0 + l] : v;
+      }
+    }
 }
 #endif
 
@@ -195,16 +255,23 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor scale,
   const float* B = bias.numel() ? bias.data_ptr<float>() : nullptr;
   const float* X = xf.data_ptr<float>();
   float* Y = y.data_ptr<float>();
+#if defined(SPECFW_QISA_SIMD)
+  if (M <= 2) {   // one or two rows: memory bound; dequantize in registers, several blocks at once
+    const int64_t nbk = M == 1 ? 4 : 2, items = (NB + nbk - 1) / nbk;
+    at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+      float part[2 * 4 * kBlock];
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t b = i * nbk;
+        fused_rows(M, int(std::min<int64_t>(nbk, NB - b)), C, int(bits), int(offset), S, Mn, K, G, b, X, B, Y, N, part);
+      }
+    });
+    return y;
+  }
+#endif
   const int64_t tiles = (M + kTile - 1) / kTile, base = M / tiles, extra = M % tiles;
   at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
     std::vector<float> buf(kChunk * kBlock), part(M * kBlock);
     for (int64_t b = b0; b < b1; ++b) {
-#if defined(SPECFW_QISA_SIMD)
-      if (M <= 2) {   // one or two rows: dequantize in registers (memory bound; no buffer round trip)
-        if (M == 1) fused<1>(C, int(bits), int(offset), S, Mn, K, G, b, X, part.data());
-        else fused<2>(C, int(bits), int(offset), S, Mn, K, G, b, X, part.data());
-      } else
-#endif
       for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
         const int64_t k1 = std::min(K, k0 + kChunk);
         dequant_chunk(C, int(bits), int(offset), S, Mn, K, G, b, k0, k1, buf.data());
