@@ -154,3 +154,18 @@ def test_demo_model_bf16_eagle3_batch_invariant():
     assert [eng.generate([p], params)[0].token_ids for p in prompts] == ref
     assert [o.token_ids for o in eng.generate(prompts, params)] == ref
     assert eng.stats.accepted_draft_tokens > 0
+
+
+@pytest.mark.parametrize("name", sorted(plugin_manager().algorithms))
+def test_greedy_speculative_equals_plain_quantized(name, tiny_model_dir, tiny_draft_dir, tiny_eagle_drafts, prompts):
+    """Within a weight scheme (model.quantization=int4, draft modules int4 too): one tree shape
+    per algorithm, batch 1 and 4, == plain greedy of the same scheme (docs/quantization.md)."""
+    from specfw.engine import Engine
+    kw = dict(model_path=str(tiny_model_dir), model_quantization="int4", max_total_tokens=4096, max_running_requests=4)
+    plain = Engine(make_cfg(**kw))
+    ref = [o.token_ids for o in plain.generate(prompts, GREEDY)]
+    spec = _configs(name, tiny_draft_dir, tiny_eagle_drafts)[-1]
+    eng = Engine(make_cfg(**kw, speculative=spec))
+    assert [eng.generate([p], GREEDY)[0].token_ids for p in prompts] == ref, f"{name} {spec}: batch 1 diverged"
+    assert [o.token_ids for o in eng.generate(prompts, GREEDY)] == ref, f"{name} {spec}: batch 4 diverged"
+    assert eng.stats.verify_forwards > 0
