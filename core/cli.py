@@ -1,4 +1,5 @@
-"""``specfw`` console script: Hydra-composed subcommands ``generate``, ``serve`` and ``plugins``."""
+"""``specfw`` console script: Hydra-composed subcommands ``generate``, ``serve`` and ``train``;
+``plugins`` and ``new-plugin``."""
 from __future__ import annotations
 
 import logging
@@ -12,12 +13,13 @@ commands:
   serve      OpenAI-compatible HTTP server: specfw serve [server.port=30000] [speculative=...]
   train      train a draft: specfw train draft=<registered trainer, e.g. eagle3> [steps=300] [output_dir=...]
   plugins    list installed speculative algorithms (package, version, description, hooks) and trainers
+  new-plugin write a plugin package to start from: specfw new-plugin NAME [DIR]
 
 Overrides are Hydra's: key=value, group=option (speculative=<algorithm>), -m for sweeps,
 --cfg job to print the composed config.
 """
 
-COMMANDS = ("generate", "serve", "train", "plugins")
+COMMANDS = ("generate", "serve", "train", "plugins", "new-plugin")
 
 
 def setup_logging(level: str) -> None:
@@ -110,6 +112,20 @@ def plugins_command() -> None:
             print(f"{kind:<14} {t.module:<28} {t.description}")
 
 
+def new_plugin_command(args: list[str]) -> None:
+    from .new_plugin import write_plugin
+    if not 1 <= len(args) <= 2:
+        print("usage: specfw new-plugin NAME [DIR]", file=sys.stderr)
+        sys.exit(2)
+    try:
+        root = write_plugin(*args)
+    except ValueError as e:
+        print(f"specfw new-plugin: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    where = str(root) if root.is_absolute() else f"./{root}"
+    print(f"wrote {root}: pip install -e '{where}[test]' && python -m pytest {where}/tests")
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -121,6 +137,9 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(2)
     if command == "plugins":
         plugins_command()
+        return
+    if command == "new-plugin":
+        new_plugin_command(rest)
         return
     sys.argv = [f"specfw {command}"] + rest
     tasks = {"generate": generate_task, "serve": serve_task, "train": train_task}

@@ -90,6 +90,14 @@ def test_third_party_package_installs_and_runs(demo_dir):
     assert "accept len" in spec.stderr
     bad = subprocess.run(args + ["speculative=bigram", "speculative.min_gap=0"], capture_output=True, text=True, timeout=300)
     assert bad.returncode == 2 and "speculative.min_gap" in bad.stderr
+    # the example README's commands run as written, its own tests (the plugin test kit only) pass
+    readme = (ROOT / "examples" / "specfw-example-plugin" / "README.md").read_text()
+    for line in [ln.split("  #")[0].strip() for ln in readme.splitlines() if ln.startswith("specfw ")]:
+        r = subprocess.run(["bash", "-c", f"{BIN}/{line}"], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, (line, r.stderr[-2000:])
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "examples/specfw-example-plugin/tests"],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-3000:]
 
 
 def test_observer_hook_sees_every_speculative_step(tiny_model_dir):
