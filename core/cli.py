@@ -53,11 +53,24 @@ def _clean_errors(task):
     return run
 
 
+def sweep_label() -> str | None:
+    """``[job N] overrides`` when this run is one job of a ``-m`` sweep, else None."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return None
+    hc = HydraConfig.get()
+    return f"[job {hc.job.num}] {' '.join(hc.overrides.task)}"
+
+
 def generate_task(cfg) -> None:
     from .config import validate
     from .engine import Engine
     from .sampling import SamplingParams
     validate(cfg)
+    label = sweep_label()
+    if label:
+        print(label, flush=True)
     params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
                             top_k=cfg.top_k, min_p=cfg.min_p, seed=cfg.seed).validate()
     setup_logging(cfg.server.log_level if cfg.server.log_level != "info" else "warning")
@@ -86,6 +99,9 @@ def train_task(cfg) -> None:
     from .train.config import validate_train
     from .train.run import run_training
     validate_train(cfg)
+    label = sweep_label()
+    if label:
+        print(label, flush=True)
     setup_logging("info")
     run_training(cfg)
 

@@ -74,3 +74,12 @@ def test_plus_typo_key_fails_naming_it():
     r = subprocess.run([str(BIN / "specfw"), "generate", "speculative=ngram", "speculative.draft_model_path=/x"],
                        capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "speculative.draft_model_path" in r.stderr, r.stderr
+
+
+@pytest.mark.model
+def test_sweep_prints_job_labels_and_leaves_no_multirun_dir(tmp_path, demo_dir):
+    r = subprocess.run([str(BIN / "specfw"), "generate", "-m", "speculative=none,ngram", "prompt=hi", "max_new_tokens=4"],
+                       cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert "[job 0] speculative=none" in r.stdout and "[job 1] speculative=ngram" in r.stdout
+    assert list(tmp_path.iterdir()) == []
