@@ -31,7 +31,6 @@ import math
 import random
 from dataclasses import dataclass
 
-import torch
 
 from .budget import accepted_path
 from .types import DraftCandidates
