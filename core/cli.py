@@ -151,11 +151,17 @@ def main(argv: list[str] | None = None) -> None:
     if command not in COMMANDS:
         print(f"specfw: unknown command '{command}' (choose from {', '.join(COMMANDS)})\n\n{USAGE}", file=sys.stderr)
         sys.exit(2)
-    if command == "plugins":
-        plugins_command()
-        return
     if command == "new-plugin":
         new_plugin_command(rest)
+        return
+    from .plugins import PluginError, plugin_manager
+    try:
+        plugin_manager()   # discovery errors (SPECFW_PLUGINS naming no installed plugin) end here, in one line
+    except PluginError as e:
+        print(f"specfw {command}: error: {e}", file=sys.stderr)
+        sys.exit(2)
+    if command == "plugins":
+        plugins_command()
         return
     sys.argv = [f"specfw {command}"] + rest
     tasks = {"generate": generate_task, "serve": serve_task, "train": train_task}

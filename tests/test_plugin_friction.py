@@ -21,6 +21,8 @@ def test_unknown_specfw_plugins_name_is_an_error(monkeypatch):
     monkeypatch.setenv("SPECFW_PLUGINS", "ngarm")
     with pytest.raises(PluginError, match=r"SPECFW_PLUGINS names \['ngarm'\].*installed: .*ngram"):
         PluginManager()
+    r = subprocess.run([str(BIN / "specfw"), "plugins"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.startswith("specfw plugins: error: SPECFW_PLUGINS names ['ngarm']"), r.stderr
 
 
 def test_unknown_disabled_name_only_warns(monkeypatch, caplog):
