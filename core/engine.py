@@ -1,4 +1,13 @@
-"""The engine: ``step()`` = schedule → run (plain or speculative worker) → postprocess."""
+"""The engine: ``step()`` = schedule → run → update.
+
+* **schedule** (``Scheduler.schedule``): which requests run, prefill or decode, with this step's
+  KV slots reserved per request (and who was retracted or cannot grow any further);
+* **run** (the worker: plain or speculative): one ``StepResult`` per request -- tokens to emit
+  and which of the reserved KV entries to keep;
+* **update** (``Scheduler.update``): the scheduler applies the results to the KV tables and the
+  requests; the engine turns them into ``RequestOutput`` (detokenizer, stop strings, metrics).
+
+Only the scheduler changes KV tables and request states."""
 from __future__ import annotations
 
 import logging
@@ -14,11 +23,12 @@ from .kv_cache import KVPool
 from .model_loader import DTYPES, load_model
 from .model_runner import PLAIN_BATCH_ROWS, ModelRunner
 from .quarantine import Quarantine
-from .request import Request, Status
+from .request import Request
 from .sampling import SamplingParams, TokenLogprob
-from .scheduler import ScheduledBatch, Scheduler
-from .stats import EngineStats
-from .worker import PlainWorker, SeqResult
+from .scheduler import ScheduledBatch, Scheduler, StepUpdate
+from .stats import EngineStats, Load
+from .step import StepResult
+from .worker import PlainWorker
 
 logger = logging.getLogger("specfw")
 
@@ -82,13 +92,12 @@ class Engine:
         self.backend = backend_from_config(cfg.engine, self.device, cfg)
         self.runner = ModelRunner(loaded.model, loaded.hf_config, num_slots, self.dtype, backend=self.backend,
                                   timed_rows=(1, typical_rows))
-        self.stats = EngineStats()
+        self.stats = EngineStats(decode_log_interval=cfg.engine.decode_log_interval)
         self.worker = worker_factory(self) if worker_factory else self._default_worker()
-        self.scheduler = Scheduler(self.runner.allocator, cfg.engine.max_running_requests,
+        self.scheduler = Scheduler(self.runner.kv, cfg.engine.max_running_requests,
                                    cfg.engine.max_prefill_tokens, self.runner.max_context,
                                    slots_per_decode=self.worker.slots_per_decode,
                                    max_queued_requests=cfg.engine.max_queued_requests)
-        self.scheduler.on_retract = self.worker.release
         self.quarantine = Quarantine()
         self.eos_token_ids = tuple(sorted({i for i in [self.tokenizer.eos_token_id,
                                             getattr(loaded.hf_config, "eos_token_id", None)] if isinstance(i, int)}))
@@ -135,18 +144,26 @@ class Engine:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
-        outs = self._finish_starved(batch)
+        for r in batch.retracted:
+            self.worker.release(r)
+        outs = [self._finish(r, "length") for r in batch.starved]
         if not batch.reqs:
+            self.scheduler.update(batch, [])
             return outs
         batch = self.quarantine.narrow(batch, self.scheduler)
         t0 = time.perf_counter()
         try:
-            results = self.worker.prefill(batch.reqs) if batch.is_prefill else self.worker.decode(batch.reqs)
+            results = self.worker.run(batch)
         except Exception as exc:  # noqa: BLE001 - one request's failure must not end the others
             return outs + self._step_failed(batch, exc)
         self.quarantine.passed(batch)
-        self.stats.on_step(batch, results, time.perf_counter() - t0, self)
-        return outs + self.postprocess(batch, results)
+        updates = self.scheduler.update(batch, results)
+        self.stats.on_step(batch, results, time.perf_counter() - t0, self._load())
+        return outs + self._outputs(batch, results, updates)
+
+    def _load(self):
+        return Load(len(self.scheduler.running), len(self.scheduler.waiting), self.runner.allocator.num_used,
+                    self.runner.kv.usage())
 
     def _step_failed(self, batch: ScheduledBatch, exc: Exception) -> list[RequestOutput]:
         """Roll the batch back; alone, its request is the cause and fails, else its requests
@@ -154,80 +171,39 @@ class Engine:
         self.stats.step_failures += 1
         logger.error("%s step of %d request(s) failed: %s: %s", batch.kind, len(batch.reqs), type(exc).__name__, exc,
                      exc_info=len(batch.reqs) == 1)
+        self.scheduler.rollback(batch)
         for r in batch.reqs:
-            self.scheduler.running.remove(r)
-            self.scheduler.free(r)
             self.worker.release(r)
-        self._reclaim_slots()
         if len(batch.reqs) > 1:
             self.quarantine.suspect(batch, self.scheduler)
             return []
         return [self._finish(batch.reqs[0], "error", error=f"{type(exc).__name__}: {exc}")]
 
-    def _reclaim_slots(self) -> None:
-        """Give back KV slots a failed step allocated but never recorded in any request's table."""
-        alloc = self.runner.allocator
-        live = [r.slots.slots() for r in [*self.scheduler.running, *self.scheduler.waiting] if len(r.slots)]
-        live = torch.cat(live) if live else torch.empty(0, dtype=torch.long)
-        if alloc.num_used == live.numel():
-            return
-        logger.warning("reclaiming %d KV slots leaked by the failed step", alloc.num_used - live.numel())
-        free = torch.ones(alloc.num_slots, dtype=torch.bool)
-        free[live] = False
-        type(alloc).__init__(alloc, alloc.num_slots)
-        alloc.alloc(alloc.num_slots)
-        alloc.free(torch.nonzero(free).flatten())
-
-    def _finish_starved(self, batch: ScheduledBatch) -> list[RequestOutput]:
-        """A lone decode request the KV pool cannot grow any further ends with 'length'."""
-        if batch.is_prefill or self.runner.allocator.num_free >= self.worker.slots_per_decode * len(batch.reqs):
-            return []
-        outs = []
-        for r in list(batch.reqs):
-            logger.warning("KV pool exhausted: finishing %s at %d tokens", r.rid, r.seq_len)
-            batch.reqs.remove(r)
-            self.scheduler.running.remove(r)
-            outs.append(self._finish(r, "length"))
-        return outs
-
-    def postprocess(self, batch: ScheduledBatch, results: list[SeqResult]) -> list[RequestOutput]:
+    def _outputs(self, batch: ScheduledBatch, results: list[StepResult], updates: list[StepUpdate]) -> list[RequestOutput]:
         outs = []
         now = time.monotonic()
-        for req, res in zip(batch.reqs, results):
+        for req, res, upd in zip(batch.reqs, results, updates):
             if req.first_token_time is None:
                 req.first_token_time = now
                 self.stats.on_first_token(now - req.arrival_time)
-            if res.num_draft or batch.kind == "decode" and getattr(self.worker, "speculative", False):
+            if res.num_draft:   # one definition of accept length, as in /metrics: drafted steps only
                 req.spec_verify_ct += 1
                 req.spec_accepted_tokens += res.num_accepted
-            new, reason = self._append_tokens(req, res)
+            new, reason = upd.new_tokens, upd.finish_reason
             detok = self._detok[req.rid]
-            if detok.update(req.output_ids):
+            if detok.update(req.output_ids):   # a stop string
                 reason = "stop"
-            if reason is None and req.seq_len >= self.runner.max_context:
-                reason = "length"
+            logprobs = res.logprobs[:len(new)]
             if reason is not None:
-                self.scheduler.running.remove(req)
-                outs.append(self._finish(req, reason, new, res.logprobs[:len(new)]))
+                outs.append(self._finish(req, reason, new, logprobs))
             else:
-                outs.append(self._output(req, new, detok.delta(False), False, None, res.logprobs[:len(new)]))
+                outs.append(self._output(req, new, detok.delta(False), False, None, logprobs))
         return outs
 
-    def _append_tokens(self, req: Request, res: SeqResult) -> tuple[list[int], str | None]:
-        new = []
-        for tok in res.tokens:
-            req.output_ids.append(tok)
-            new.append(tok)
-            if tok in req.eos_token_ids or tok in req.params.stop_token_ids:
-                return new, "stop"
-            if len(req.output_ids) >= req.params.max_new_tokens:
-                return new, "length"
-        return new, None
-
     def _finish(self, req: Request, reason: str, new: list[int] | None = None, logprobs=None, error=None) -> RequestOutput:
-        req.status, req.finish_reason, req.error = Status.FINISHED, reason, error
+        """Final output of a request (the scheduler finishes it: out of the running set, KV freed)."""
+        self.scheduler.finish(req, reason, error)
         self.quarantine.forget(req)
-        self.scheduler.free(req)
         self.worker.release(req)
         detok = self._detok.pop(req.rid, None)
         delta = detok.delta(True) if detok else ""

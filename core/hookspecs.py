@@ -29,7 +29,7 @@ import pluggy
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from .spec.types import DraftCandidates, DraftTree, SpecContext, VerifyResult
+    from .spec.types import DraftCandidates, DraftTree, SpecContext, StepPlan, VerifyResult
     from .request import Request
 
 PROJECT = "specfw"
@@ -71,37 +71,40 @@ def specfw_register_trainers(register: Callable) -> None:
 
 # ---- drafting ---------------------------------------------------------------------------
 @hookspec(firstresult=True)
-def specfw_draft(ctx: "SpecContext", reqs: "list[Request]") -> "list[DraftCandidates]":
+def specfw_draft(ctx: "SpecContext", reqs: "list[Request]", plan: "StepPlan") -> "list[DraftCandidates]":
     """Propose draft candidates for each running request (one entry per request, in order).
 
     Called once per decode step before the target's verify forward, except on steps the draft
-    budget runs without a draft (``speculative.adaptive_draft``): drafters must catch up from
-    ``req.seq_ids`` rather than assume they saw every step. The candidates carry tokens,
-    scores and parent links (a tree rooted at the request's last sampled token, index -1);
-    scores rank candidates (higher = likelier to be accepted) when the tree is cut to a
-    smaller budget. An empty candidate list means "no draft" (the step decodes one token).
-    Implemented by every algorithm runtime.
+    policy runs without a draft (``plan.size == 1``, ``speculative.adaptive_draft``): drafters
+    must catch up from ``req.seq_ids`` rather than assume they saw every step. The candidates
+    carry tokens, scores and parent links (a tree rooted at the request's last sampled token,
+    index -1); scores rank candidates (higher = likelier to be accepted) when the policy cuts
+    the tree to this step's size. An empty candidate list means "no draft" (the step decodes one
+    token). Implemented by every algorithm runtime.
 
-    ``ctx.draft_depth`` is the useful depth this step and ``ctx.draft_score_floor`` the score
-    below which candidates will be pruned (confidence pruning): beams scoring below it need not
-    be expanded.
-
-    :param ctx: engine-wide speculative context (config, target runner, stats).
+    :param ctx: engine-wide speculative context (config, tree shape, target runner, stats).
     :param reqs: running requests; ``req.seq_ids[-1]`` is the root token (sampled, no KV yet).
+    :param plan: this step's :class:`~specfw.spec.types.StepPlan`: at most ``plan.size - 1``
+        candidates are verified, ``plan.depth`` is the useful draft depth and candidates scoring
+        below ``plan.score_floor`` will be pruned, so beams below it need not be expanded.
+        (A hook implementation may leave ``plan`` out of its signature.)
     """
 
 
 # ---- tree building ----------------------------------------------------------------------
 @hookspec(firstresult=True)
-def specfw_build_tree(ctx: "SpecContext", req: "Request", candidates: "DraftCandidates") -> "DraftTree":
-    """Turn one request's scored candidates into the draft tree to verify.
+def specfw_build_tree(ctx: "SpecContext", req: "Request", candidates: "DraftCandidates", plan: "StepPlan") -> "DraftTree":
+    """Turn one request's candidates into the draft tree to verify (at most ``plan.size`` nodes,
+    root included).
 
-    The core's default (trylast) keeps the best ``num_draft_tokens - 1`` candidates by score
-    (closed under ancestors), orders parents before children, prepends the root, and derives
-    positions (``seq_len - 1 + depth``), the ancestor mask and retrieve indices.
+    ``candidates`` are what :func:`specfw_draft` proposed for the request after the draft
+    policy's one cut: the best ``plan.size - 1`` by score, closed under ancestors, in their
+    original (parents-first) order, then cut where the draft's calibrated confidence says a node
+    does not pay for its verification (``speculative.adaptive_draft``). The core's default
+    (trylast) keeps them all, prepends the root, and derives positions (``seq_len - 1 + depth``),
+    the ancestor mask and retrieve indices.
 
     :param req: the request the candidates belong to.
-    :param candidates: what :func:`specfw_draft` proposed for it.
     """
 
 
@@ -139,9 +142,9 @@ def specfw_on_accept(ctx: "SpecContext", reqs: "list[Request]", results: "list[V
                      hidden: "torch.Tensor", aux_hidden: "list[torch.Tensor]") -> None:
     """After verification: keep the drafter in step with the accepted tokens.
 
-    Called after the target's KV commit and before the engine appends ``results[i].tokens``
-    (accepted draft tokens + bonus) to ``req.output_ids`` (it may stop early at eos / a stop
-    condition). Drafters that keep their own cache should treat ``req.seq_ids`` as the source of
+    Called before the scheduler applies the step (keeps the accepted path's target KV, appends
+    ``results[i].tokens``, accepted draft tokens + bonus, to ``req.output_ids``; it may stop
+    early at eos / a stop condition). Drafters that keep their own cache should treat ``req.seq_ids`` as the source of
     truth and catch up lazily in the next :func:`specfw_draft`.
     ``hidden``/``aux_hidden`` are the verify forward's rows ``[sum(tree sizes), H]``; each
     result's ``node_rows`` index the accepted nodes in them.

@@ -164,4 +164,6 @@ def build_worker(engine):
     if name not in algos:
         raise PluginError(f"speculative.algorithm: '{name}' is not registered; installed: {sorted(algos) + ['none']}")
     from .spec.worker import SpeculativeWorker
-    return SpeculativeWorker(engine, algos[name], plugin_manager())
+    return SpeculativeWorker(engine.runner, algos[name], plugin_manager(), engine_config=engine.cfg,
+                             tokenizer=engine.tokenizer, stats=engine.stats, target_path=engine.loaded.path,
+                             hf_config=engine.loaded.hf_config, shape=engine.tree_shape)

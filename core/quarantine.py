@@ -11,7 +11,7 @@ this ends; the other requests keep their output (greedy decoding recomputes the 
 """
 from __future__ import annotations
 
-from .request import Request, Status
+from .request import Request
 from .scheduler import ScheduledBatch, Scheduler
 
 
@@ -27,12 +27,7 @@ class Quarantine:
         alone = next((r for r in batch.reqs if r.rid in self.suspects), None)
         if alone is None:
             return batch
-        if batch.is_prefill:
-            for r in reversed([r for r in batch.reqs if r is not alone]):
-                scheduler.running.remove(r)
-                r.status = Status.WAITING
-                scheduler.waiting.appendleft(r)
-        return ScheduledBatch(batch.kind, [alone])
+        return scheduler.narrow(batch, alone)
 
     def passed(self, batch: ScheduledBatch) -> None:
         if len(batch.reqs) == 1 and self.suspects.get(batch.reqs[0].rid) == batch.kind:
@@ -40,9 +35,8 @@ class Quarantine:
 
     def suspect(self, batch: ScheduledBatch, scheduler: Scheduler) -> None:
         """Requeue the (rolled back) requests of a failed batch, in order, as suspects."""
-        for r in reversed(batch.reqs):
-            r.status = Status.WAITING
-            scheduler.waiting.appendleft(r)
+        scheduler.requeue(batch.reqs)
+        for r in batch.reqs:
             self.suspects.setdefault(r.rid, batch.kind)
 
     def forget(self, req: Request) -> None:

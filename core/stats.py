@@ -4,8 +4,17 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 logger = logging.getLogger("specfw")
+
+
+class Load(NamedTuple):
+    """The engine's load after a step (for the log lines)."""
+    running: int
+    waiting: int
+    kv_used: int
+    kv_usage: float
 
 
 @dataclass
@@ -26,6 +35,7 @@ class EngineStats:
     _window_verify: int = 0
     _window_emitted: int = 0
     observers: list = field(default_factory=list)  # callables(event, **kw), e.g. Prometheus metrics
+    decode_log_interval: int = 40        # a decode log line every this many decode steps
 
     def _emit(self, event: str, **kw) -> None:
         for obs in self.observers:
@@ -42,14 +52,13 @@ class EngineStats:
         self.num_finished += 1
         self._emit("finish", req=req)
 
-    def on_step(self, batch, results, seconds: float, engine) -> None:
+    def on_step(self, batch, results, seconds: float, load: "Load") -> None:
         emitted = sum(len(r.tokens) for r in results)
         if batch.is_prefill:
             new_tokens = sum(r.seq_len for r in batch.reqs)
             self.prompt_tokens += new_tokens
             logger.info("Prefill batch. #new-seq: %d, #new-token: %d, #running-req: %d, #queue-req: %d, "
-                        "token usage: %.2f", len(batch.reqs), new_tokens, len(engine.scheduler.running),
-                        len(engine.scheduler.waiting), engine.runner.kv.usage())
+                        "token usage: %.2f", len(batch.reqs), new_tokens, load.running, load.waiting, load.kv_usage)
         else:
             self.decode_steps += 1
             self._window_tokens += emitted
@@ -60,8 +69,8 @@ class EngineStats:
                 self._window_emitted += sum(len(r.tokens) for r in spec)
                 self.proposed_draft_tokens += sum(r.num_draft for r in spec)
                 self.accepted_draft_tokens += sum(r.num_accepted for r in spec)
-            if self.decode_steps % engine.cfg.engine.decode_log_interval == 0:
-                self._log_decode(engine)
+            if self.decode_steps % self.decode_log_interval == 0:
+                self._log_decode(load)
         self.generation_tokens += emitted
         self._emit("step", kind=batch.kind, tokens=emitted, seconds=seconds, batch_size=len(batch.reqs))
 
@@ -77,14 +86,14 @@ class EngineStats:
                 if d < k:
                     self.position_accepts[d] += 1
 
-    def _log_decode(self, engine) -> None:
+    def _log_decode(self, load: "Load") -> None:
         now = time.monotonic()
         thr = self._window_tokens / max(now - self._window_start, 1e-9)
-        msg = (f"Decode batch. #running-req: {len(engine.scheduler.running)}, "
-               f"#token: {engine.runner.allocator.num_used}, token usage: {engine.runner.kv.usage():.2f}, ")
+        msg = (f"Decode batch. #running-req: {load.running}, "
+               f"#token: {load.kv_used}, token usage: {load.kv_usage:.2f}, ")
         if self._window_verify:
             msg += f"accept len: {self._window_emitted / self._window_verify:.2f}, "
-        msg += f"gen throughput (token/s): {thr:.2f}, #queue-req: {len(engine.scheduler.waiting)}"
+        msg += f"gen throughput (token/s): {thr:.2f}, #queue-req: {load.waiting}"
         logger.info(msg)
         self._window_tokens, self._window_start, self._window_verify, self._window_emitted = 0, now, 0, 0
 

@@ -1,25 +1,18 @@
-"""Plain (non-speculative) worker: one target forward per step, one token per request."""
-from __future__ import annotations
+"""Plain (non-speculative) worker: one target forward per step, one token per request.
 
-from dataclasses import dataclass, field
+A worker computes a scheduled batch and returns one ``StepResult`` per request; it writes KV
+only into the slots the scheduler reserved for the step (``batch.new_slots``) and leaves the
+KV tables and request states to the scheduler (``Scheduler.update``)."""
+from __future__ import annotations
 
 import torch
 
 from .model_runner import ModelRunner, build_forward_batch
 from .request import Request
 from .sampling import TokenLogprob, sample_one
+from .scheduler import ScheduledBatch
+from .step import StepResult
 
-
-@dataclass
-class SeqResult:
-    """What one step produced for one request."""
-    tokens: list[int]
-    logprobs: list[TokenLogprob] = field(default_factory=list)
-    num_draft: int = 0         # draft tokens proposed (speculative only)
-    num_accepted: int = 0      # draft tokens accepted
-
-
-EMPTY = torch.empty(0, dtype=torch.long)
 
 
 def sample_rows(logits: torch.Tensor, reqs: list[Request]) -> list[tuple[int, TokenLogprob | None]]:
@@ -29,17 +22,21 @@ def sample_rows(logits: torch.Tensor, reqs: list[Request]) -> list[tuple[int, To
     return [sample_one(logits[i], r.params, r.generator, r.prompt_ids, r.output_ids) for i, r in enumerate(reqs)]
 
 
-def prefill_chunks(runner: ModelRunner, reqs: list[Request]):
-    """Allocate slots for every uncached token of each request; returns forward chunks."""
+def prefill_chunks(batch: ScheduledBatch):
+    """Forward chunks of a prefill: every uncached token of each request, into its reserved slots."""
     chunks = []
-    for r in reqs:
-        ids = r.seq_ids[r.num_cached:]
+    for r, slots in zip(batch.reqs, batch.new_slots):
         start = r.num_cached
-        slots = runner.allocator.alloc(len(ids))
+        ids = r.seq_ids[start:]
         chunks.append((torch.tensor(ids, dtype=torch.long), torch.arange(start, start + len(ids)),
                        slots, r.slots.slots(), None))
-        r.slots.append(slots)
     return chunks
+
+
+def prefill_results(sampled: list[tuple[int, TokenLogprob | None]], batch: ScheduledBatch) -> list[StepResult]:
+    """A prefill keeps the KV of every token it wrote and emits the one token sampled."""
+    return [StepResult([t], list(range(int(s.numel()))), logprobs=[lp] if lp else [])
+            for (t, lp), s in zip(sampled, batch.new_slots)]
 
 
 class PlainWorker:
@@ -48,22 +45,18 @@ class PlainWorker:
     def __init__(self, runner: ModelRunner):
         self.runner = runner
 
-    def prefill(self, reqs: list[Request]) -> list[SeqResult]:
-        fb = build_forward_batch(prefill_chunks(self.runner, reqs), last_only=True)
-        out = self.runner.forward(fb)
-        return [SeqResult([t], [lp] if lp else []) for t, lp in sample_rows(out.logits, reqs)]
+    def run(self, batch: ScheduledBatch) -> list[StepResult]:
+        return self.prefill(batch) if batch.is_prefill else self.decode(batch)
 
-    def decode(self, reqs: list[Request]) -> list[SeqResult]:
-        slots = self.runner.allocator.alloc(len(reqs))
-        chunks = []
-        for i, r in enumerate(reqs):
-            s = slots[i:i + 1]
-            chunks.append((torch.tensor(r.seq_ids[-1:], dtype=torch.long), torch.tensor([r.num_cached]), s, r.slots.slots(), None))
-        fb = build_forward_batch(chunks)
-        out = self.runner.forward(fb)
-        for i, r in enumerate(reqs):
-            r.slots.append(slots[i:i + 1])
-        return [SeqResult([t], [lp] if lp else []) for t, lp in sample_rows(out.logits, reqs)]
+    def prefill(self, batch: ScheduledBatch) -> list[StepResult]:
+        out = self.runner.forward(build_forward_batch(prefill_chunks(batch), last_only=True))
+        return prefill_results(sample_rows(out.logits, batch.reqs), batch)
+
+    def decode(self, batch: ScheduledBatch) -> list[StepResult]:
+        chunks = [(torch.tensor(r.seq_ids[-1:], dtype=torch.long), torch.tensor([r.num_cached]), slots[:1], r.slots.slots(), None)
+                  for r, slots in zip(batch.reqs, batch.new_slots)]
+        out = self.runner.forward(build_forward_batch(chunks))
+        return [StepResult([t], [0], logprobs=[lp] if lp else []) for t, lp in sample_rows(out.logits, batch.reqs)]
 
     def release(self, req: Request) -> None:
         """Drop any per-request worker state (none for plain decoding)."""

@@ -83,22 +83,25 @@ def test_move_copies_every_layer_and_allows_overlap():
 
 
 def test_commit_kv_keeps_a_request_in_one_run():
-    """After a verify accepts a path off the first branch, the request's KV is still one
-    ascending run of slots (attention reads it as a view) and nothing leaks."""
-    from types import SimpleNamespace
-    from specfw.kv_cache import SlotTable
-    from specfw.spec.worker import SpeculativeWorker
+    """After a verify accepts a path off the first branch, the scheduler keeps the request's KV
+    one ascending run of slots (attention reads it as a view) and nothing leaks."""
+    from specfw.request import Request
+    from specfw.sampling import SamplingParams
+    from specfw.scheduler import ScheduledBatch, Scheduler
+    from specfw.step import VerifyResult
     pool = KVPool(num_layers=2, num_kv_heads=1, head_dim=2, num_slots=32)
-    req = SimpleNamespace(slots=SlotTable())
+    sched = Scheduler(pool, 4, 64, 64, slots_per_decode=6)
+    req = Request(prompt_ids=list(range(10)), params=SamplingParams(max_new_tokens=20))
     req.slots.append(pool.allocator.alloc(10))
+    sched.running.append(req)
     tree = pool.allocator.alloc(6)
     for layer in range(2):
         pool.k[layer][tree] = tree.float()[:, None, None]
-    worker = SimpleNamespace(runner=SimpleNamespace(kv=pool, allocator=pool.allocator))
-    SpeculativeWorker._commit_kv(worker, req, tree, torch.tensor([0, 2, 5]))
+    sched.update(ScheduledBatch("decode", [req], [tree]), [VerifyResult([0, 2, 5], [7, 8, 9], 5)])
     slots = req.slots.slots()
     assert torch.equal(slots, torch.arange(int(slots[0]), int(slots[0]) + 13))
     assert pool.k[1][slots[10:], 0, 0].tolist() == [float(tree[0]), float(tree[2]), float(tree[5])]
     assert pool.allocator.num_used == 13
+    assert req.output_ids == [7, 8, 9]
     nxt = pool.allocator.alloc(4)   # the next tree continues the run
     assert int(nxt[0]) == int(slots[-1]) + 1

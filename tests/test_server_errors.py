@@ -251,9 +251,9 @@ def test_engine_step_failure_fails_requests_with_500_and_keeps_serving(server, h
     real_decode = eng.worker.decode
     calls = {"n": 0}
 
-    def broken_decode(reqs):
+    def broken_decode(batch):
         calls["n"] += 1
-        eng.runner.allocator.alloc(len(reqs))      # leaks slots on purpose, like a crash mid-step
+        assert eng.runner.allocator.num_used >= len(batch.new_slots[0])   # this step's reservation is held
         raise RuntimeError("injected decode failure")
     monkeypatch.setattr(eng.worker, "decode", broken_decode)
     e = _err(http.post(CHAT, json=chat(max_tokens=8)), 500, None, "engine_error")
@@ -264,7 +264,7 @@ def test_engine_step_failure_fails_requests_with_500_and_keeps_serving(server, h
     assert events[-1] == "[DONE]"
     assert json.loads(events[-2])["error"]["code"] == "engine_error"
     assert calls["n"] == 2
-    assert engine_idle(server), "slots of the failed requests were not reclaimed"
+    assert engine_idle(server), "slots of the failed requests (and the step's reservation) were not freed"
     monkeypatch.setattr(eng.worker, "decode", real_decode)
     r = _ok(http.post(CHAT, json=chat(max_tokens=8)))
     assert r["usage"]["completion_tokens"] == 8

@@ -205,10 +205,10 @@ def _poison(engine, monkeypatch, rid_part: str, kind: str = "decode"):
     """Make the worker raise whenever a request whose rid contains ``rid_part`` is in its batch."""
     real = getattr(engine.worker, kind)
 
-    def step(reqs):
-        if any(rid_part in r.rid for r in reqs):
+    def step(batch):
+        if any(rid_part in r.rid for r in batch.reqs):
             raise RuntimeError(f"injected failure ({rid_part})")
-        return real(reqs)
+        return real(batch)
     monkeypatch.setattr(engine.worker, kind, step)
 
 

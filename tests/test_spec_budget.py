@@ -96,17 +96,31 @@ def test_candidates_best_keeps_ancestors_and_reindexes():
     assert c.best(1).tokens.tolist() == [11]
 
 
-def test_draft_depth_follows_the_step_budget():
+def test_step_plan_depth_follows_the_step_size():
     from specfw.spec.config import TreeShape
-    from specfw.spec.types import SpecContext
-    ctx = SpecContext(config=None, shape=TreeShape(5, 4, 8), runner=None, tokenizer=None, engine_config=None, stats=None)
-    assert ctx.draft_depth == 5            # no budget set: the configured depth
-    ctx.draft_budget = 2
-    assert ctx.draft_depth == 1
-    ctx.draft_budget = 4
-    assert ctx.draft_depth == 3
-    ctx.draft_budget = 8
-    assert ctx.draft_depth == 5
+    from specfw.spec.policy import DraftPolicy
+    policy = DraftPolicy(TreeShape(5, 4, 8), adaptive=True, confidence_pruning=False)
+    depths = {}
+    for size in policy.budget.sizes:
+        policy._retime = size          # play this size
+        plan = policy.plan(1)
+        depths[plan.size] = plan.depth
+        assert plan.drafts == (size > 1)
+    assert depths == {1: 0, 2: 1, 4: 3, 8: 5}
+    fixed = DraftPolicy(TreeShape(5, 4, 8), adaptive=False)
+    assert fixed.plan(1).size == 8 and fixed.plan(1).depth == 5 and fixed.plan(1).score_floor == float("-inf")
+
+
+def test_policy_select_is_the_one_cut_of_the_candidates():
+    from specfw.spec.config import TreeShape
+    from specfw.spec.policy import DraftPolicy
+    from specfw.spec.types import DraftCandidates, StepPlan
+    policy = DraftPolicy(TreeShape(3, 2, 4), adaptive=False)
+    cands = DraftCandidates(torch.tensor([10, 11, 12, 13, 14]), torch.tensor([-1, -1, 0, 0, 2]),
+                            torch.tensor([-0.1, -2.0, -0.5, -3.0, -0.9]))
+    kept = policy.select(cands, StepPlan(size=4, depth=3))
+    assert kept.tokens.tolist() == [10, 12, 14]          # the best 3, closed under ancestors
+    assert len(policy.select(cands, StepPlan(size=1, depth=0))) == 0
 
 
 def test_a_step_with_an_unrepresentative_time_counts_its_yield_only():

@@ -11,7 +11,7 @@ def _cands(tokens, parents, scores):
 
 def test_tree_tensors():
     # root → a(10), b(20); a → c(30); c → d(40)
-    t = build_tree(7, _cands([10, 20, 30, 40], [-1, -1, 0, 2], [-0.1, -0.5, -0.2, -0.3]), num_draft_tokens=5)
+    t = build_tree(7, _cands([10, 20, 30, 40], [-1, -1, 0, 2], [-0.1, -0.5, -0.2, -0.3]), size=5)
     assert t.tokens.tolist() == [7, 10, 20, 30, 40]
     assert t.parents.tolist() == [-1, 0, 0, 1, 3]
     assert t.depth.tolist() == [0, 1, 1, 2, 3]
@@ -31,15 +31,15 @@ def test_selection_keeps_best_and_is_ancestor_closed():
     c = _cands([1, 2, 3, 4], [-1, -1, 1, -1], [-0.5, -3.0, -0.6, -2.0])
     assert select_candidates(c, 3) == [0, 1, 2]
     assert select_candidates(c, 2) == [0, 3]          # grandchild needs 2 slots: skipped, next best taken
-    t = build_tree(9, c, num_draft_tokens=3)
+    t = build_tree(9, c, size=3)
     assert t.parents.tolist() == [-1, 0, 0] and t.tokens.tolist() == [9, 1, 4]
 
 
 def test_chain_and_empty():
-    t = build_tree(5, DraftCandidates.chain([6, 7, 8]), num_draft_tokens=10)
+    t = build_tree(5, DraftCandidates.chain([6, 7, 8]), size=10)
     assert t.is_chain and t.depth.tolist() == [0, 1, 2, 3]
     assert torch.equal(t.mask, torch.ones(4, 4, dtype=torch.bool).tril())
-    e = build_tree(5, DraftCandidates.empty(), num_draft_tokens=4)
+    e = build_tree(5, DraftCandidates.empty(), size=4)
     assert len(e) == 1 and e.tokens.tolist() == [5]
 
 

@@ -377,7 +377,8 @@ class AsyncEngine:
             except Exception:  # pragma: no cover - last resort: drop it from the scheduler
                 logger.exception("abort of %s failed", r.rid)
                 sched.remove(r.rid)
-        self.engine._reclaim_slots()
+        if sched.in_flight is not None:   # the step raised past the engine: undo its reservation
+            sched.rollback(sched.in_flight)
         self._take_snapshot()
         per_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
         failure = EngineFailure(500, f"Internal server error: engine step failed ({type(exc).__name__}: {exc})")

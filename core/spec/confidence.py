@@ -16,7 +16,7 @@ every verified row costs time (CPUs), verifying the unlikely nodes loses more th
   **threshold**. ``ConfidencePruning.prune`` keeps each request's candidates in score order
   (the tree builder's ranking, closed under ancestors) up to the first one below the threshold;
   ``score_floor`` gives drafters the score below which expanding a beam is wasted
-  (``SpecContext.draft_score_floor``), so low-confidence steps also draft less deeply.
+  (``StepPlan.score_floor``), so low-confidence steps also draft less deeply.
 
 A small share of steps (``explore``) verifies a random number of the best nodes instead, so the
 calibration keeps seeing nodes below the threshold and the cost fit sees every tree size. With

@@ -8,8 +8,8 @@ from .verify import verify
 
 
 @hookimpl(trylast=True)
-def specfw_build_tree(ctx, req, candidates):
-    return build_tree(req.seq_ids[-1], candidates, ctx.shape.num_draft_tokens)
+def specfw_build_tree(ctx, req, candidates, plan):
+    return build_tree(req.seq_ids[-1], candidates, plan.size)
 
 
 @hookimpl(trylast=True)

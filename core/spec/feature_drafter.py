@@ -81,12 +81,12 @@ class FeatureDrafter:
             self.kv.allocator.free(st.slots.truncate(0))
 
     @hookimpl
-    def specfw_draft(self, ctx, reqs):
+    def specfw_draft(self, ctx, reqs, plan):
         ready = [r for r in reqs if r.rid in self.states]
         need = sum(r.seq_len for r in ready) + len(ready) * self.shape.topk * self.shape.num_steps
         if not ready or not self.kv.allocator.can_alloc(need - sum(len(self.states[r.rid].slots) for r in ready)):
             return [DraftCandidates.empty() for _ in reqs]
-        drafted = dict(zip([r.rid for r in ready], self._draft(ready)))
+        drafted = dict(zip([r.rid for r in ready], self._draft(ready, plan)))
         return [drafted.get(r.rid, DraftCandidates.empty()) for r in reqs]
 
     # ---- drafting ---------------------------------------------------------------------------
@@ -111,14 +111,14 @@ class FeatureDrafter:
         logits, hidden = self.head_forward(fb.input_ids, torch.cat(feats), fb, from_target=True)
         return logits, hidden[fb.logits_indices]
 
-    def _draft(self, reqs):
+    def _draft(self, reqs, plan):
         logits, last_hidden = self._extend(reqs)
 
         def step(step_chunks, parent_hidden):
             sfb = build_forward_batch(step_chunks).to(self.device)
             return self.head_forward(sfb.input_ids, parent_hidden, sfb, from_target=False)
 
-        return beam_search(reqs, logits, last_hidden, self.shape.topk, self.ctx.draft_depth,
+        return beam_search(reqs, logits, last_hidden, self.shape.topk, plan.depth,
                            lambda r: self.states[r.rid].slots.slots(), self.kv.allocator, step,
                            to_target=self.to_target, root_position=lambda r: r.seq_len - 2,
-                           score_floor=self.ctx.draft_score_floor)
+                           score_floor=plan.score_floor)

@@ -24,8 +24,10 @@ def select_candidates(cands: DraftCandidates, budget: int) -> list[int]:
     return sorted(chosen)
 
 
-def build_tree(root_token: int, cands: DraftCandidates, num_draft_tokens: int) -> DraftTree:
-    keep = select_candidates(cands, num_draft_tokens - 1)
+def build_tree(root_token: int, cands: DraftCandidates, size: int) -> DraftTree:
+    """The tree of the root and ``cands`` (at most ``size - 1`` of them: the draft policy cut
+    them already, so this keeps them all)."""
+    keep = select_candidates(cands, size - 1)
     remap = {old: new + 1 for new, old in enumerate(keep)}
     old_parents = cands.parents.tolist()
     parents = [-1] + [remap[old_parents[i]] if old_parents[i] >= 0 else 0 for i in keep]

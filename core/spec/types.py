@@ -1,11 +1,12 @@
 """Typed objects passed between the speculative stages (draft → tree → verify → commit)."""
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ..step import StepResult, VerifyResult  # noqa: F401  (re-exported: the verify hook's result type)
 from .config import SpecAlgoConfig, TreeShape
 
 
@@ -21,16 +22,25 @@ class SpecContext:
     target_path: Any = None          # the target's resolved checkpoint directory (MTP reads its NextN layers)
     capture_layers: tuple[int, ...] = ()   # target layers whose input hidden states the drafter needs
     force_greedy: bool = False
-    draft_budget: int = 0            # tree nodes (incl. root) this step verifies; drafting deeper than
-                                     # draft_budget - 1 is wasted (set by the worker before specfw_draft)
-    draft_score_floor: float = float("-inf")   # candidates scoring below this will be pruned this step
-                                               # (spec/confidence.py): expanding such beams is wasted
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What this decode step drafts and verifies, decided by the draft policy
+    (``spec/policy.py``) before drafting and passed to ``specfw_draft`` and ``specfw_build_tree``.
+
+    ``size``: tree nodes (root included) the step verifies at most; 1 means no draft this step
+    (``specfw_draft`` is not called). ``depth``: the useful draft depth,
+    ``min(num_steps, size - 1)``. ``score_floor``: candidates scoring below it are pruned this
+    step (confidence pruning), so beams below it need not be expanded (-inf: none are)."""
+    size: int
+    depth: int
+    score_floor: float = float("-inf")
+    cut: Any = None   # the policy's own cut of the candidates (spec/confidence.py Cut)
 
     @property
-    def draft_depth(self) -> int:
-        """Useful draft depth this step: ``min(num_steps, draft_budget - 1)``."""
-        budget = self.draft_budget or self.shape.num_draft_tokens
-        return max(1, min(self.shape.num_steps, budget - 1))
+    def drafts(self) -> bool:
+        return self.size > 1
 
 
 @dataclass
@@ -105,17 +115,3 @@ class DraftTree:
     @property
     def is_chain(self) -> bool:
         return bool((self.parents[1:] == torch.arange(len(self) - 1)).all())
-
-
-@dataclass
-class VerifyResult:
-    """Accepted path (node indices, root first) and the tokens to emit (accepted drafts + bonus)."""
-    accepted_nodes: list[int]
-    tokens: list[int]
-    num_draft: int
-    node_rows: torch.Tensor | None = None   # rows of the verify forward for accepted_nodes (set by the worker)
-    logprobs: list = field(default_factory=list)
-
-    @property
-    def num_accepted(self) -> int:
-        return len(self.accepted_nodes) - 1

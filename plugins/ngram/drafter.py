@@ -15,7 +15,6 @@ class NgramDrafter:
         cfg = ctx.config
         self.cfg = cfg
         self.trie = NgramTrie(cfg.branch_length, cfg.capacity)
-        self.budget = ctx.shape.num_draft_tokens - 1
         self.open: dict[str, tuple[int, list]] = {}   # rid → (tokens inserted, open trie paths)
 
     def _sync(self, req) -> None:
@@ -33,21 +32,22 @@ class NgramDrafter:
         frac = (window - c.min_match_window_size) / (c.max_match_window_size - c.min_match_window_size)
         return max(c.min_bfs_breadth, round(c.max_bfs_breadth - frac * (c.max_bfs_breadth - c.min_bfs_breadth)))
 
-    def _draft_one(self, req) -> DraftCandidates:
+    def _draft_one(self, req, budget: int) -> DraftCandidates:
         self._sync(req)
         node, window = self.trie.match(req.seq_ids, self.cfg.min_match_window_size, self.cfg.max_match_window_size)
         if node is None:
             return DraftCandidates.empty()
         if self.cfg.match_type is MatchType.PROB or self.cfg.match_type == "PROB":
-            tokens, parents, scores = self.trie.draft_prob(node, self.budget)
+            tokens, parents, scores = self.trie.draft_prob(node, budget)
         else:
-            tokens, parents, scores = self.trie.draft_bfs(node, self.budget, self._breadth(window))
+            tokens, parents, scores = self.trie.draft_bfs(node, budget, self._breadth(window))
         return DraftCandidates(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long),
                                torch.tensor(scores, dtype=torch.float32))
 
     @hookimpl
     def specfw_draft(self, ctx, reqs):
-        return [self._draft_one(r) for r in reqs]
+        # the whole budget: the draft policy keeps the best by path probability for this step
+        return [self._draft_one(r, ctx.shape.num_draft_tokens - 1) for r in reqs]
 
     @hookimpl
     def specfw_release(self, ctx, req):

@@ -71,7 +71,7 @@ class StandaloneDrafter:
 
     # ---- hooks ----------------------------------------------------------------------------
     @hookimpl
-    def specfw_draft(self, ctx, reqs):
+    def specfw_draft(self, ctx, reqs, plan):
         alloc = self.draft.allocator
         need = sum(r.seq_len - len(self._state(r).slots) for r in reqs) + len(reqs) * self.shape.topk * self.shape.num_steps
         if not alloc.can_alloc(need):
@@ -80,7 +80,7 @@ class StandaloneDrafter:
                 logger.warning("draft KV pool full: decoding this step without drafts")
                 return [DraftCandidates.empty() for _ in reqs]
         try:
-            return self._draft(reqs)
+            return self._draft(reqs, plan)
         finally:
             for r in reqs:  # forget this step's drafted nodes; keep the committed prefix
                 self.draft.allocator.free(self._state(r).slots.truncate(r.seq_len))
@@ -123,12 +123,12 @@ class StandaloneDrafter:
             st.slots.append(slots)
         return self.draft.forward(build_forward_batch(chunks, last_only=True)).logits
 
-    def _draft(self, reqs):
+    def _draft(self, reqs, plan):
         logits = self._extend(reqs)   # up to the root token; its logits start the beams
 
         def step(step_chunks, _parent_hidden):
             return self.draft.forward(build_forward_batch(step_chunks)).logits, None
 
-        return beam_search(reqs, logits, None, self.shape.topk, self.ctx.draft_depth,
+        return beam_search(reqs, logits, None, self.shape.topk, plan.depth,
                            lambda r: self._state(r).slots.slots(), self.draft.allocator, step, self._sampled,
-                           score_floor=self.ctx.draft_score_floor)
+                           score_floor=plan.score_floor)

@@ -1,0 +1,74 @@
+"""The draft policy: one object that decides, per decode step, how much to draft and verify,
+cuts the candidates to that, and learns from what the step cost and yielded.
+
+It joins the two learners that sit on the measured cost of verification:
+
+* ``DraftBudget`` (``budget.py``): whether drafting pays at all this step, and (without
+  confidence pruning) the tree size, from measured tokens/s per size;
+* ``ConfidencePruning`` (``confidence.py``): which drafted nodes are worth verifying, from the
+  draft's calibrated confidence and the measured seconds per node.
+
+Per step: ``plan(batch)`` → a :class:`StepPlan` (size, useful depth, score floor) the drafter
+receives; ``select(candidates, plan)`` → the candidates the tree is built from (the best
+``size - 1`` by score, closed under ancestors, then confidence-pruned: the one cut);
+``observe(...)`` → both learners see the step's time and what every smaller size would have
+yielded. Greedy output never depends on any of this: any tree verifies to the same tokens.
+
+Timing rule: a drafted step right after plain steps also pays for the drafter catching up on
+the tokens those steps produced (a switching cost, not what a drafted step costs), so it is not
+timed, and the next step replays its size to be timed; otherwise a budget that left drafting
+would never see its cost again.
+"""
+from __future__ import annotations
+
+from .budget import DraftBudget, counterfactual_yields
+from .confidence import ConfidencePruning, Cut
+from .config import TreeShape
+from .types import DraftCandidates, StepPlan
+
+
+class DraftPolicy:
+    def __init__(self, shape: TreeShape, adaptive: bool = True, confidence_pruning: bool = True):
+        self.shape = shape
+        self.pruning = ConfidencePruning(enabled=adaptive and confidence_pruning)
+        # with pruning, the tree size is decided per step from the draft's confidence; the budget
+        # only decides whether drafting pays at all (a pruned step's cost varies with the text
+        # like its yield does: average both alike)
+        self.budget = DraftBudget(shape.num_draft_tokens, adaptive=adaptive,
+                                  **(dict(sizes=[1, shape.num_draft_tokens], cost_decay=0.95) if self.pruning.enabled else {}))
+        self._retime = 0             # size the next step must play (to time it), 0 = the budget's choice
+        self._plain_before = False   # the last decode step did not draft
+
+    @property
+    def adaptive(self) -> bool:
+        return self.budget.adaptive
+
+    def plan(self, batch: int) -> StepPlan:
+        size = self._retime or self.budget.choose(batch)
+        self._retime = 0
+        if size <= 1:
+            return StepPlan(size=1, depth=0)
+        cut = self.pruning.plan(batch, self.budget.rates(batch).get(size), size - 1)
+        depth = max(1, min(self.shape.num_steps, size - 1))
+        return StepPlan(size=size, depth=depth, score_floor=self.pruning.score_floor(cut), cut=cut)
+
+    def select(self, cands: DraftCandidates, plan: StepPlan) -> DraftCandidates:
+        """The candidates this step verifies: the best ``plan.size - 1`` (closed under
+        ancestors), cut by confidence."""
+        if not plan.drafts:
+            return DraftCandidates.empty()
+        return self.pruning.prune(cands.best(plan.size - 1), plan.cut or Cut())
+
+    def observe(self, batch: int, plan: StepPlan, drafted: bool, verified: list[DraftCandidates],
+                accepted: list[list[int]], seconds: float) -> None:
+        """One decode step played ``plan`` in ``seconds``; ``drafted``: the drafter proposed
+        anything; ``verified``: the candidates each request's tree held; ``accepted``: the draft
+        tokens the target accepted per request (root's child first)."""
+        if self.budget.adaptive and drafted:
+            timed = None if self._plain_before else seconds
+            self._retime = plan.size if self._plain_before else 0
+            self.budget.observe(batch, plan.size, timed, counterfactual_yields(self.budget.sizes, plan.size, verified, accepted))
+            self.pruning.observe(batch, verified, accepted, timed)
+        elif self.budget.adaptive and plan.size == 1:
+            self.budget.observe(batch, 1, seconds, None)
+        self._plain_before = plan.size == 1
