@@ -168,7 +168,7 @@ def main():
 def pruning_summary(pruning) -> dict:
     """Confidence pruning's state after a run: nodes kept/pruned, the batch-1 threshold at the
     end, the learned acceptance probability per draft-probability bin."""
-    from specfw.spec.confidence import PROB_EDGES
+    from specfw.speculative.confidence import PROB_EDGES
     cal = pruning.calibration
     return dict(kept_nodes=pruning.kept_nodes, pruned_nodes=pruning.pruned_nodes,
                 threshold=pruning.last_threshold.get(1, 0.0),
@@ -183,7 +183,7 @@ def plot_calibration(rows, path) -> bool:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from specfw.spec.confidence import PROB_EDGES
+    from specfw.speculative.confidence import PROB_EDGES
     mids = [(lo + hi) / 2 for lo, hi in zip(PROB_EDGES, PROB_EDGES[1:] + (1.0,))]
     fig, ax = plt.subplots(figsize=(5.5, 4.5))
     ax.plot([0, 1], [0, 1], color="gray", lw=0.8, ls="--", label="calibrated draft")

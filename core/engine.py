@@ -62,7 +62,7 @@ class Completion:
 def speculative_tree_shape(cfg, hf_config):
     """The validated tree shape of the configured speculative algorithm (None: plain decoding)."""
     from .config import speculative_config
-    from .spec.config import resolve_tree_shape
+    from .speculative.config import resolve_tree_shape
     spec = speculative_config(cfg)
     return resolve_tree_shape(spec, hf_config) if hasattr(spec, "resolve_shape") else None
 

@@ -11,7 +11,7 @@ Two kinds of plugin objects exist:
   engine's plugin manager, so hook implementations never need to check which algorithm is
   active, and the core never branches on an algorithm's name.
 
-The core itself registers :mod:`specfw.spec.defaults`, whose ``specfw_build_tree`` and
+The core itself registers :mod:`specfw.speculative.defaults`, whose ``specfw_build_tree`` and
 ``specfw_verify`` are ``trylast``: an algorithm that only drafts gets tree building and
 verification for free; one that returns a result from those hooks overrides them.
 
@@ -29,7 +29,7 @@ import pluggy
 if TYPE_CHECKING:  # pragma: no cover
     import torch
 
-    from .spec.types import DraftCandidates, DraftTree, SpecContext, StepPlan, VerifyResult
+    from .speculative.types import DraftCandidates, DraftTree, SpecContext, StepPlan, VerifyResult
     from .request import Request
 
 PROJECT = "specfw"
@@ -46,7 +46,7 @@ def specfw_register_algorithms(register: Callable) -> None:
 
     :param register: ``register(name, config_class, factory, description="")``.
         ``name`` becomes the option ``speculative=<name>``; ``config_class`` is a dataclass
-        deriving from :class:`specfw.spec.config.SpecAlgoConfig` (its fields are the option's
+        deriving from :class:`specfw.speculative.config.SpecAlgoConfig` (its fields are the option's
         keys; Hydra validates them); ``factory(ctx: SpecContext)`` builds the algorithm runtime
         (an object with hook implementations) for one engine, loading draft weights if any.
     """
@@ -84,7 +84,7 @@ def specfw_draft(ctx: "SpecContext", reqs: "list[Request]", plan: "StepPlan") ->
 
     :param ctx: engine-wide speculative context (config, tree shape, target runner, stats).
     :param reqs: running requests; ``req.seq_ids[-1]`` is the root token (sampled, no KV yet).
-    :param plan: this step's :class:`~specfw.spec.types.StepPlan`: at most ``plan.size - 1``
+    :param plan: this step's :class:`~specfw.speculative.types.StepPlan`: at most ``plan.size - 1``
         candidates are verified, ``plan.depth`` is the useful draft depth and candidates scoring
         below ``plan.score_floor`` will be pruned, so beams below it need not be expanded.
         (A hook implementation may leave ``plan`` out of its signature.)

@@ -30,7 +30,7 @@ packages = ["specfw_{name}"]
 INIT = '''"""specfw algorithm '{name}'. Registered through the `specfw` entry-point group."""
 from __future__ import annotations
 
-from specfw.hookspecs import hookimpl
+from specfw.sdk import hookimpl
 
 from .config import {cls}Config
 from .drafter import {cls}Drafter
@@ -46,8 +46,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specfw.config import ConfigError
-from specfw.spec.config import SpecAlgoConfig, TreeShape
+from specfw.sdk import ConfigError, SpecAlgoConfig, TreeShape
 
 
 @dataclass
@@ -69,8 +68,7 @@ class {cls}Config(SpecAlgoConfig):
 DRAFTER = '''"""The runtime: built once per engine; its hooks are called on the engine thread."""
 from __future__ import annotations
 
-from specfw.hookspecs import hookimpl
-from specfw.spec.types import DraftCandidates
+from specfw.sdk import DraftCandidates, hookimpl
 
 
 class {cls}Drafter:

@@ -93,7 +93,7 @@ class PluginManager:
         module = getattr(plugin, "__name__", type(plugin).__name__)
 
         def register_algorithm(algo_name: str, config_class: type, factory: Callable, description: str = "") -> None:
-            from .spec.config import SpecAlgoConfig
+            from .speculative.config import SpecAlgoConfig
             if algo_name in self.algorithms or algo_name == "none":
                 raise PluginError(f"speculative algorithm '{algo_name}' is registered twice "
                                   f"({self.algorithms[algo_name].module if algo_name in self.algorithms else 'core'} and {module})")
@@ -163,7 +163,7 @@ def build_worker(engine):
     algos = plugin_manager().algorithms
     if name not in algos:
         raise PluginError(f"speculative.algorithm: '{name}' is not registered; installed: {sorted(algos) + ['none']}")
-    from .spec.worker import SpeculativeWorker
+    from .speculative.worker import SpeculativeWorker
     return SpeculativeWorker(engine.runner, algos[name], plugin_manager(), engine_config=engine.cfg,
                              tokenizer=engine.tokenizer, stats=engine.stats, target_path=engine.loaded.path,
                              hf_config=engine.loaded.hf_config, shape=engine.tree_shape)

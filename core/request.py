@@ -37,7 +37,6 @@ class Request:
     # speculative decoding counters (spec_verify_ct, accepted draft tokens)
     spec_verify_ct: int = 0
     spec_accepted_tokens: int = 0
-    spec_state: dict = field(default_factory=dict)  # opaque per-algorithm state, keyed by plugin name
 
     def __post_init__(self):
         self.generator: torch.Generator = make_generator(self.params.seed)

@@ -67,7 +67,7 @@ def test_model_runner_kv_pool_and_plugins_carry_no_kernel_flags():
     flags = re.compile(r"cpu_packed_gemm|cpu_bf16_kernel|cpu_isa|\bpacked_gemm\b|\bbf16_kernel\b|"
                        r"(engine|cfg|config|model)\.batch_invariant\b|batch_invariant\s*=\s*(True|False|cfg)")
     paths = [ROOT / "core" / "model_runner.py", ROOT / "core" / "kv_cache.py", ROOT / "core" / "worker.py",
-             *(ROOT / "core" / "models").glob("*.py"), *(ROOT / "core" / "spec").glob("*.py"),
+             *(ROOT / "core" / "models").glob("*.py"), *(ROOT / "core" / "speculative").glob("*.py"),
              *(ROOT / "plugins").rglob("*.py")]
     offenders = [str(p.relative_to(ROOT)) for p in paths if flags.search(p.read_text())]
     assert not offenders, offenders

@@ -160,8 +160,8 @@ def test_feature_draft_heads_run_on_the_targets_device(meta_runner_factory, tmp_
     search reads them per token, while the FR-Spec lm_head rows are gathered on the device."""
     from specfw.request import Request
     from specfw.sampling import SamplingParams
-    from specfw.spec.config import TreeShape
-    from specfw.spec.types import SpecContext
+    from specfw.speculative.config import TreeShape
+    from specfw.speculative.types import SpecContext
     runner = meta_runner_factory(False)
     path = _tiny_draft(kind, tmp_path / kind)
     if kind == "eagle3":

@@ -30,7 +30,7 @@ def test_every_hook_has_a_builtin_implementation():
     import specfw_plugins.ngram as ng
     import specfw_plugins.standalone as sap
     import specfw_plugins.standalone.drafter as sa
-    from specfw.spec import defaults, feature_drafter
+    from specfw.speculative import defaults, feature_drafter
     sources = [defaults, ng, ng.drafter.NgramDrafter, sa.StandaloneDrafter, feature_drafter.FeatureDrafter, e3, sap]
     implemented = {n for s in sources for n in dir(s) if n.startswith("specfw_")}
     implemented.add("specfw_observe_step")   # observers: exercised in tests/test_plugins.py

@@ -12,7 +12,7 @@ import pytest
 
 from specfw.hookspecs import hookimpl
 from specfw.plugins import PluginError, PluginManager
-from specfw.spec.config import SpecAlgoConfig
+from specfw.speculative.config import SpecAlgoConfig
 
 BIN = Path(sys.executable).parent
 

@@ -29,7 +29,7 @@ def test_allow_and_block_lists(monkeypatch):
 
 
 def test_in_process_plugin_registration_and_duplicates():
-    from specfw.spec.config import SpecAlgoConfig
+    from specfw.speculative.config import SpecAlgoConfig
 
     class MyPlugin:
         @hookspecs.hookimpl

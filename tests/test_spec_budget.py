@@ -1,7 +1,7 @@
 import torch
 
-from specfw.spec.budget import DraftBudget, budget_sizes
-from specfw.spec.types import DraftCandidates
+from specfw.speculative.budget import DraftBudget, budget_sizes
+from specfw.speculative.types import DraftCandidates
 
 
 def test_budget_sizes():
@@ -74,7 +74,7 @@ def test_steps_without_a_draft_are_not_counted():
 
 
 def test_counterfactual_yields_cut_the_accepted_path():
-    from specfw.spec.budget import counterfactual_yields
+    from specfw.speculative.budget import counterfactual_yields
     # chain a-b-c under the root plus a sibling x of a (scores a > b > x > c)
     c = DraftCandidates(torch.tensor([10, 11, 12, 99]), torch.tensor([-1, 0, 1, -1]),
                         torch.tensor([-0.1, -0.2, -0.3, -0.25]))
@@ -97,8 +97,8 @@ def test_candidates_best_keeps_ancestors_and_reindexes():
 
 
 def test_step_plan_depth_follows_the_step_size():
-    from specfw.spec.config import TreeShape
-    from specfw.spec.policy import DraftPolicy
+    from specfw.speculative.config import TreeShape
+    from specfw.speculative.policy import DraftPolicy
     policy = DraftPolicy(TreeShape(5, 4, 8), adaptive=True, confidence_pruning=False)
     depths = {}
     for size in policy.budget.sizes:
@@ -112,9 +112,9 @@ def test_step_plan_depth_follows_the_step_size():
 
 
 def test_policy_select_is_the_one_cut_of_the_candidates():
-    from specfw.spec.config import TreeShape
-    from specfw.spec.policy import DraftPolicy
-    from specfw.spec.types import DraftCandidates, StepPlan
+    from specfw.speculative.config import TreeShape
+    from specfw.speculative.policy import DraftPolicy
+    from specfw.speculative.types import DraftCandidates, StepPlan
     policy = DraftPolicy(TreeShape(3, 2, 4), adaptive=False)
     cands = DraftCandidates(torch.tensor([10, 11, 12, 13, 14]), torch.tensor([-1, -1, 0, 0, 2]),
                             torch.tensor([-0.1, -2.0, -0.5, -3.0, -0.9]))

@@ -1,12 +1,12 @@
-"""Confidence pruning (spec/confidence.py): calibration, the cost fit, the pruning rule, the beam
+"""Confidence pruning (speculative/confidence.py): calibration, the cost fit, the pruning rule, the beam
 search's score floor, and greedy == plain with pruning active on the demo model's EAGLE-3 draft."""
 import math
 
 import pytest
 import torch
 
-from specfw.spec.confidence import AcceptanceCalibration, ConfidencePruning, Cut, NodeCost
-from specfw.spec.types import DraftCandidates
+from specfw.speculative.confidence import AcceptanceCalibration, ConfidencePruning, Cut, NodeCost
+from specfw.speculative.types import DraftCandidates
 
 
 def test_calibration_starts_at_the_draft_probability_and_learns_acceptance():
@@ -104,7 +104,7 @@ class _Req:
 
 def _beam(score_floor):
     from specfw.kv_cache import SlotAllocator
-    from specfw.spec.beam import beam_search
+    from specfw.speculative.beam import beam_search
     vocab = 8
     first = torch.full((1, vocab), -10.0)
     first[0, 3] = 5.0                               # one confident first token (p ~ 0.99)

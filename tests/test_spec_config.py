@@ -5,7 +5,7 @@ from hydra import compose, initialize_config_module
 from specfw.config import ConfigError, validate
 from specfw.config_store import register_configs
 from specfw.plugins import plugin_manager
-from specfw.spec.config import SpecAlgoConfig, TreeShape
+from specfw.speculative.config import SpecAlgoConfig, TreeShape
 
 
 def _compose(overrides):

@@ -1,8 +1,8 @@
 """Default tree building (selection, masks, depths, retrieve links) and KV keep/free on commit."""
 import torch
 
-from specfw.spec.tree import build_tree, select_candidates
-from specfw.spec.types import DraftCandidates
+from specfw.speculative.tree import build_tree, select_candidates
+from specfw.speculative.types import DraftCandidates
 
 
 def _cands(tokens, parents, scores):

@@ -5,9 +5,9 @@ import torch
 
 from specfw.request import Request
 from specfw.sampling import SamplingParams, target_probs
-from specfw.spec.tree import build_tree
-from specfw.spec.types import DraftCandidates
-from specfw.spec.verify import verify, verify_greedy
+from specfw.speculative.tree import build_tree
+from specfw.speculative.types import DraftCandidates
+from specfw.speculative.verify import verify, verify_greedy
 
 
 def _tree():

@@ -57,7 +57,7 @@ def test_kit_catches_a_lossy_verifier(new_plugin):
     class Lossy(KitdemoDrafter):
         @hookimpl
         def specfw_verify(self, ctx, req, tree, logits):
-            from specfw.spec import defaults
+            from specfw.speculative import defaults
             res = defaults.specfw_verify(ctx, req, tree, logits)
             res.tokens[-1] = (res.tokens[-1] + 1) % 1000     # a wrong bonus token
             return res

@@ -3,7 +3,7 @@ lm_head; EAGLE-2 dynamic trees; FR-Spec token map. Registered through the ``spec
 entry-point group."""
 from __future__ import annotations
 
-from specfw.hookspecs import hookimpl
+from specfw.sdk import hookimpl
 
 from .config import EagleConfig, EagleTrainConfig
 from .drafter import DEMO_DRAFT, EagleDrafter

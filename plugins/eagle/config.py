@@ -4,8 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from specfw.train.config import DraftTrainConfig
-from specfw.spec.config import SpecAlgoConfig
+from specfw.sdk import DraftTrainConfig, SpecAlgoConfig
 
 
 @dataclass

@@ -6,10 +6,7 @@ from pathlib import Path
 
 import torch
 
-from specfw.config import ConfigError
-from specfw.model_loader import resolve_model_path
-from specfw.models.llama import Rotary
-from specfw.spec.feature_drafter import FeatureDrafter
+from specfw.sdk import ConfigError, FeatureDrafter, Rotary, draft_kv_slots, place_on_target, resolve_model_path, target_device, target_dtype
 
 from .model import load_eagle, load_token_map
 
@@ -27,19 +24,19 @@ class EagleDrafter(FeatureDrafter):
             ref = str(DEMO_DRAFT)
         path = resolve_model_path(ref, cfg.draft_model_revision)
         target = ctx.runner.model
-        self.head = ctx.runner.prepare(load_eagle(Path(path), ctx.runner.hf_config, ctx.runner.kv.dtype))
+        self.head = place_on_target(ctx, load_eagle(Path(path), ctx.runner.hf_config, target_dtype(ctx)))
         self.target = target
-        self.rotary = Rotary(self.head.config, ctx.runner.max_context, ctx.runner.kv.dtype).to(ctx.runner.device)
+        self.rotary = Rotary(self.head.config, ctx.runner.max_context, target_dtype(ctx)).to(target_device(ctx))
         self.lm_head = target.lm_head   # shared with the target
         if cfg.token_map:   # FR-Spec: score only the frequent tokens
             self.to_target = load_token_map(cfg.token_map, ctx.runner.vocab_size)
             weight = target.lm_head.weight
             self.lm_head = torch.nn.Linear(self.head.config.hidden_size, len(self.to_target), bias=False,
-                                           dtype=ctx.runner.kv.dtype, device=weight.device)
+                                           dtype=target_dtype(ctx), device=weight.device)
             self.lm_head.weight = torch.nn.Parameter(weight.index_select(0, self.to_target.to(weight.device)),
                                                      requires_grad=False)
-            self.lm_head = ctx.runner.prepare(self.lm_head)
-        super().__init__(ctx, self.head.layers[0], cfg.draft_kv_tokens or ctx.runner.allocator.num_slots)
+            self.lm_head = place_on_target(ctx, self.lm_head)
+        super().__init__(ctx, self.head.layers[0], draft_kv_slots(ctx, cfg))
         logger.info("eagle draft %s%s", path, f", FR-Spec token map of {len(self.to_target)} ids" if cfg.token_map else "")
 
     @torch.inference_mode()

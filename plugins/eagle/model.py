@@ -10,8 +10,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specfw.config import ConfigError
-from specfw.models.draft_layer import DraftDecoderLayer
+from specfw.sdk import ConfigError, DraftDecoderLayer
 
 
 class EagleHead(nn.Module):
@@ -25,7 +24,7 @@ class EagleHead(nn.Module):
 
 def load_eagle(path: Path, target_cfg, dtype: torch.dtype) -> EagleHead:
     from transformers import LlamaConfig
-    from specfw.model_loader import load_state_dict
+    from specfw.sdk import load_state_dict
     raw = json.loads((path / "config.json").read_text())
     cfg = LlamaConfig(**{k: v for k, v in raw.items() if k not in ("architectures", "model_type")})
     if cfg.hidden_size != target_cfg.hidden_size:

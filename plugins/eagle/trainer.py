@@ -11,8 +11,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from specfw.models.llama import Rotary
-from specfw.train.common import ModuleTrainer, load_matching
+from specfw.sdk import ModuleTrainer, Rotary, load_matching
 from specfw_plugins.eagle3.trainer import head_config
 
 

@@ -2,7 +2,7 @@
 reduced draft vocabulary (``d2t``). Registered through the ``specfw`` entry-point group."""
 from __future__ import annotations
 
-from specfw.hookspecs import hookimpl
+from specfw.sdk import hookimpl
 
 from .config import Eagle3Config, Eagle3TrainConfig
 from .drafter import DEMO_DRAFT, Eagle3Drafter

@@ -6,10 +6,7 @@ from pathlib import Path
 
 import torch
 
-from specfw.config import ConfigError
-from specfw.model_loader import resolve_model_path
-from specfw.models.llama import Rotary
-from specfw.spec.feature_drafter import FeatureDrafter
+from specfw.sdk import ConfigError, FeatureDrafter, Rotary, draft_kv_slots, place_on_target, resolve_model_path, target_device, target_dtype
 
 from .model import aux_layer_ids, load_eagle3
 
@@ -31,13 +28,13 @@ class Eagle3Drafter(FeatureDrafter):
             logger.warning("speculative.token_map is ignored for EAGLE-3 (the draft vocabulary comes from d2t)")
         path = resolve_model_path(cfg.draft_model_path or default_draft_path(ctx), cfg.draft_model_revision)
         target = ctx.runner.model
-        head = load_eagle3(Path(path), ctx.runner.hf_config, ctx.runner.kv.dtype)
+        head = load_eagle3(Path(path), ctx.runner.hf_config, target_dtype(ctx))
         self.to_target = head.to_target_ids()   # host map, read per drafted token
-        self.head = ctx.runner.prepare(head)
+        self.head = place_on_target(ctx, head)
         self.embed = target.embed_tokens
-        self.rotary = Rotary(self.head.config, ctx.runner.max_context, ctx.runner.kv.dtype).to(ctx.runner.device)
+        self.rotary = Rotary(self.head.config, ctx.runner.max_context, target_dtype(ctx)).to(target_device(ctx))
         ctx.capture_layers = aux_layer_ids(self.head.config, target.num_layers, cfg.aux_layers)
-        super().__init__(ctx, self.head.midlayer, cfg.draft_kv_tokens or ctx.runner.allocator.num_slots)
+        super().__init__(ctx, self.head.midlayer, draft_kv_slots(ctx, cfg))
         logger.info("eagle3 draft %s: draft vocab %d, target taps %s", path, self.head.draft_vocab, ctx.capture_layers)
 
     def target_features(self, hidden, aux, rows):

@@ -13,9 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specfw.config import ConfigError
-from specfw.models.draft_layer import DraftDecoderLayer
-from specfw.models.llama import RMSNorm
+from specfw.sdk import ConfigError, DraftDecoderLayer, RMSNorm
 
 
 class Eagle3MidLayer(DraftDecoderLayer):
@@ -59,7 +57,7 @@ def aux_layer_ids(draft_cfg, num_target_layers: int, override: list[int] | None)
 
 def load_eagle3(path: Path, target_cfg, dtype: torch.dtype) -> Eagle3Head:
     from transformers import LlamaConfig
-    from specfw.model_loader import load_state_dict
+    from specfw.sdk import load_state_dict
     raw = json.loads((path / "config.json").read_text())
     cfg = LlamaConfig(**{k: v for k, v in raw.items() if k not in ("architectures", "model_type")})
     cfg.eagle_config = raw.get("eagle_config")

@@ -3,7 +3,7 @@ frequency (``d2t``/``t2d``), training-time test unrolled over ``ttt_steps``, sof
 against the target distribution restricted to the draft vocabulary, step weights decay**j.
 
 Pair i = (token t_{i+1}, feature f_i) at position i predicts t_{i+2} (the inference convention of
-``specfw.spec.feature_drafter``). Unroll step j feeds, for origin i, token t_{i+1+j} with the
+``specfw.speculative.feature_drafter``). Unroll step j feeds, for origin i, token t_{i+1+j} with the
 head's own output hidden of step j-1; it attends to the real pairs of origins <= i and to its own
 earlier unroll steps (the diagonal), exactly what a depth-j draft node sees at inference.
 """
@@ -14,8 +14,7 @@ from pathlib import Path
 
 import torch
 
-from specfw.models.llama import Rotary
-from specfw.train.common import ModuleTrainer, load_matching, unroll, unrolled_layer_step
+from specfw.sdk import ModuleTrainer, Rotary, load_matching, unroll, unrolled_layer_step
 
 
 def draft_vocab_by_frequency(examples, vocab_size: int, k: int) -> torch.Tensor:
@@ -68,7 +67,7 @@ class Eagle3Trainer(ModuleTrainer):
 
     def init_from(self, sd: dict) -> None:
         """Start from a published EAGLE-3 draft: its weights and its draft vocabulary (``d2t``)."""
-        from specfw.config import ConfigError
+        from specfw.sdk import ConfigError
         d2t = sd["d2t"].long()
         if len(d2t) != len(self.draft_ids):
             raise ConfigError("draft.draft_vocab_size", f"init_draft has a {len(d2t)}-token draft vocabulary; "

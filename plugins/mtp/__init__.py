@@ -3,7 +3,7 @@ layers (DeepSeek-V3 ``eh_proj`` or MiMo ``mtp_layers`` layout) draft for it; no 
 model. Registered through the ``specfw`` entry-point group."""
 from __future__ import annotations
 
-from specfw.hookspecs import hookimpl
+from specfw.sdk import hookimpl
 
 from .config import MtpConfig, MtpTrainConfig
 from .drafter import MtpDrafter

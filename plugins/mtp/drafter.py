@@ -12,9 +12,7 @@ from pathlib import Path
 
 import torch
 
-from specfw.model_loader import resolve_model_path
-from specfw.models.llama import Rotary
-from specfw.spec.feature_drafter import FeatureDrafter
+from specfw.sdk import FeatureDrafter, Rotary, draft_kv_slots, place_on_target, resolve_model_path, target_device, target_dtype
 
 from .model import load_mtp
 
@@ -28,11 +26,11 @@ class MtpDrafter(FeatureDrafter):
                     else ctx.target_path)
         target = ctx.runner.model
         # on the target's device, with the CPU's faster linears (the NextN lm_head included)
-        self.head = ctx.runner.prepare(load_mtp(path, ctx.runner.hf_config, ctx.runner.kv.dtype, cfg.mtp_layer))
+        self.head = place_on_target(ctx, load_mtp(path, ctx.runner.hf_config, target_dtype(ctx), cfg.mtp_layer))
         self.target = target
         self.lm_head = self.head.head if self.head.head is not None else target.lm_head
-        self.rotary = Rotary(self.head.config, ctx.runner.max_context, ctx.runner.kv.dtype).to(ctx.runner.device)
-        super().__init__(ctx, self.head.layer, cfg.draft_kv_tokens or ctx.runner.allocator.num_slots)
+        self.rotary = Rotary(self.head.config, ctx.runner.max_context, target_dtype(ctx)).to(target_device(ctx))
+        super().__init__(ctx, self.head.layer, draft_kv_slots(ctx, cfg))
         logger.info("mtp: NextN layer %d of %s (%s layout)", cfg.mtp_layer, path, self.head.layout)
 
     @torch.inference_mode()

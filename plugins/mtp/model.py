@@ -20,9 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specfw.config import ConfigError
-from specfw.models.draft_layer import DraftDecoderLayer
-from specfw.models.llama import RMSNorm
+from specfw.sdk import ConfigError, DraftDecoderLayer, RMSNorm
 
 KEY = "speculative.draft_model_path"
 DEEPSEEK, MIMO = "deepseek", "mimo"

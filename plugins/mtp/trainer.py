@@ -16,8 +16,7 @@ from pathlib import Path
 
 import torch
 
-from specfw.models.llama import Rotary
-from specfw.train.common import ModuleTrainer, load_matching, unroll, unrolled_layer_step
+from specfw.sdk import ModuleTrainer, Rotary, load_matching, unroll, unrolled_layer_step
 
 
 class MtpTrainer(ModuleTrainer):
@@ -53,7 +52,7 @@ class MtpTrainer(ModuleTrainer):
         from .model import _names, find_mtp_layers
         layers = find_mtp_layers(sd, self.num_layers)
         if not layers:
-            from specfw.config import ConfigError
+            from specfw.sdk import ConfigError
             raise ConfigError("init_draft", "the checkpoint has no NextN layer (model.layers.{num_hidden_layers}.eh_proj)")
         layout, prefix = layers[min(layers)]
         names = _names(layout, prefix, self.head.layer.self_attn.q_proj.bias is not None)

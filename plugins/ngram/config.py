@@ -4,8 +4,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
-from specfw.config import ConfigError
-from specfw.spec.config import SpecAlgoConfig, TreeShape
+from specfw.sdk import ConfigError, SpecAlgoConfig, TreeShape
 
 
 class MatchType(str, enum.Enum):

@@ -1,8 +1,7 @@
 """The ngram algorithm runtime: keeps the trie in step with every request and drafts from it."""
 from __future__ import annotations
 
-from specfw.hookspecs import hookimpl
-from specfw.spec.types import DraftCandidates
+from specfw.sdk import DraftCandidates, hookimpl
 
 import torch
 

@@ -4,7 +4,7 @@ Registered through the ``specfw`` entry-point group like any third-party plugin.
 """
 from __future__ import annotations
 
-from specfw.hookspecs import hookimpl
+from specfw.sdk import hookimpl
 
 from .config import StandaloneConfig, StandaloneTrainConfig
 from .drafter import DEMO_DRAFT, StandaloneDrafter

@@ -4,9 +4,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
-from specfw.config import ConfigError
-from specfw.train.config import DraftTrainConfig
-from specfw.spec.config import SpecAlgoConfig, TreeShape
+from specfw.sdk import ConfigError, DraftTrainConfig, SpecAlgoConfig, TreeShape
 
 
 @dataclass

@@ -3,7 +3,7 @@
 After the target's prefill the draft prefills the prompt too. Per decode step, for all requests
 in one batch: an extend pass feeds each request's tokens the draft has not cached yet (accepted
 tokens + root); its last logits start the EAGLE-2 style beam
-search of ``specfw.spec.beam`` (``num_steps`` deep, ``topk`` wide); drafted nodes' KV is dropped
+search of ``specfw.speculative.beam`` (``num_steps`` deep, ``topk`` wide); drafted nodes' KV is dropped
 afterwards, the committed prefix stays cached.
 """
 from __future__ import annotations
@@ -13,13 +13,8 @@ from pathlib import Path
 
 import torch
 
-from specfw.config import ConfigError
-from specfw.hookspecs import hookimpl
-from specfw.kv_cache import SlotTable
-from specfw.model_loader import load_model
-from specfw.model_runner import ModelRunner, build_forward_batch
-from specfw.spec.beam import beam_search
-from specfw.spec.types import DraftCandidates
+from specfw.sdk import (ConfigError, DraftCandidates, ModelRunner, SlotTable, beam_search,
+                        build_forward_batch, draft_kv_slots, hookimpl, load_model, target_device, target_dtype)
 
 logger = logging.getLogger(__name__)
 
@@ -56,13 +51,13 @@ class StandaloneDrafter:
         dtype = str(getattr(ctx.engine_config.model.dtype, "value", ctx.engine_config.model.dtype))
         revision = (cfg.draft_model_revision or "main") if cfg.draft_model_path and not Path(ref).exists() else None
         loaded = load_model(ref, dtype=dtype, revision=revision, max_positions=ctx.runner.max_context,
-                            device=ctx.runner.device)
+                            device=target_device(ctx))
         check_same_tokenizer(ctx.tokenizer, loaded.tokenizer, ref)
         if loaded.hf_config.vocab_size != ctx.runner.vocab_size:
             raise ConfigError("speculative.draft_model_path",
                               f"draft vocab_size {loaded.hf_config.vocab_size} != target vocab_size {ctx.runner.vocab_size}")
-        slots = cfg.draft_kv_tokens or ctx.runner.allocator.num_slots
-        self.draft = ModelRunner(loaded.model, loaded.hf_config, slots, ctx.runner.kv.dtype,
+        slots = draft_kv_slots(ctx, cfg)
+        self.draft = ModelRunner(loaded.model, loaded.hf_config, slots, target_dtype(ctx),
                                  backend=ctx.runner.backend.for_drafting())
         self.shape = ctx.shape
         self.sample_draft = cfg.sample_draft and not ctx.force_greedy

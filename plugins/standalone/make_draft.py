@@ -14,7 +14,7 @@ from pathlib import Path
 
 def truncate_model(src: Path, out: Path, layers: int) -> Path:
     from safetensors.torch import save_file
-    from specfw.model_loader import load_state_dict
+    from specfw.sdk import load_state_dict
     cfg = json.loads((src / "config.json").read_text())
     if not 1 <= layers <= cfg["num_hidden_layers"]:
         raise ValueError(f"--layers must be in 1..{cfg['num_hidden_layers']}, got {layers}")
@@ -32,7 +32,7 @@ def truncate_model(src: Path, out: Path, layers: int) -> Path:
 
 
 def main():
-    from specfw.model_loader import resolve_model_path
+    from specfw.sdk import resolve_model_path
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path)
     ap.add_argument("--layers", type=int, default=4)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from specfw.train.common import ModuleTrainer, load_matching
+from specfw.sdk import ModuleTrainer, load_matching
 
 
 class StandaloneTrainer(ModuleTrainer):

@@ -4,10 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specfw.config import ConfigError
-from specfw.hookspecs import hookimpl
-from specfw.spec.config import SpecAlgoConfig, TreeShape
-from specfw.spec.types import DraftCandidates
+from specfw.sdk import ConfigError, DraftCandidates, SpecAlgoConfig, TreeShape, hookimpl
 
 
 @dataclass

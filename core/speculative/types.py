@@ -2,24 +2,33 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from ..step import StepResult, VerifyResult  # noqa: F401  (re-exported: the verify hook's result type)
 from .config import SpecAlgoConfig, TreeShape
 
+if TYPE_CHECKING:   # annotations only: the context is built by the core, read by plugins
+    from transformers import PreTrainedTokenizerBase
+
+    from ..config import EngineConfig
+    from ..model_runner import ModelRunner
+    from ..stats import EngineStats
+
 
 @dataclass
 class SpecContext:
-    """Engine-wide state shared by the hooks of one engine."""
-    config: SpecAlgoConfig
-    shape: TreeShape
-    runner: Any                      # the target ModelRunner (model, kv pool, allocator)
-    tokenizer: Any
-    engine_config: Any
-    stats: Any
-    target_path: Any = None          # the target's resolved checkpoint directory (MTP reads its NextN layers)
+    """Engine-wide state shared by the hooks of one engine; it does not change from step to step
+    (a step's own inputs come as arguments: the batch's requests, the :class:`StepPlan`)."""
+    config: SpecAlgoConfig           # the algorithm's validated config (the plugin's own dataclass)
+    shape: TreeShape                 # num_steps, topk, num_draft_tokens after the auto / validation rules
+    runner: "ModelRunner"            # the target: model, hf_config, device, kv pool, allocator, backend
+    tokenizer: "PreTrainedTokenizerBase"
+    engine_config: "EngineConfig"    # the engine.* keys
+    stats: "EngineStats"             # counters (read-only for plugins)
+    target_path: Path | None = None  # the target's resolved checkpoint directory (MTP reads its NextN layers)
     capture_layers: tuple[int, ...] = ()   # target layers whose input hidden states the drafter needs
     force_greedy: bool = False
 
@@ -27,7 +36,7 @@ class SpecContext:
 @dataclass(frozen=True)
 class StepPlan:
     """What this decode step drafts and verifies, decided by the draft policy
-    (``spec/policy.py``) before drafting and passed to ``specfw_draft`` and ``specfw_build_tree``.
+    (``speculative/policy.py``) before drafting and passed to ``specfw_draft`` and ``specfw_build_tree``.
 
     ``size``: tree nodes (root included) the step verifies at most; 1 means no draft this step
     (``specfw_draft`` is not called). ``depth``: the useful draft depth,
@@ -36,7 +45,7 @@ class StepPlan:
     size: int
     depth: int
     score_floor: float = float("-inf")
-    cut: Any = None   # the policy's own cut of the candidates (spec/confidence.py Cut)
+    cut: Any = None   # the policy's own cut of the candidates (speculative/confidence.py Cut)
 
     @property
     def drafts(self) -> bool:

@@ -1,6 +1,6 @@
 """Confidence pruning: per step, verify only the draft nodes that are expected to pay for themselves.
 
-The draft budget (``spec/budget.py``) picks one tree size per step from measured averages; but
+The draft budget (``speculative/budget.py``) picks one tree size per step from measured averages; but
 how good a draft is varies from step to step, and the drafter knows it: a node whose draft
 probability is 0.9 is accepted most of the time, one at 0.01 almost never. On hardware where
 every verified row costs time (CPUs), verifying the unlikely nodes loses more than it wins.

@@ -1,10 +1,10 @@
 """The speculative worker: prefill like plain decoding, then per decode step
 
-    plan       = policy.plan(batch)                 # how much to draft and verify (spec/policy.py)
+    plan       = policy.plan(batch)                 # how much to draft and verify (speculative/policy.py)
     candidates = draft(reqs, plan)                  # algorithm runtime
-    trees      = build_tree(req, policy.select(candidates, plan), plan)   # default in spec/tree.py
+    trees      = build_tree(req, policy.select(candidates, plan), plan)   # default in speculative/tree.py
     logits     = target forward over every tree node (ancestor masks), KV into the step's reserved slots
-    results    = verify(req, tree, logits)          # default in spec/verify.py unless overridden
+    results    = verify(req, tree, logits)          # default in speculative/verify.py unless overridden
     on_accept(...)                                  # the drafter catches up on the accepted nodes
 
 and returns the results (``VerifyResult``: a ``StepResult`` keeping the accepted path's KV); the
