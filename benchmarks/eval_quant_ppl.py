@@ -5,7 +5,7 @@ docs/architecture.md (prose) and HumanEval prompts (code).
 
 The demo's transformers model with its linears swapped for specfw's ``QuantLinear`` (int8 and
 int4 scales are per output row, so quantizing q/k/v or gate/up apart gives the codes of specfw's
-fused layers). ``gguf`` is ``none`` bit for bit (tests/test_quant.py), so it is not run again.
+fused layers). ``gguf`` is ``none`` bit for bit (tests/engine/test_quant.py), so it is not run again.
 """
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The plugin SDK: every name a speculative-decoding plugin may import from specfw, in one place.
 
 Built-in algorithms (``plugins/``) import from specfw only this module (tested:
-``tests/test_core_boundary.py``), so a third-party plugin written against it has the same access
+``tests/unit/test_core_boundary.py``), so a third-party plugin written against it has the same access
 they have. Everything else under ``specfw`` is internal and may change between versions; the
 names here change only with a note in ``docs/plugins.md``.
 

@@ -47,6 +47,40 @@ def tiny_model_dir(tmp_path_factory, demo_dir):
     return out
 
 
+TINY_DRAFT_CHATS = ["Count to ten.", "Name a color.", "What is two plus two?"]
+
+
+@pytest.fixture(scope="session")
+def tiny_draft_dir(tiny_model_dir, tmp_path_factory):
+    """A one-layer standalone draft for the tiny target (its first layer), once per test run."""
+    from specfw_plugins.standalone.make_draft import truncate_model
+    return truncate_model(tiny_model_dir, tmp_path_factory.mktemp("tiny-draft"), layers=1)
+
+
+@pytest.fixture(scope="session")
+def tiny_eagle_drafts(tiny_model_dir, tmp_path_factory):
+    """EAGLE and EAGLE-3 heads and a NextN (MTP) layer for the tiny target, trained on-policy with
+    `specfw train` on TINY_DRAFT_CHATS, once per test run (shared by every test that needs a draft)."""
+    import json
+    from hydra import compose, initialize_config_module
+    from specfw.config_store import register_configs
+    from specfw.train.run import run_training
+    root = tmp_path_factory.mktemp("tiny-eagle")
+    (root / "prompts.jsonl").write_text("\n".join(json.dumps({"prompt": p}) for p in TINY_DRAFT_CHATS))
+    register_configs()
+    out = {}
+    for kind, extra in [("eagle3", ["draft.aux_layers=[0,1,1]", "draft.draft_vocab_size=2048", "draft.ttt_steps=3"]),
+                        ("eagle", []), ("mtp", [])]:
+        with initialize_config_module("specfw_conf", version_base="1.3"):
+            cfg = compose("train", overrides=[f"model.path={tiny_model_dir}", f"draft={kind}", "steps=40", "batch_size=3",
+                                              "lr=3e-3", "warmup_steps=2", "data.source=jsonl", f"data.jsonl={root / 'prompts.jsonl'}",
+                                              "data.num_prompts=3", "data.max_new_tokens=48", "data.max_len=96",
+                                              "data.regen_dtype=float32", f"data.cache_dir={root}", f"output_dir={root / kind}",
+                                              "target_dtype=float32", "save_dtype=float32", "save_every=40"] + extra)
+        out[kind] = run_training(cfg)
+    return out
+
+
 @pytest.fixture
 def tiny_engine(tiny_model_dir):
     from specfw.engine import Engine

@@ -2,13 +2,13 @@
 for every installed algorithm, several tree shapes, batch 1 and batch 4."""
 import pytest
 
-from conftest import make_cfg
+from conftest import TINY_DRAFT_CHATS, make_cfg
 from specfw.config import ConfigError
 from specfw.plugins import plugin_manager
 from specfw.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=32, temperature=0, ignore_eos=True)
-CHAT = ["Count to ten.", "Name a color.", "What is two plus two?"]   # the tiny EAGLE heads are trained on these
+CHAT = TINY_DRAFT_CHATS   # the tiny EAGLE heads are trained on these
 RAW = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [1000, 20, 1000, 20, 1000], [9, 99, 999, 9999]]
 # topk 1/2/4 and num_steps 1..5 are all covered
 TREE_SHAPES = [dict(num_steps=1, topk=1), dict(num_steps=5, topk=1), dict(num_steps=2, topk=2, num_draft_tokens=5),
@@ -17,36 +17,6 @@ DTYPES = ["float32", "bfloat16"]
 NGRAM_SHAPES = [dict(num_draft_tokens=2), dict(num_draft_tokens=4, max_bfs_breadth=1),
                 dict(num_draft_tokens=8, max_bfs_breadth=4, min_bfs_breadth=2), dict(),
                 dict(num_draft_tokens=6, match_type="PROB")]
-
-
-@pytest.fixture(scope="module")
-def tiny_draft_dir(tiny_model_dir, tmp_path_factory):
-    from specfw_plugins.standalone.make_draft import truncate_model
-    return truncate_model(tiny_model_dir, tmp_path_factory.mktemp("tiny-draft"), layers=1)
-
-
-@pytest.fixture(scope="module")
-def tiny_eagle_drafts(tiny_model_dir, tmp_path_factory):
-    """EAGLE and EAGLE-3 heads and a NextN (MTP) layer for the tiny target, trained on-policy with
-    `specfw train` on CHAT."""
-    import json
-    from hydra import compose, initialize_config_module
-    from specfw.config_store import register_configs
-    from specfw.train.run import run_training
-    root = tmp_path_factory.mktemp("tiny-eagle")
-    (root / "prompts.jsonl").write_text("\n".join(json.dumps({"prompt": p}) for p in CHAT))
-    register_configs()
-    out = {}
-    for kind, extra in [("eagle3", ["draft.aux_layers=[0,1,1]", "draft.draft_vocab_size=2048", "draft.ttt_steps=3"]),
-                        ("eagle", []), ("mtp", [])]:
-        with initialize_config_module("specfw_conf", version_base="1.3"):
-            cfg = compose("train", overrides=[f"model.path={tiny_model_dir}", f"draft={kind}", "steps=40", "batch_size=3",
-                                              "lr=3e-3", "warmup_steps=2", "data.source=jsonl", f"data.jsonl={root / 'prompts.jsonl'}",
-                                              "data.num_prompts=3", "data.max_new_tokens=48", "data.max_len=96",
-                                              "data.regen_dtype=float32", f"data.cache_dir={root}", f"output_dir={root / kind}",
-                                              "target_dtype=float32", "save_dtype=float32", "save_every=40"] + extra)
-        out[kind] = run_training(cfg)
-    return out
 
 
 @pytest.fixture(scope="module")

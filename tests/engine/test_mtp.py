@@ -52,21 +52,10 @@ def target_with_mtp(tiny_model_dir, tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def trained_nextn(tiny_model_dir, tmp_path_factory):
-    """A NextN-only checkpoint for the tiny target, trained on-policy with `specfw train draft=mtp`."""
-    from hydra import compose, initialize_config_module
-    from specfw.config_store import register_configs
-    from specfw.train.run import run_training
-    root = tmp_path_factory.mktemp("tiny-nextn")
-    (root / "p.jsonl").write_text("\n".join(json.dumps({"prompt": p}) for p in ["Count to ten.", "Name a color."]))
-    register_configs()
-    with initialize_config_module("specfw_conf", version_base="1.3"):
-        cfg = compose("train", overrides=[f"model.path={tiny_model_dir}", "draft=mtp", "steps=30", "batch_size=2", "lr=3e-3",
-                                          "warmup_steps=2", "data.source=jsonl", f"data.jsonl={root / 'p.jsonl'}",
-                                          "data.num_prompts=2", "data.max_new_tokens=48", "data.max_len=96",
-                                          "data.regen_dtype=float32", f"data.cache_dir={root}", f"output_dir={root / 'out'}",
-                                          "target_dtype=float32", "save_dtype=float32", "save_every=30"])
-    return run_training(cfg)
+def trained_nextn(tiny_eagle_drafts):
+    """A NextN-only checkpoint for the tiny target, trained on-policy with `specfw train draft=mtp`
+    (the shared fixture: trained on TINY_DRAFT_CHATS, which hold the two chats below)."""
+    return tiny_eagle_drafts["mtp"]
 
 
 def _engine(model_dir, **spec):

@@ -130,14 +130,8 @@ GREEDY = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
 RAW = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [1000, 20, 1000, 20, 1000], [9, 99, 999, 9999], [3, 4, 3, 4, 3, 4]]
 
 
-@pytest.fixture(scope="module")
-def tiny_draft(tiny_model_dir, tmp_path_factory):
-    from specfw_plugins.standalone.make_draft import truncate_model
-    return truncate_model(tiny_model_dir, tmp_path_factory.mktemp("tiny-draft-q"), layers=1)
-
-
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
-def test_speculative_equals_plain_within_scheme(scheme, tiny_model_dir, tiny_draft):
+def test_speculative_equals_plain_within_scheme(scheme, tiny_model_dir, tiny_draft_dir):
     """ngram and standalone (its draft quantized too, and unquant), batch 1 and 4."""
     from specfw.engine import Engine
     from specfw_plugins.ngram.config import NgramConfig
@@ -148,9 +142,9 @@ def test_speculative_equals_plain_within_scheme(scheme, tiny_model_dir, tiny_dra
     ref = [plain.generate([p], GREEDY)[0].token_ids for p in RAW]
     assert [o.token_ids for o in plain.generate(RAW, GREEDY)] == ref
     for spec in [NgramConfig(algorithm="ngram", num_draft_tokens=4),
-                 StandaloneConfig(algorithm="standalone", draft_model_path=str(tiny_draft), num_steps=2, topk=2,
+                 StandaloneConfig(algorithm="standalone", draft_model_path=str(tiny_draft_dir), num_steps=2, topk=2,
                                   num_draft_tokens=5),
-                 StandaloneConfig(algorithm="standalone", draft_model_path=str(tiny_draft), num_steps=3, topk=1,
+                 StandaloneConfig(algorithm="standalone", draft_model_path=str(tiny_draft_dir), num_steps=3, topk=1,
                                   draft_model_quantization="unquant")]:
         eng = Engine(make_cfg(**kw, speculative=spec))
         assert [eng.generate([p], GREEDY)[0].token_ids for p in RAW] == ref, spec

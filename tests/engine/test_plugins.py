@@ -9,7 +9,7 @@ import pytest
 from specfw import hookspecs
 from specfw.plugins import PluginError, PluginManager
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
 
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CORE = ROOT / "core"
 PLUGIN_SOURCES = [*sorted((ROOT / "plugins").rglob("*.py")),
                   *sorted((ROOT / "examples" / "specfw-example-plugin" / "specfw_bigram").rglob("*.py"))]

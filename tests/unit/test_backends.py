@@ -12,7 +12,7 @@ from specfw.backends.kernel_linear import KernelLinear
 from specfw.backends.torch_ops import TorchBackend
 from specfw.kernels import cpu_ops
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_backend_choice_follows_device_and_cpu_isa():

@@ -9,7 +9,7 @@ import pytest
 
 from specfw import hookspecs
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 HOOKS = [n for n, f in inspect.getmembers(hookspecs, inspect.isfunction) if n.startswith("specfw_")]
 
 
@@ -33,5 +33,5 @@ def test_every_hook_has_a_builtin_implementation():
     from specfw.speculative import defaults, feature_drafter
     sources = [defaults, ng, ng.drafter.NgramDrafter, sa.StandaloneDrafter, feature_drafter.FeatureDrafter, e3, sap]
     implemented = {n for s in sources for n in dir(s) if n.startswith("specfw_")}
-    implemented.add("specfw_observe_step")   # observers: exercised in tests/test_plugins.py
+    implemented.add("specfw_observe_step")   # observers: exercised in tests/engine/test_plugins.py
     assert set(HOOKS) <= implemented, set(HOOKS) - implemented
