@@ -48,7 +48,7 @@ class EngineConfig:
     decode_log_interval: int = 40         # log a "Decode batch" line every N decode steps
     cpu_isa: str = "auto"                 # CPU kernels' instruction set: auto (best of the CPU's flags) | avx512 | avx2 | portable | none (torch's ops)
     cpu_packed_gemm: bool = True          # CPU: fp32 MKL-packed + transposed weight copies (~2x weight memory); bf16 oneDNN-blocked weights
-    cpu_bf16_kernel: bool = True          # CPU bf16 with AVX512-BF16 and no AMX: specfw's own linear kernel (compiled on first use, ~30 s; falls back to oneDNN)
+    cpu_bf16_kernel: bool = True          # CPU bf16 linears on specfw's own kernel: AMX tiles with AMX-BF16, else vdpbf16ps with AVX512-BF16 (compiled on first use, ~30 s; else the generic kernels)
     batch_invariant: bool = True          # a token's numerics never depend on batch or draft tree (exact greedy spec == plain, also in bf16)
 
 

@@ -138,18 +138,18 @@ class PackedBF16Linear(nn.Module):
 
 
 class DotBF16Linear(nn.Module):
-    """bfloat16 on CPUs with AVX512-BF16: specfw's own kernel (``kernels/bf16_dot.cpp``). Every
+    """bfloat16 on CPUs with AMX-BF16 or AVX512-BF16: specfw's own kernel (``kernels.bf16_kernel()``:
+    ``bf16_amx.cpp``'s tiles where the CPU has AMX, else ``bf16_dot.cpp``'s ``vdpbf16ps``). Every
     output is reduced in one fixed order whatever the row count, so it is batch invariant by
     construction (the row plan probe confirms it: unpadded calls of up to 64 rows), and at the
     few rows of decoding and tree verification it streams the weight once at close to memory
-    speed. Measured on the EPYC (weights not in cache, 2 threads): 576x3072 one row 113 vs
-    189 us (oneDNN), four rows 131 vs 162 us; lm_head 576x49152 1.6 vs 2.4 ms. The packed weight
-    replaces the plain one."""
+    speed (figures: docs/benchmarks.md). The packed weight replaces the plain one."""
 
-    def __init__(self, linear: nn.Linear, batch_invariant: bool = False):
+    def __init__(self, linear: nn.Linear, batch_invariant: bool = False, kernel=None):
         super().__init__()
-        from .kernels import bf16_dot
-        self.kernel = bf16_dot()
+        from .kernels import bf16_amx, bf16_kernel
+        self.kernel = kernel or bf16_kernel()   # kernel: a compiled module (tests pick each ISA's)
+        self.kernel_name = "bf16_amx" if self.kernel is bf16_amx() else "bf16_dot"
         self.batch_invariant = batch_invariant
         self._row_plan: tuple[int, RowPlan | None] = (0, None)
         self.timed_rows = DEFAULT_TIMED_ROWS
@@ -168,7 +168,7 @@ class DotBF16Linear(nn.Module):
         return self.kernel.linear(x2, self.packed, self.out_features, self.bias)
 
     def row_plan(self) -> RowPlan:
-        return _measured_plan(self, self._mm, torch.bfloat16, "bf16_dot")
+        return _measured_plan(self, self._mm, torch.bfloat16, self.kernel_name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)

@@ -3,9 +3,9 @@ one instruction set (``engine.cpu_isa``: ``auto`` picks avx512 > avx2 > portable
 flags; forcing ``avx2`` on an AVX-512 CPU tests and times that path there too).
 
 * linears: ``KernelLinear`` for fp32 and bf16 weights (batch invariant by construction, flat
-  from 1 to 16 rows as far as the memory/compute balance of the CPU allows); bf16 on CPUs with
-  AVX512-BF16 and no AMX keeps ``bf16_dot``'s ``vdpbf16ps`` kernel where ``engine.cpu_bf16_kernel``
-  (also invariant by construction);
+  from 1 to 16 rows as far as the memory/compute balance of the CPU allows); bf16 weights with
+  ``engine.cpu_bf16_kernel`` go to ``DotBF16Linear``: AMX tiles (``bf16_amx.cpp``) where the CPU has
+  AMX-BF16, else ``vdpbf16ps`` (``bf16_dot.cpp``) with AVX512-BF16 (also invariant by construction);
 * attention: ``KernelAttentionPlan`` for every decode, tree and extend row (one fixed reduction
   order per (row, head), exact for plain and tree rows alike), one causal SDPA call per prompt
   prefill;
@@ -97,7 +97,10 @@ class CpuBackend(Backend):
         return {"linears": measure_linears(model, timed_rows), "attention": f"cpu_ops {self.isa} (exact by construction)"}
 
     def describe(self) -> str:
-        bf16 = ", bf16 linears on bf16_dot (AVX512-BF16)" if self.bf16_kernel else ""
+        bf16 = ""
+        if self.bf16_kernel:
+            from ..kernels import bf16_amx
+            bf16 = ", bf16 linears on AMX tiles" if bf16_amx() is not None else ", bf16 linears on bf16_dot (AVX512-BF16)"
         quant = f", weights {self.quantization}" if self.quantization != "none" else ""
         draft = f", draft weights {self.draft_quantization}" if self.draft_quantization != self.quantization else ""
         return f"specfw CPU kernels ({self.isa}{bf16}{quant}{draft})"

@@ -7,8 +7,8 @@ picks the best the CPU's flags allow, or the one ``SPECFW_CPU_ISA`` / ``engine.c
 (an AVX-512 CPU runs the AVX2 build too, so that path is tested and timed everywhere). None
 where it cannot be built (no compiler, ``SPECFW_NO_KERNELS=1``): callers keep torch's ops.
 
-``bf16_dot()`` returns the AVX512-BF16 linear kernel (``bf16_dot.cpp``) or None where it cannot
-run: a CPU without the ``avx512_bf16`` flag, no compiler or ninja, a failed build, or
+``bf16_dot()`` returns the AVX512-BF16 linear kernel (``bf16_dot.cpp``), ``bf16_amx()`` the AMX
+tile one (``bf16_amx.cpp``), each or None where it cannot run: a CPU without the flags, no compiler or ninja, a failed build, or
 ``SPECFW_NO_KERNELS=1``. The build (~30 s) lands in torch's extension cache
 (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) and is reused afterwards.
 """
@@ -22,6 +22,7 @@ logger = logging.getLogger(__name__)
 _SOURCE = Path(__file__).with_name("bf16_dot.cpp")
 _OPS_SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 _QUANT_SOURCE = Path(__file__).with_name("quant_ops.cpp")
+_AMX_SOURCE = Path(__file__).with_name("bf16_amx.cpp")
 _cache: dict[str, object] = {}
 
 
@@ -107,10 +108,30 @@ def cpu_has_avx512_bf16() -> bool:
 
 
 def bf16_dot_preferred() -> bool:
-    """Whether bf16 linears should use ``bf16_dot`` rather than oneDNN on this CPU: where it runs
-    and the CPU has no AMX (measured faster on the AVX512-BF16 EPYCs; with AMX, oneDNN's tiles
-    were already flat from 1 to 16 rows on the Xeons and the kernel is unmeasured there)."""
-    return "amx_bf16" not in _cpu_flags() and bf16_dot() is not None
+    """Whether bf16 linears should use one of specfw's bf16 kernels (``bf16_kernel()``) rather
+    than oneDNN or the generic kernels on this CPU: where one runs."""
+    return bf16_kernel() is not None
+
+
+def bf16_kernel():
+    """The bf16 linear kernel for this CPU: ``bf16_amx`` where it has AMX-BF16 (flat from 1 to 32
+    rows: one TDPBF16PS pass per 16 rows), else ``bf16_dot`` with AVX512-BF16, else None. Both
+    take the same packed layout family and are batch invariant by construction."""
+    return bf16_amx() or bf16_dot()
+
+
+def cpu_has_amx_bf16() -> bool:
+    return {"amx_tile", "amx_bf16", "avx512_bf16"} <= _cpu_flags()
+
+
+def bf16_amx():
+    """The AMX-tile bf16 linear (``bf16_amx.cpp``: ``pack``, ``linear``; bf16_dot's weight layout),
+    or None where it cannot run (no AMX-BF16, no compiler, a failed build, ``SPECFW_NO_KERNELS``)."""
+    if "bf16_amx" not in _cache:
+        _cache["bf16_amx"] = _load(_AMX_SOURCE, "specfw_bf16_amx",
+                                   ["-mamx-tile", "-mamx-bf16", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"],
+                                   "bf16 AMX kernel") if cpu_has_amx_bf16() else None
+    return _cache["bf16_amx"]
 
 
 def bf16_dot():
@@ -135,5 +156,7 @@ def build_all() -> dict[str, bool]:
     done.update({f"quant_{isa}": quant_ops(isa) is not None for isa in dict.fromkeys([cpu_isa(), "portable"])})
     if cpu_has_avx512_bf16():
         done["bf16_dot"] = bf16_dot() is not None
+    if cpu_has_amx_bf16():
+        done["bf16_amx"] = bf16_amx() is not None
     return done
 
