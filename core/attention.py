@@ -127,8 +127,8 @@ _upcast: dict[tuple, bool] = {}
 
 def _upcast_one_row_queries(dtype, heads: int, kv_heads: int, head_dim: int, device) -> bool:
     """Whether one-row bf16/fp16 queries (decode and tree rows) run SDPA in float32: where that is
-    measured faster, once per process and shape. EPYC without AMX: bf16 SDPA 198 vs 89 us for
-    one row over 300 keys, 1,302 vs 282 us for 8 rows. The choice holds for every one-row call of
+    measured faster, once per process and shape (on the EPYCs without AMX it is, by 2-4x:
+    docs/benchmarks.md, design figures). The choice holds for every one-row call of
     the process, so plain and speculative decoding round alike."""
     if dtype == torch.float32 or device.type != "cpu":
         return False

@@ -2,17 +2,15 @@
 dot-product kernel: the ``torch_ops`` backend (``engine.cpu_isa=none``) and the bf16 fallback of
 the ``cpu`` backend, which otherwise runs specfw's own kernels (``specfw.kernels``).
 
-``nn.Linear`` on CPU calls MKL's sgemm on the ``[N, K]`` weight. Measured on the 2-core
-Xeon (AVX-512) machines with the demo model's shapes:
+``nn.Linear`` on CPU calls MKL's sgemm on the ``[N, K]`` weight. With the demo model's shapes
+(figures: docs/benchmarks.md, design figures):
 
 * one row (batch-1 decode, a memory-bound GEMV): ``x @ W^T`` with ``W^T`` stored contiguous
-  (``[K, N]``) is 5-25% faster than ``F.linear`` (lm_head 576x49152: 2.3 vs 3.0 ms);
+  (``[K, N]``) is faster than ``F.linear``;
 * 2..16 rows (batched decode, tree verification, drafting): MKL's packed GEMM
-  (``cblas_sgemm_pack`` format, through ``torch.ops.mkl``) is 1.5-3x faster than
-  ``F.linear`` (576x3072 with 8 rows: 0.14 vs 0.37 ms), and one packed copy serves every row
-  count;
-* more rows (prefill, large batches): plain ``F.linear`` again (packed is slower there:
-  whole-model forward of 32 rows 102 vs 84 ms, a 300-row 576x3072 GEMM 16 vs 14 ms).
+  (``cblas_sgemm_pack`` format, through ``torch.ops.mkl``) is faster than ``F.linear``, and one
+  packed copy serves every row count;
+* more rows (prefill, large batches): plain ``F.linear`` again (packed is slower there).
 
 ``FastLinear`` keeps both copies (about 2x the layer's weight memory; MKL's packed buffer is
 padded but only its used pages become resident). It is inference-only and used for float32
@@ -22,9 +20,8 @@ logit ties.
 
 ``PackedBF16Linear`` is the bfloat16 counterpart: the weight is reordered once into oneDNN's
 blocked layout (AMX/AVX-512-BF16 tiles) instead of on every call, as ``F.linear`` does.
-Measured on the same machines: a 576x1536 layer 0.03 vs 0.07 ms, lm_head 1.2 vs 2.2 ms, and
-the cost is flat from 1 to 16 rows -- so verifying a 16-node draft tree costs about what a
-one-token decode step does (fp32: 2.4x). No extra weight memory (the blocked copy replaces
+It is faster than ``F.linear`` and, on AMX CPUs, flat from 1 to 16 rows, but not batch invariant
+by construction (the row-plan probe decides). No extra weight memory (the blocked copy replaces
 the plain one).
 """
 from __future__ import annotations

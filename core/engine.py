@@ -83,8 +83,8 @@ class Engine:
         self.dtype = DTYPES[dtype]
         self.tree_shape = speculative_tree_shape(cfg, loaded.hf_config)
         # batch-invariant linear plans are timed for the typical multi-row forward: a draft tree
-        # (batch 1, the speculative regime) or a batch of plain decode steps (EPYC: 1536->576 bf16
-        # in calls padded to 8 rows 109 us, to 16 rows 173 us)
+        # (batch 1, the speculative regime) or a batch of plain decode steps (padding to 16 rows costs
+        # more than to 8: docs/benchmarks.md, design figures)
         typical_rows = self.tree_shape.num_draft_tokens if self.tree_shape else PLAIN_BATCH_ROWS
         layer0 = loaded.model.layers[0]
         num_slots = cfg.engine.max_total_tokens or KVPool.slots_for_budget(

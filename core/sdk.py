@@ -10,7 +10,8 @@ Contract (every plugin)
     key), ``SpecAlgoConfig`` / ``TreeShape`` (the algorithm's config and tree shape),
     ``SpecContext`` (the per-engine state each hook receives), ``StepPlan`` (this step's draft
     size, depth and score floor), ``DraftCandidates`` (what ``specfw_draft`` returns),
-    ``DraftTree``, ``VerifyResult`` / ``StepResult`` (what verification returns).
+    ``DraftTree``, ``VerifyResult`` / ``StepResult`` (what verification returns), ``Request`` (what
+    hooks receive per request; read-only).
 
 Model-based drafters
     ``FeatureDrafter`` (EAGLE-family bookkeeping: target features, the head's own KV, catch-up
@@ -38,6 +39,7 @@ from .model_loader import load_model, load_state_dict, resolve_model_path
 from .model_runner import ModelRunner, build_forward_batch
 from .models.draft_layer import DraftDecoderLayer
 from .models.llama import RMSNorm, Rotary
+from .request import Request
 from .speculative.beam import beam_search
 from .speculative.config import SpecAlgoConfig, TreeShape
 from .speculative.feature_drafter import FeatureDrafter
@@ -49,7 +51,7 @@ from .train.config import DraftTrainConfig
 __all__ = [
     # contract
     "hookimpl", "ConfigError", "SpecAlgoConfig", "TreeShape", "SpecContext", "StepPlan",
-    "DraftCandidates", "DraftTree", "VerifyResult", "StepResult",
+    "DraftCandidates", "DraftTree", "VerifyResult", "StepResult", "Request",
     # model-based drafters
     "FeatureDrafter", "beam_search", "DraftDecoderLayer", "RMSNorm", "Rotary", "KVPool", "SlotTable",
     "load_model", "ModelRunner", "build_forward_batch", "ForwardBatch", "resolve_model_path",

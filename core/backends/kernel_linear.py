@@ -4,8 +4,8 @@ fp32 or bf16 weights, packed once into blocks of 16 outputs (the packed copy rep
 weight: no extra memory); every output is accumulated over the input in one fixed order whatever
 the number of rows, so the layer is batch invariant by construction -- no row plan, no padding
 (the invariance probe confirms it at startup: unpadded calls of up to 64 rows). At the row counts
-of decoding the weight streams once at close to memory speed (AVX2 EPYC, 2 threads, fp32
-576x3072: 1 row 290 us vs 736 us for ``F.linear``; 16 rows 0.9 vs 1.4 ms).
+of decoding the weight streams once at close to memory speed (figures: docs/benchmarks.md,
+design figures).
 
 An fp32 weight whose every value is a bfloat16 value (a bf16 checkpoint loaded into an fp32
 engine, as the published EAGLE-3 heads are) is packed as bf16: the same values, the same fp32

@@ -60,7 +60,7 @@ class TorchBackend(Backend):
 
     def forward_rows(self, T: int, dtype: torch.dtype) -> int:
         """MKL's fp32 GEMM on these CPUs is much slower for some small row counts than for the next
-        multiple of 8 (1 thread, 576x3072: M=6 2.2 ms, M=8 1.3 ms, M=12 2.4 ms, M=16 1.7 ms), so
+        multiple of 8 (docs/benchmarks.md, design figures), so
         5..32 rows are padded up to a multiple of 8 (packed GEMM rows are row-count invariant)."""
         if not (self.packed_gemm and dtype == torch.float32) or T <= 4 or T > 32 or T % 8 == 0:
             return T

@@ -160,7 +160,7 @@ class AsyncEngine:
         raised. Use this rather than ``AsyncEngine(Engine(...))`` when speed matters: torch's
         OpenMP runtime (libgomp) keeps one thread team per OS thread that ever ran a parallel
         op, and once the process holds more OpenMP threads than CPUs it stops spinning between
-        ops, which made every decode step ~1.8x slower (2-core machine: 18 vs 33 tok/s) when the
+        ops, which made every decode step much slower (figures: docs/benchmarks.md, design figures) when the
         main thread built and warmed the engine and another thread then stepped it. Built here,
         all torch work stays on one OS thread (``torch.set_num_threads`` is per-thread too)."""
         self = cls(None)

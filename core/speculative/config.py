@@ -29,6 +29,12 @@ class TreeShape:
     num_draft_tokens: int
 
 
+def max_draft_candidates(num_steps: int, topk: int) -> int:
+    """Draft tokens an EAGLE-2 tree search offers for the rerank, as SGLang's: ``topk`` children of
+    the root, then ``topk`` children of each of the ``topk`` beams per later step."""
+    return topk + (num_steps - 1) * topk * topk
+
+
 @dataclass
 class SpecAlgoConfig(SpeculativeConfig):
     draft_model_path: Optional[str] = None      # draft weights (HF dir / hub id); algorithm-specific default
@@ -79,10 +85,15 @@ class SpecAlgoConfig(SpeculativeConfig):
             shape = TreeShape(given["num_steps"], given["topk"], given["num_draft_tokens"])
         if shape.num_draft_tokens < 2:
             raise ConfigError(f"{key}.num_draft_tokens", f"must be >= 2 (root + one draft token), got {shape.num_draft_tokens}")
-        if shape.num_steps * shape.topk + 1 < shape.num_draft_tokens:
-            raise ConfigError(f"{key}.num_draft_tokens",
-                              f"{shape.num_draft_tokens} is more than a tree of num_steps={shape.num_steps} x "
-                              f"topk={shape.topk} can hold (num_steps * topk + 1 = {shape.num_steps * shape.topk + 1})")
+        most = max_draft_candidates(shape.num_steps, shape.topk) + 1
+        if shape.num_draft_tokens > most:
+            # SGLang's EAGLE-2 drafting offers topk candidates at the first step and topk x topk at
+            # each later one; its rerank cannot pick more. A specfw decision: adjust (as topk=1
+            # does) rather than reject a shape SGLang's own docs use, e.g. (2, 2, 8) -> 7
+            logger.warning("speculative.num_draft_tokens=%d adjusted to %d: a tree of num_steps=%d, topk=%d offers at most "
+                           "topk + (num_steps - 1) * topk^2 = %d draft tokens", shape.num_draft_tokens, most,
+                           shape.num_steps, shape.topk, most - 1)
+            shape = TreeShape(shape.num_steps, shape.topk, most)
         return shape
 
     def validate(self) -> None:

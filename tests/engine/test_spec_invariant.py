@@ -11,8 +11,9 @@ GREEDY = SamplingParams(max_new_tokens=32, temperature=0, ignore_eos=True)
 CHAT = TINY_DRAFT_CHATS   # the tiny EAGLE heads are trained on these
 RAW = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [1000, 20, 1000, 20, 1000], [9, 99, 999, 9999]]
 # topk 1/2/4 and num_steps 1..5 are all covered
-TREE_SHAPES = [dict(num_steps=1, topk=1), dict(num_steps=5, topk=1), dict(num_steps=2, topk=2, num_draft_tokens=5),
-               dict(num_steps=4, topk=2, num_draft_tokens=8), dict(num_steps=3, topk=4, num_draft_tokens=8)]
+# (3, 4, 16) and (2, 2, 8) are SGLang's documented shapes (the latter adjusted to 7 nodes)
+TREE_SHAPES = [dict(num_steps=1, topk=1), dict(num_steps=5, topk=1), dict(num_steps=2, topk=2, num_draft_tokens=8),
+               dict(num_steps=4, topk=2, num_draft_tokens=8), dict(num_steps=3, topk=4, num_draft_tokens=16)]
 DTYPES = ["float32", "bfloat16"]
 NGRAM_SHAPES = [dict(num_draft_tokens=2), dict(num_draft_tokens=4, max_bfs_breadth=1),
                 dict(num_draft_tokens=8, max_bfs_breadth=4, min_bfs_breadth=2), dict(),

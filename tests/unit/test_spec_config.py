@@ -65,10 +65,43 @@ def test_all_three_or_none():
     assert e.value.key == "speculative.num_draft_tokens"
 
 
-def test_impossible_tree_rejected():
-    with pytest.raises(ConfigError, match=r"num_steps \* topk \+ 1 = 5") as e:
-        _shape(num_steps=2, topk=2, num_draft_tokens=6)
-    assert e.value.key == "speculative.num_draft_tokens"
+@pytest.mark.parametrize("shape", [(3, 4, 16), (5, 8, 64), (5, 4, 8), (5, 8, 32), (2, 2, 7), (3, 2, 11)])
+def test_sglang_tree_shapes_are_accepted_as_given(shape):
+    """SGLang's documented shapes: the rerank picks from topk + (num_steps - 1) * topk^2 candidates."""
+    assert _shape(num_steps=shape[0], topk=shape[1], num_draft_tokens=shape[2]) == TreeShape(*shape)
+
+
+def test_a_tree_larger_than_the_search_offers_is_adjusted_with_a_warning(caplog):
+    """(2, 2, 8), SGLang's quick-recovery recipe: 2 + 1 x 4 = 6 candidates, so 7 nodes at most."""
+    with caplog.at_level("WARNING"):
+        assert _shape(num_steps=2, topk=2, num_draft_tokens=8) == TreeShape(2, 2, 7)
+        assert _shape(num_steps=1, topk=3, num_draft_tokens=9) == TreeShape(1, 3, 4)
+    assert "num_draft_tokens=8 adjusted to 7" in caplog.text and "topk + (num_steps - 1) * topk^2 = 6" in caplog.text
+
+
+def test_beam_search_offers_every_child_as_a_candidate():
+    """The candidate count the shape rule relies on: topk at the first step, topk x topk after."""
+    import torch
+
+    from specfw.kv_cache import SlotAllocator
+    from specfw.speculative.beam import beam_search
+    from specfw.speculative.config import max_draft_candidates
+
+    class Req:
+        seq_len, params = 4, None
+
+    vocab, alloc = 50, SlotAllocator(64)
+    g = torch.Generator().manual_seed(0)
+
+    def step(chunks, parent_hidden):
+        n = sum(len(c[0]) for c in chunks)
+        return torch.randn(n, vocab, generator=g), None
+
+    for steps, topk in [(1, 3), (2, 2), (3, 4)]:
+        cands = beam_search([Req()], torch.randn(1, vocab, generator=g), None, topk, steps,
+                            lambda r: torch.arange(3), alloc, step)[0]
+        assert len(cands) == max_draft_candidates(steps, topk)
+        assert alloc.num_used == 0
 
 
 @pytest.mark.parametrize("kw,key", [(dict(num_steps=0, topk=1), "speculative.num_steps"),
