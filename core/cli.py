@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 import sys
 import time
 
@@ -11,6 +12,8 @@ USAGE = """usage: specfw <command> [hydra overrides...]
 commands:
   generate   one-shot generation: specfw generate prompt="..." [max_new_tokens=64] [speculative=ngram]
   serve      OpenAI-compatible HTTP server: specfw serve [server.port=30000] [speculative=...]
+             specfw serve --from-sglang "<sglang.launch_server flags>" [overrides...]: SGLang's flags
+             translated (the equivalent command and each flag not honoured are printed), then served
   train      train a draft: specfw train draft=<registered trainer, e.g. eagle3> [steps=300] [output_dir=...]
   plugins    list installed speculative algorithms (package, version, description, hooks) and trainers
   new-plugin write a plugin package to start from: specfw new-plugin NAME [DIR]
@@ -142,6 +145,28 @@ def new_plugin_command(args: list[str]) -> None:
     print(f"wrote {root}: pip install -e '{where}[test]' && python -m pytest {where}/tests")
 
 
+def from_sglang(rest: list[str]) -> list[str]:
+    """``--from-sglang "<flags>"`` in ``rest`` replaced by the translated overrides (printed, with a
+    line per flag not honoured); the other items of ``rest`` follow them and win."""
+    from .sglang_flags import translate
+    i = next(i for i, a in enumerate(rest) if a == "--from-sglang" or a.startswith("--from-sglang="))
+    if rest[i] == "--from-sglang":
+        if i + 1 >= len(rest):
+            print("specfw serve: error: --from-sglang needs the SGLang flags as one quoted argument", file=sys.stderr)
+            sys.exit(2)
+        flags, others = rest[i + 1], rest[:i] + rest[i + 2:]
+    else:
+        flags, others = rest[i].partition("=")[2], rest[:i] + rest[i + 1:]
+    t = translate(flags)
+    for name, value in t.environ.items():   # SGLang's env vars given inline are honoured as if exported
+        os.environ[name] = value
+    for w in t.warnings:
+        print(f"specfw serve --from-sglang: warning: {w}", file=sys.stderr)
+    t.overrides += others
+    print(f"equivalent: {t.command()}", file=sys.stderr)
+    return t.overrides
+
+
 def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help", "help"):
@@ -163,6 +188,8 @@ def main(argv: list[str] | None = None) -> None:
     if command == "plugins":
         plugins_command()
         return
+    if command == "serve" and any(a == "--from-sglang" or a.startswith("--from-sglang=") for a in rest):
+        rest = from_sglang(rest)
     sys.argv = [f"specfw {command}"] + rest
     tasks = {"generate": generate_task, "serve": serve_task, "train": train_task}
     _run_hydra(command, tasks[command])

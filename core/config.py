@@ -42,7 +42,8 @@ class EngineConfig:
     max_running_requests: int = 16        # requests decoded together (continuous batching)
     max_prefill_tokens: int = 8192        # token budget of one prefill batch
     max_total_tokens: Optional[int] = None  # KV pool size in tokens; null = derived from kv_cache_memory_gb
-    kv_cache_memory_gb: float = 1.0       # KV pool memory budget when max_total_tokens is null
+    kv_cache_memory_gb: float = 1.0       # KV pool memory budget when max_total_tokens and mem_fraction_static are null
+    mem_fraction_static: Optional[float] = None  # SGLang's --mem-fraction-static: weights + KV pool take this fraction of the device's memory (RAM on CPU); the KV pool gets what the loaded weights leave of it
     max_queued_requests: int = 0          # waiting-queue bound (0 = unbounded); beyond it requests get 503
     num_threads: Optional[int] = None     # torch intra-op threads; null = torch default
     decode_log_interval: int = 40         # log a "Decode batch" line every N decode steps
@@ -128,6 +129,9 @@ def validate(cfg) -> None:
     check_quantization(cfg)
     from .device import check_device_name
     check_device_name(str(cfg.model.device), "model.device")
+    f = getattr(e, "mem_fraction_static", None)
+    if f is not None and not 0 < f < 1:
+        raise ConfigError("engine.mem_fraction_static", f"must be in (0, 1), got {f}")
     if e.kv_cache_memory_gb <= 0:
         raise ConfigError("engine.kv_cache_memory_gb", f"must be > 0, got {e.kv_cache_memory_gb}")
     if e.max_queued_requests < 0:

@@ -1,5 +1,6 @@
-"""Register specfw's schemas and one ``speculative`` option per algorithm and one
-``draft`` option (``specfw train``) per trainer in Hydra's ConfigStore."""
+"""Register specfw's schemas and one ``speculative`` option per algorithm (under its name, its
+upper-case SGLang spelling and SGLang's aliases) and one ``draft`` option (``specfw train``) per
+trainer in Hydra's ConfigStore."""
 from __future__ import annotations
 
 from hydra.core.config_store import ConfigStore
@@ -18,6 +19,12 @@ def register_configs() -> ConfigStore:
     for t in plugin_manager().trainers.values():
         cs.store(group="draft", name=t.kind, node=t.config_class(kind=t.kind))
     for algo in plugin_manager().describe():
-        cs.store(group="speculative", name=algo.name, node=algo.config_class(algorithm=algo.name),
-                 provider=algo.package)
+        for name in dict.fromkeys([algo.name, algo.name.upper(), *SGLANG_ALIASES.get(algo.name, ())]):
+            cs.store(group="speculative", name=name, node=algo.config_class(algorithm=algo.name),
+                     provider=algo.package)
     return cs
+
+
+# SGLang's --speculative-algorithm names select the same options: speculative=EAGLE3 is eagle3,
+# and NEXTN (SGLang: the target's own NextN layers through the EAGLE worker) is mtp
+SGLANG_ALIASES = {"mtp": ("nextn", "NEXTN")}

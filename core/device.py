@@ -48,3 +48,31 @@ def synchronize(device: torch.device) -> None:
     """Wait for the device's queued work (timing code only; a no-op on the CPU)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def memory_info(device: torch.device) -> tuple[int, int]:
+    """(available, total) bytes of the device's memory: RAM on the CPU (/proc/meminfo's
+    MemAvailable, MemTotal), the GPU's free and total memory on CUDA."""
+    if device.type == "cuda":
+        free, total = torch.cuda.mem_get_info(device)
+        return int(free), int(total)
+    info = {}
+    with open("/proc/meminfo") as f:
+        for line in f:
+            k, _, v = line.partition(":")
+            info[k] = int(v.split()[0]) * 1024
+    return info["MemAvailable"], info["MemTotal"]
+
+
+def kv_budget_from_fraction(device: torch.device, fraction: float) -> int:
+    """SGLang's ``--mem-fraction-static`` rule, with the weights already loaded: the KV pool gets
+    what is left of ``fraction`` of the device's memory, ``available - total * (1 - fraction)``."""
+    from .config import ConfigError
+    available, total = memory_info(device)
+    budget = available - total * (1 - fraction)
+    if budget <= 0:
+        raise ConfigError("engine.mem_fraction_static",
+                          f"{fraction} of {total / 2**30:.1f} GiB leaves no room for the KV pool with "
+                          f"{available / 2**30:.1f} GiB available after loading the weights; raise it")
+    return int(budget)
+

@@ -18,7 +18,7 @@ import torch
 
 from .backends import backend_from_config
 from .detokenizer import IncrementalDetokenizer
-from .device import resolve_device
+from .device import kv_budget_from_fraction, resolve_device
 from .kv_cache import KVPool
 from .model_loader import DTYPES, load_model
 from .model_runner import PLAIN_BATCH_ROWS, ModelRunner
@@ -67,6 +67,13 @@ def speculative_tree_shape(cfg, hf_config):
     return resolve_tree_shape(spec, hf_config) if hasattr(spec, "resolve_shape") else None
 
 
+def _kv_bytes(engine_cfg, device) -> float:
+    """The KV pool's memory budget: SGLang's ``mem_fraction_static`` rule where it is set, else
+    ``kv_cache_memory_gb``."""
+    fraction = getattr(engine_cfg, "mem_fraction_static", None)
+    return kv_budget_from_fraction(device, fraction) if fraction else engine_cfg.kv_cache_memory_gb * 2**30
+
+
 class Engine:
     def __init__(self, cfg, worker_factory=None):
         """``cfg``: a SpecfwConfig (OmegaConf or dataclass). ``worker_factory(engine)`` builds the
@@ -88,7 +95,7 @@ class Engine:
         typical_rows = self.tree_shape.num_draft_tokens if self.tree_shape else PLAIN_BATCH_ROWS
         layer0 = loaded.model.layers[0]
         num_slots = cfg.engine.max_total_tokens or KVPool.slots_for_budget(
-            cfg.engine.kv_cache_memory_gb * 2**30, loaded.model.num_layers, layer0.n_kv, layer0.head_dim, self.dtype)
+            _kv_bytes(cfg.engine, self.device), loaded.model.num_layers, layer0.n_kv, layer0.head_dim, self.dtype)
         self.backend = backend_from_config(cfg.engine, self.device, cfg)
         self.runner = ModelRunner(loaded.model, loaded.hf_config, num_slots, self.dtype, backend=self.backend,
                                   timed_rows=(1, typical_rows))

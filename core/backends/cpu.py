@@ -90,7 +90,10 @@ class CpuBackend(Backend):
     def fused_ops(self, dtype, intermediate: int):
         return self.ops if dtype in (torch.float32, torch.bfloat16) and intermediate % 16 == 0 else None
 
-    def plan_attention(self, seqs, device, shape: HeadShape, exact: bool) -> KernelAttentionPlan:
+    def plan_attention(self, seqs, device, shape: HeadShape, exact: bool):
+        if shape.dtype not in (torch.float32, torch.bfloat16):   # float16: the kernel has no path, torch's SDPA does
+            from .torch_ops import TorchBackend
+            return TorchBackend.plan_attention(self, seqs, device, shape, exact)
         return KernelAttentionPlan(self.ops, seqs)
 
     def measure(self, model, dtype, timed_rows):

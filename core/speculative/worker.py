@@ -48,7 +48,10 @@ class SpeculativeWorker:
         self.runner = runner
         self.ctx = SpecContext(config=cfg, shape=shape, runner=runner, tokenizer=tokenizer,
                                engine_config=engine_config, stats=stats, target_path=target_path,
-                               force_greedy=cfg.force_greedy_verify or _env_flag("SPECFW_FORCE_GREEDY_VERIFY"))
+                               force_greedy=cfg.force_greedy_verify or _env_flag("SPECFW_FORCE_GREEDY_VERIFY")
+                               or (algorithm.name == "ngram" and _env_flag("SGLANG_NGRAM_FORCE_GREEDY_VERIFY")))
+        if _env_flag("SGLANG_ENABLE_SPEC_V2"):
+            logger.warning("SGLANG_ENABLE_SPEC_V2 is set but not honoured: specfw has no overlap scheduler yet")
         # per-engine hook relay: core defaults + the active algorithm's runtime + observers
         self.pm = pluggy.PluginManager(hookspecs.PROJECT)
         self.pm.add_hookspecs(hookspecs)

@@ -139,3 +139,9 @@ def test_missing_draft_for_a_non_demo_target_names_the_key(name, tiny_model_dir)
     with pytest.raises(ConfigError) as e:
         Engine(make_cfg(model_path=str(tiny_model_dir), max_total_tokens=256, speculative=spec))
     assert e.value.key == "speculative.draft_model_path"
+
+
+@pytest.mark.parametrize("option,algorithm", [("nextn", "mtp"), ("NEXTN", "mtp"), ("EAGLE3", "eagle3"), ("NGRAM", "ngram")])
+def test_sglang_algorithm_names_select_the_same_options(option, algorithm):
+    cfg = _compose([f"speculative={option}"])
+    assert cfg.speculative.algorithm == algorithm
