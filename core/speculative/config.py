@@ -45,7 +45,7 @@ class SpecAlgoConfig(SpeculativeConfig):
     accept_threshold_single: float = 1.0        # accept a draft token if p_target >= this (1.0 = lossless)
     accept_threshold_acc: float = 1.0           # accept if coin <= accumulated p_target / this (1.0 = lossless)
     attention_mode: AttentionMode = AttentionMode.prefill  # SGLang compat: verify/extend kernel choice; specfw has one attention path, same result
-    adaptive_draft: bool = True                 # per step, draft or not and the tree size to verify, from measured tokens/s (sizes 1 = no draft, 2, 4, .., num_draft_tokens; with confidence_pruning: 1 or a per-step size)
+    adaptive_draft: str = "auto"               # auto | true | false: per step, draft or not and the tree size to verify, from measured tokens/s (tree flags become upper bounds); auto = on where a verify of num_draft_tokens rows costs > 1.15x one row (measured at startup: CPUs), off where flat (GPUs: SGLang's behaviour)
     confidence_pruning: bool = True             # with adaptive_draft: per step, drop draft nodes whose learned acceptance probability is below tokens/s x seconds per verified node
     force_greedy_verify: bool = False           # verify greedily even for sampled requests (also SPECFW_FORCE_GREEDY_VERIFY=1)
 
@@ -103,6 +103,9 @@ class SpecAlgoConfig(SpeculativeConfig):
             if getattr(self, k) != default:
                 raise ConfigError(f"speculative.{k}", f"is not used by speculative={self.algorithm}; "
                                                       f"leave it unset (got {getattr(self, k)!r})")
+        from .verify_cost import MODES, adaptive_mode
+        if adaptive_mode(self.adaptive_draft) not in MODES:
+            raise ConfigError("speculative.adaptive_draft", f"'{self.adaptive_draft}' is not one of {list(MODES)}")
         for k in ("accept_threshold_single", "accept_threshold_acc"):
             v = getattr(self, k)
             if not 0 < v <= 1:

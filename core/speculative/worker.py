@@ -30,6 +30,7 @@ from . import defaults
 from .config import resolve_tree_shape
 from .policy import DraftPolicy
 from .types import DraftCandidates, SpecContext, StepPlan, VerifyResult
+from .verify_cost import resolve_adaptive
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +66,8 @@ class SpeculativeWorker:
         self.hook = self.pm.hook
         self.algorithm = algorithm.name
         self.slots_per_decode = shape.num_draft_tokens
-        self.policy = DraftPolicy(shape, adaptive=cfg.adaptive_draft, confidence_pruning=getattr(cfg, "confidence_pruning", True))
+        adaptive = resolve_adaptive(cfg.adaptive_draft, runner, shape.num_draft_tokens)
+        self.policy = DraftPolicy(shape, adaptive=adaptive, confidence_pruning=getattr(cfg, "confidence_pruning", True))
         logger.info("speculative decoding: %s num_steps=%d topk=%d num_draft_tokens=%d", algorithm.name,
                     shape.num_steps, shape.topk, shape.num_draft_tokens)
 

@@ -145,3 +145,38 @@ def test_missing_draft_for_a_non_demo_target_names_the_key(name, tiny_model_dir)
 def test_sglang_algorithm_names_select_the_same_options(option, algorithm):
     cfg = _compose([f"speculative={option}"])
     assert cfg.speculative.algorithm == algorithm
+
+
+@pytest.mark.parametrize("value,mode", [("auto", "auto"), ("false", "false"), ("true", "true"), ("False", "false")])
+def test_adaptive_draft_modes_compose(value, mode):
+    from specfw.speculative.verify_cost import adaptive_mode
+    cfg = _compose(["speculative=eagle3", f"speculative.adaptive_draft={value}"])
+    validate(cfg)
+    assert adaptive_mode(cfg.speculative.adaptive_draft) == mode
+
+
+def test_adaptive_draft_typo_names_the_key_and_the_choices():
+    cfg = _compose(["speculative=eagle3", "speculative.adaptive_draft=sometimes"])
+    with pytest.raises(ConfigError, match=r"speculative.adaptive_draft.*'auto', 'true', 'false'"):
+        validate(cfg)
+
+
+def test_auto_measures_the_verify_cost_and_decides(tiny_model_dir, caplog):
+    """auto: on where a verify of num_draft_tokens rows costs > GROWS_ABOVE x one row, else off;
+    the decision and its reason are logged; the probe leaves the KV pool as it found it."""
+    from conftest import make_cfg
+    from specfw.engine import Engine
+    from specfw.speculative import verify_cost
+    eng = Engine(make_cfg(model_path=str(tiny_model_dir), max_total_tokens=4096))
+    ratio = verify_cost.verify_cost_ratio(eng.runner, 16)
+    assert ratio > 0 and eng.runner.allocator.num_used == 0
+    calls = []
+    for fake, want in ((2.0, True), (1.05, False)):
+        verify_cost.verify_cost_ratio, real = (lambda r, n, reps=3, f=fake: calls.append(n) or f), verify_cost.verify_cost_ratio
+        try:
+            with caplog.at_level("INFO"):
+                assert verify_cost.resolve_adaptive("auto", eng.runner, 8) is want
+        finally:
+            verify_cost.verify_cost_ratio = real
+    assert calls == [8, 8] and "adaptive_draft=auto: on" in caplog.text and "adaptive_draft=auto: off" in caplog.text
+    assert verify_cost.resolve_adaptive(False, eng.runner, 8) is False and verify_cost.resolve_adaptive("true", eng.runner, 8)
