@@ -17,12 +17,14 @@ commands:
   train      train a draft: specfw train draft=<registered trainer, e.g. eagle3> [steps=300] [output_dir=...]
   plugins    list installed speculative algorithms (package, version, description, hooks) and trainers
   new-plugin write a plugin package to start from: specfw new-plugin NAME [DIR]
+  cluster    N serve replicas behind SGLang's router: specfw cluster replicas=2 [port=30000]
+             [policy=cache_aware|round_robin|random|power_of_two] [serve overrides...]
 
 Overrides are Hydra's: key=value, group=option (speculative=<algorithm>), -m for sweeps,
 --cfg job to print the composed config.
 """
 
-COMMANDS = ("generate", "serve", "train", "plugins", "new-plugin")
+COMMANDS = ("generate", "serve", "train", "plugins", "new-plugin", "cluster")
 
 
 def setup_logging(level: str) -> None:
@@ -179,6 +181,13 @@ def main(argv: list[str] | None = None) -> None:
     if command == "new-plugin":
         new_plugin_command(rest)
         return
+    if command == "cluster":
+        from .cluster import ClusterError, run
+        try:
+            sys.exit(run(rest))
+        except ClusterError as e:
+            print(f"specfw cluster: error: {e}", file=sys.stderr)
+            sys.exit(2)
     from .plugins import PluginError, plugin_manager
     try:
         plugin_manager()   # discovery errors (SPECFW_PLUGINS naming no installed plugin) end here, in one line

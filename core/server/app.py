@@ -26,6 +26,7 @@ from .errors import APIError
 from .limits import DEFAULT_MAX_REQUEST_BYTES, BodyLimitMiddleware
 from .metrics import ServerMetrics
 from .native_api import router as native_router
+from .router_api import router as router_api_router
 from .openai_api import router as openai_router
 from .openapi import OPEN_PATHS, build_openapi
 from .state import ServerState
@@ -90,6 +91,7 @@ def create_app(engine: Engine | AsyncEngine, *, api_key: str | None = None,
     errors.install(app)
     app.include_router(openai_router)
     app.include_router(native_router)
+    app.include_router(router_api_router)
 
     @app.get("/health")
     async def health():
