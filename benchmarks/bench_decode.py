@@ -9,6 +9,7 @@ adds the same two specfw rows with ``batch_invariant=false`` (what exactness cos
 specfw's CPU kernels: the engine before the kernel backend). ``--isa avx2`` forces the kernels'
 AVX2 build. The header names the CPU.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -39,9 +40,13 @@ def main():
     from specfw.sampling import SamplingParams
 
     def build(invariant: bool, isa: str = args.isa) -> Engine:
-        return Engine(SpecfwConfig(model=ModelConfig(dtype=args.dtype, device=args.device), speculative=SpeculativeConfig(),
-                                   engine=EngineConfig(max_running_requests=args.concurrency, num_threads=args.threads,
-                                                       batch_invariant=invariant, cpu_isa=isa)))
+        return Engine(
+            SpecfwConfig(
+                model=ModelConfig(dtype=args.dtype, device=args.device),
+                speculative=SpeculativeConfig(),
+                engine=EngineConfig(max_running_requests=args.concurrency, num_threads=args.threads, batch_invariant=invariant, cpu_isa=isa),
+            )
+        )
 
     eng = build(True)
     prompts = [eng.tokenize_chat([{"role": "user", "content": q}]) for q in mtbench_first_turns(args.prompts)]
@@ -57,8 +62,9 @@ def main():
         for p in tqdm(prompts, desc="HF generate (batch 1)"):
             t0 = time.perf_counter()
             with torch.no_grad():
-                out = hf.generate(torch.tensor([p]), max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens,
-                                  do_sample=False, pad_token_id=eng.tokenizer.eos_token_id)
+                out = hf.generate(
+                    torch.tensor([p]), max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False, pad_token_id=eng.tokenizer.eos_token_id
+                )
             t += time.perf_counter() - t0
             n += out.shape[1] - len(p)
         return n / t
@@ -91,18 +97,17 @@ def main():
         loose.generate([prompts[0]], SamplingParams(max_new_tokens=8, temperature=0))
         b1_loose, bn_loose = run_specfw_b1(loose), run_specfw_concurrent(loose)
     from specfw.machine import cpu_description
+
     print(f"\nSmolLM2-135M-Instruct {args.dtype}, {args.threads} threads, {len(prompts)} MT-bench prompts x {args.new_tokens} new tokens")
     print(f"on {cpu_description()}; kernels: {kernels}")
     print(f"HF transformers generate, batch 1 : {hf_tps:8.2f} tok/s")
     print(f"specfw, batch 1                   : {b1:8.2f} tok/s   ratio vs HF: {b1 / hf_tps:.2f}x (target >= 1.3x)")
     print(f"specfw, {args.concurrency} concurrent requests     : {bn:8.2f} tok/s   ratio vs batch 1: {bn / b1:.2f}x (target >= 4x)")
     if args.compare_torch_ops:
-        print(f"torch ops (cpu_isa=none), batch 1 : {b1_torch:8.2f} tok/s   ratio vs HF: {b1_torch / hf_tps:.2f}x; "
-              f"kernels/torch ops {b1 / b1_torch:.2f}x")
+        print(f"torch ops (cpu_isa=none), batch 1 : {b1_torch:8.2f} tok/s   ratio vs HF: {b1_torch / hf_tps:.2f}x; kernels/torch ops {b1 / b1_torch:.2f}x")
         print(f"torch ops, {args.concurrency} concurrent        : {bn_torch:8.2f} tok/s   kernels/torch ops {bn / bn_torch:.2f}x")
     if args.compare_invariant:
-        print(f"batch_invariant=false, batch 1    : {b1_loose:8.2f} tok/s   ratio vs HF: {b1_loose / hf_tps:.2f}x; "
-              f"invariant/loose {b1 / b1_loose:.2f}x")
+        print(f"batch_invariant=false, batch 1    : {b1_loose:8.2f} tok/s   ratio vs HF: {b1_loose / hf_tps:.2f}x; invariant/loose {b1 / b1_loose:.2f}x")
         print(f"batch_invariant=false, {args.concurrency} concurrent: {bn_loose:8.2f} tok/s   invariant/loose {bn / bn_loose:.2f}x")
 
 

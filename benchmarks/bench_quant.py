@@ -10,6 +10,7 @@ speculative tokens/s on top of the scheme and whether every output equals that s
 greedy. ``--llama-cpp``: llama-cpp-python (optional extra ``bench-llama``) plain and with its
 prompt lookup on the demo's GGUF file, the same prompt token ids, greedy, the same threads.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -27,11 +28,16 @@ from bench_spec import load_prompts, parse_algo  # noqa: E402
 def engine_for(scheme: str, spec=None, threads: int = 2):
     from specfw.config import EngineConfig, ModelConfig, SpecfwConfig, SpeculativeConfig
     from specfw.engine import Engine
+
     dtype = "bfloat16" if scheme == "bf16" else "float32"
     quant = "none" if scheme in ("none", "bf16") else scheme
-    return Engine(SpecfwConfig(model=ModelConfig(dtype=dtype, quantization=quant),
-                               engine=EngineConfig(max_total_tokens=8192, max_running_requests=1, num_threads=threads),
-                               speculative=spec or SpeculativeConfig()))
+    return Engine(
+        SpecfwConfig(
+            model=ModelConfig(dtype=dtype, quantization=quant),
+            engine=EngineConfig(max_total_tokens=8192, max_running_requests=1, num_threads=threads),
+            speculative=spec or SpeculativeConfig(),
+        )
+    )
 
 
 def timed(generate, prompts):
@@ -58,10 +64,10 @@ def llama_cpp_rows(prompts, max_new: int, threads: int) -> list[dict]:
     from llama_cpp import Llama
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
     from specfw.demo_model import demo_gguf_path
+
     rows = []
     for label, draft in [("llama.cpp plain", None), ("llama.cpp prompt lookup (10)", LlamaPromptLookupDecoding(num_pred_tokens=10))]:
-        llm = Llama(str(demo_gguf_path()), n_threads=threads, n_threads_batch=threads, n_ctx=4096, verbose=False,
-                    draft_model=draft)
+        llm = Llama(str(demo_gguf_path()), n_threads=threads, n_threads_batch=threads, n_ctx=4096, verbose=False, draft_model=draft)
 
         def gen(p):
             llm.reset()
@@ -71,6 +77,7 @@ def llama_cpp_rows(prompts, max_new: int, threads: int) -> list[dict]:
                 if len(out) >= max_new or tok == llm.token_eos():
                     break
             return out
+
         gen(prompts[0][:8])
         tps, outs = timed(gen, prompts)
         rows.append({"row": label, "tok_s": round(tps, 1), "outputs": outs})
@@ -81,6 +88,7 @@ def verify_cost(schemes, threads: int):
     """Forward of 1/8/16 rows through every quantized linear of the demo model (no attention)."""
     from specfw.backends.kernel_linear import KernelLinear
     from specfw.backends.quant_linear import QuantLinear
+
     for scheme in schemes:
         eng = engine_for(scheme, threads=threads)
         lins = [m for m in eng.runner.model.modules() if isinstance(m, (KernelLinear, QuantLinear))]
@@ -95,8 +103,10 @@ def verify_cost(schemes, threads: int):
                 for m in lins:
                     m(xs[m.in_features])
             times[rows] = (time.perf_counter() - t0) / 10 * 1e3
-        print(f"{scheme:6s} linears per forward: " + ", ".join(f"{r} rows {t:.1f} ms" for r, t in times.items())
-              + f"  (16/1 = {times[16] / times[1]:.2f}x)", flush=True)
+        print(
+            f"{scheme:6s} linears per forward: " + ", ".join(f"{r} rows {t:.1f} ms" for r, t in times.items()) + f"  (16/1 = {times[16] / times[1]:.2f}x)",
+            flush=True,
+        )
 
 
 def main():
@@ -116,6 +126,7 @@ def main():
     from specfw.machine import cpu_description
     from specfw.plugins import plugin_manager
     from specfw.sampling import SamplingParams
+
     print("CPU:", cpu_description(), flush=True)
     schemes = args.schemes.split(",")
     if args.verify_cost:

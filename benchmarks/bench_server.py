@@ -5,6 +5,7 @@ down, then the in-process engine (never both at once on the same cores).
 
     .venv/bin/python benchmarks/bench_server.py [--prompts 4] [--new-tokens 128] [--args speculative=ngram]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -28,9 +29,14 @@ def free_port() -> int:
 
 def serve(extra: list[str], threads: int):
     port = free_port()
-    proc = subprocess.Popen([str(BIN / "specfw"), "serve", f"server.port={port}", f"engine.num_threads={threads}", *extra],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=dict(os.environ))
+    proc = subprocess.Popen(
+        [str(BIN / "specfw"), "serve", f"server.port={port}", f"engine.num_threads={threads}", *extra],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        env=dict(os.environ),
+    )
     import urllib.request
+
     for _ in range(600):
         try:
             with urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=1) as r:
@@ -54,6 +60,7 @@ def main() -> None:
     args = ap.parse_args()
     import openai
     from specfw.datasets import mtbench_first_turns
+
     questions = mtbench_first_turns(args.prompts)
     extra = {"ignore_eos": True}
 
@@ -62,9 +69,9 @@ def main() -> None:
         client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none")
         model = client.models.list().data[0].id
         chat = lambda q, **kw: client.chat.completions.create(  # noqa: E731
-            model=model, messages=[{"role": "user", "content": q}], max_tokens=args.new_tokens, temperature=0,
-            extra_body=extra, **kw)
-        chat(questions[0])                                             # warm-up
+            model=model, messages=[{"role": "user", "content": q}], max_tokens=args.new_tokens, temperature=0, extra_body=extra, **kw
+        )
+        chat(questions[0])  # warm-up
         rates = {}
         for stream in (False, True):
             n, t = 0, 0.0
@@ -72,7 +79,7 @@ def main() -> None:
                 t0 = time.perf_counter()
                 if stream:
                     got = sum(1 for c in chat(q, stream=True) if c.choices and c.choices[0].delta.content is not None)
-                    got = args.new_tokens          # ignore_eos: exactly max_tokens tokens
+                    got = args.new_tokens  # ignore_eos: exactly max_tokens tokens
                 else:
                     got = chat(q).usage.completion_tokens
                 t += time.perf_counter() - t0
@@ -83,12 +90,14 @@ def main() -> None:
         proc.wait(30)
 
     import torch
+
     torch.set_num_threads(args.threads)
     from hydra import compose, initialize_config_module
     from specfw.config import validate
     from specfw.config_store import register_configs
     from specfw.engine import Engine
     from specfw.sampling import SamplingParams
+
     register_configs()
     with initialize_config_module("specfw_conf", version_base="1.3"):
         cfg = compose("serve", overrides=[f"engine.num_threads={args.threads}", *args.args])
@@ -103,8 +112,7 @@ def main() -> None:
         n += len(eng.generate([p], params)[0].token_ids)
         t += time.perf_counter() - t0
     local = n / t
-    print(f"\n{args.prompts} MT-bench prompts x {args.new_tokens} tokens, batch 1, {args.threads} threads, "
-          f"overrides {args.args or 'none'}")
+    print(f"\n{args.prompts} MT-bench prompts x {args.new_tokens} tokens, batch 1, {args.threads} threads, overrides {args.args or 'none'}")
     print(f"in-process engine        : {local:7.2f} tok/s")
     print(f"server, non-streaming    : {rates[False]:7.2f} tok/s   ratio vs in-process: {rates[False] / local:.2f}x")
     print(f"server, streaming (SSE)  : {rates[True]:7.2f} tok/s   ratio vs in-process: {rates[True] / local:.2f}x")

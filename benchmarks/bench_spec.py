@@ -10,6 +10,7 @@ included), accept rate and per-position acceptance; writes JSON and a bar plot t
 Batch 1 (one request at a time; ``--concurrency N``: all prompts submitted at once, N decoded
 together), greedy, same prompts and thread count for every row.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -41,6 +42,7 @@ def parse_algo(spec: str):
 
 def load_prompts(dataset: str, n: int, engine):
     from specfw.datasets import humaneval_prompts, mtbench_first_turns
+
     if dataset == "humaneval":
         return [engine.tokenizer(p)["input_ids"] for p in humaneval_prompts(n)]
     return [engine.tokenize_chat([{"role": "user", "content": q}]) for q in mtbench_first_turns(n)]
@@ -73,8 +75,9 @@ def main():
     ap.add_argument("--algo", action="append", default=[], help="name[:key=value,...] (repeatable)")
     ap.add_argument("--hf-prompt-lookup", action="store_true", help="also time HF prompt lookup decoding")
     ap.add_argument("--no-batch-invariant", action="store_true", help="every row with engine.batch_invariant=false")
-    ap.add_argument("--engine", action="append", default=[], metavar="KEY=VALUE",
-                    help="an engine.* setting for every row, e.g. cpu_bf16_kernel=false (repeatable)")
+    ap.add_argument(
+        "--engine", action="append", default=[], metavar="KEY=VALUE", help="an engine.* setting for every row, e.g. cpu_bf16_kernel=false (repeatable)"
+    )
     ap.add_argument("--concurrency", type=int, default=1, help="requests decoded together (all prompts submitted at once)")
     ap.add_argument("--out", type=Path, default=Path("bench_results"))
     args = ap.parse_args()
@@ -87,10 +90,18 @@ def main():
     from specfw.sampling import SamplingParams
 
     def engine_for(spec):
-        return Engine(SpecfwConfig(model=ModelConfig(dtype=args.dtype, device=args.device), speculative=spec,
-                                   engine=EngineConfig(max_running_requests=args.concurrency, num_threads=args.threads,
-                                                       batch_invariant=not args.no_batch_invariant,
-                                                       **parse_algo(":" + ",".join(args.engine))[1])))
+        return Engine(
+            SpecfwConfig(
+                model=ModelConfig(dtype=args.dtype, device=args.device),
+                speculative=spec,
+                engine=EngineConfig(
+                    max_running_requests=args.concurrency,
+                    num_threads=args.threads,
+                    batch_invariant=not args.no_batch_invariant,
+                    **parse_algo(":" + ",".join(args.engine))[1],
+                ),
+            )
+        )
 
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0)
     plain = engine_for(SpeculativeConfig())
@@ -103,20 +114,26 @@ def main():
 
     if args.hf_prompt_lookup:
         from transformers import AutoModelForCausalLM
+
         hf = AutoModelForCausalLM.from_pretrained(plain.model_path, dtype=getattr(torch, args.dtype)).eval()
         for label, kw in [("hf_greedy", {}), ("hf_prompt_lookup", {"prompt_lookup_num_tokens": 10})]:
             n, t, exact = 0, 0.0, 0
             for p, r in zip(tqdm(prompts, desc=label), ref):
                 t0 = time.perf_counter()
                 with torch.no_grad():
-                    out = hf.generate(torch.tensor([p]), max_new_tokens=args.max_new_tokens, do_sample=False,
-                                      eos_token_id=plain.tokenizer.eos_token_id, pad_token_id=plain.tokenizer.eos_token_id, **kw)
+                    out = hf.generate(
+                        torch.tensor([p]),
+                        max_new_tokens=args.max_new_tokens,
+                        do_sample=False,
+                        eos_token_id=plain.tokenizer.eos_token_id,
+                        pad_token_id=plain.tokenizer.eos_token_id,
+                        **kw,
+                    )
                 t += time.perf_counter() - t0
-                toks = out[0, len(p):].tolist()
+                toks = out[0, len(p) :].tolist()
                 n += len(toks)
                 exact += toks == r
-            rows.append(dict(algo=label, tok_s=n / t, speedup=n / t / base_tps, accept_len=None,
-                             exact=exact == len(prompts)))
+            rows.append(dict(algo=label, tok_s=n / t, speedup=n / t / base_tps, accept_len=None, exact=exact == len(prompts)))
     del plain
 
     for spec_str in args.algo:
@@ -129,17 +146,29 @@ def main():
         tps, outs = run_engine(eng, prompts, params, spec_str, args.concurrency)
         st = eng.stats
         pos = [a / p if p else 0.0 for a, p in zip(st.position_accepts, st.position_proposals)]
-        rows.append(dict(algo=spec_str, tok_s=tps, speedup=tps / base_tps, accept_len=st.accept_length,
-                         accept_rate=st.accept_rate, per_position=pos, tree_sizes=eng.worker.budget.summary(),
-                         tree_rates={k: round(v, 1) for k, v in eng.worker.budget.rates(1).items()},
-                         pruning=pruning_summary(eng.worker.pruning),
-                         exact=sum(o == r for o, r in zip(outs, ref)) == len(ref)))
+        rows.append(
+            dict(
+                algo=spec_str,
+                tok_s=tps,
+                speedup=tps / base_tps,
+                accept_len=st.accept_length,
+                accept_rate=st.accept_rate,
+                per_position=pos,
+                tree_sizes=eng.worker.budget.summary(),
+                tree_rates={k: round(v, 1) for k, v in eng.worker.budget.rates(1).items()},
+                pruning=pruning_summary(eng.worker.pruning),
+                exact=sum(o == r for o, r in zip(outs, ref)) == len(ref),
+            )
+        )
         del eng
 
     from specfw.machine import cpu_description
-    print(f"\n{args.dataset}: {len(prompts)} prompts x {args.max_new_tokens} new tokens, "
-          f"{'batch 1' if args.concurrency == 1 else f'{args.concurrency} concurrent'}, greedy, "
-          f"{args.dtype}, device {plain_device}, {args.threads} threads, batch_invariant={not args.no_batch_invariant}")
+
+    print(
+        f"\n{args.dataset}: {len(prompts)} prompts x {args.max_new_tokens} new tokens, "
+        f"{'batch 1' if args.concurrency == 1 else f'{args.concurrency} concurrent'}, greedy, "
+        f"{args.dtype}, device {plain_device}, {args.threads} threads, batch_invariant={not args.no_batch_invariant}"
+    )
     print(f"on {cpu_description()}; kernels: {kernels}")
     print(f"{'algorithm':<44} {'tok/s':>8} {'speedup':>8} {'accept len':>11} {'== plain':>9}")
     for r in rows:
@@ -150,12 +179,13 @@ def main():
             print(f"per-position acceptance {r['algo']}: " + " ".join(f"{p:.2f}" for p in r["per_position"]))
         if r.get("pruning") and r["pruning"]["kept_nodes"] + r["pruning"]["pruned_nodes"]:
             pr = r["pruning"]
-            print(f"confidence pruning {r['algo']}: kept {pr['kept_nodes']} of {pr['kept_nodes'] + pr['pruned_nodes']} "
-                  f"draft nodes, threshold {pr['threshold']:.3f}; learned acceptance by draft probability: "
-                  + " ".join(f"{lo:g}+:{p:.2f}" for lo, p in pr["calibration"]))
+            print(
+                f"confidence pruning {r['algo']}: kept {pr['kept_nodes']} of {pr['kept_nodes'] + pr['pruned_nodes']} "
+                f"draft nodes, threshold {pr['threshold']:.3f}; learned acceptance by draft probability: "
+                + " ".join(f"{lo:g}+:{p:.2f}" for lo, p in pr["calibration"])
+            )
         if r.get("tree_sizes"):
-            print(f"verified tree sizes (size: steps) {r['algo']}: {r['tree_sizes']}; "
-                  f"estimated tok/s per size: {r['tree_rates']}")
+            print(f"verified tree sizes (size: steps) {r['algo']}: {r['tree_sizes']}; estimated tok/s per size: {r['tree_rates']}")
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"spec_{args.dataset}_{time.strftime('%Y%m%d-%H%M%S')}"
     (args.out / f"{stem}.json").write_text(json.dumps(dict(args=vars(args) | {"out": str(args.out)}, rows=rows), indent=2))
@@ -169,10 +199,14 @@ def pruning_summary(pruning) -> dict:
     """Confidence pruning's state after a run: nodes kept/pruned, the batch-1 threshold at the
     end, the learned acceptance probability per draft-probability bin."""
     from specfw.speculative.confidence import PROB_EDGES
+
     cal = pruning.calibration
-    return dict(kept_nodes=pruning.kept_nodes, pruned_nodes=pruning.pruned_nodes,
-                threshold=pruning.last_threshold.get(1, 0.0),
-                calibration=[(lo, round(cal.prob_in_bin(b), 3)) for b, lo in enumerate(PROB_EDGES)])
+    return dict(
+        kept_nodes=pruning.kept_nodes,
+        pruned_nodes=pruning.pruned_nodes,
+        threshold=pruning.last_threshold.get(1, 0.0),
+        calibration=[(lo, round(cal.prob_in_bin(b), 3)) for b, lo in enumerate(PROB_EDGES)],
+    )
 
 
 def plot_calibration(rows, path) -> bool:
@@ -181,9 +215,11 @@ def plot_calibration(rows, path) -> bool:
     if not rows:
         return False
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     from specfw.speculative.confidence import PROB_EDGES
+
     mids = [(lo + hi) / 2 for lo, hi in zip(PROB_EDGES, PROB_EDGES[1:] + (1.0,))]
     fig, ax = plt.subplots(figsize=(5.5, 4.5))
     ax.plot([0, 1], [0, 1], color="gray", lw=0.8, ls="--", label="calibrated draft")
@@ -201,8 +237,10 @@ def plot_calibration(rows, path) -> bool:
 
 def plot(rows, path, title):
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(8, 0.5 * len(rows) + 1.5))
     names = [r["algo"] for r in rows]
     ax.barh(names, [r["speedup"] for r in rows], color=["gray" if r["algo"] == "plain" else "tab:blue" for r in rows])

@@ -11,6 +11,7 @@ verify grows with its rows, see ``bench_verify_cost.py``). Prints accept length,
 acceptance, tokens/s against plain decoding and whether the output equals plain greedy; writes
 JSON and a plot (accept length and CPU speedup against ``num_draft_tokens``) to --out.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -42,8 +43,7 @@ def main():
     ap.add_argument("--dtype", default="bfloat16")
     ap.add_argument("--device", default="auto", help="model.device: auto | cpu | cuda | cuda:N")
     ap.add_argument("--algo", action="append", default=[], help="algorithm name (repeatable)")
-    ap.add_argument("--shape", action="append", type=parse_shape, default=[],
-                    help="num_steps,topk,num_draft_tokens (repeatable)")
+    ap.add_argument("--shape", action="append", type=parse_shape, default=[], help="num_steps,topk,num_draft_tokens (repeatable)")
     ap.add_argument("--out", type=Path, default=Path("bench_results"))
     args = ap.parse_args()
     algos = args.algo or ["eagle3"]
@@ -57,8 +57,11 @@ def main():
     from specfw.sampling import SamplingParams
 
     def engine_for(spec):
-        return Engine(SpecfwConfig(model=ModelConfig(dtype=args.dtype, device=args.device), speculative=spec,
-                                   engine=EngineConfig(max_running_requests=1, num_threads=args.threads)))
+        return Engine(
+            SpecfwConfig(
+                model=ModelConfig(dtype=args.dtype, device=args.device), speculative=spec, engine=EngineConfig(max_running_requests=1, num_threads=args.threads)
+            )
+        )
 
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0)
     plain = engine_for(SpeculativeConfig())
@@ -79,14 +82,23 @@ def main():
             label = f"{name} ({steps}, {topk}, {tokens})"
             tps, outs = run_engine(eng, prompts, params, label)
             st = eng.stats
-            rows.append(dict(algo=name, shape=[steps, topk, tokens], tok_s=tps, speedup=tps / base_tps,
-                             accept_len=st.accept_length,
-                             per_position=[a / p if p else 0.0 for a, p in zip(st.position_accepts, st.position_proposals)],
-                             exact=all(o == r for o, r in zip(outs, ref))))
+            rows.append(
+                dict(
+                    algo=name,
+                    shape=[steps, topk, tokens],
+                    tok_s=tps,
+                    speedup=tps / base_tps,
+                    accept_len=st.accept_length,
+                    per_position=[a / p if p else 0.0 for a, p in zip(st.position_accepts, st.position_proposals)],
+                    exact=all(o == r for o, r in zip(outs, ref)),
+                )
+            )
             del eng
 
-    print(f"\n{args.dataset}: {len(prompts)} prompts x {args.max_new_tokens} new tokens, batch 1, greedy, {args.dtype}, "
-          f"{args.threads} threads, full trees every step; plain {base_tps:.2f} tok/s")
+    print(
+        f"\n{args.dataset}: {len(prompts)} prompts x {args.max_new_tokens} new tokens, batch 1, greedy, {args.dtype}, "
+        f"{args.threads} threads, full trees every step; plain {base_tps:.2f} tok/s"
+    )
     print(f"{'algorithm (steps, topk, tokens)':<34} {'accept len':>10} {'tok/s':>8} {'vs plain':>9} {'== plain':>9}  per-position")
     for r in rows:
         label = f"{r['algo']} {tuple(r['shape'])}"
@@ -94,16 +106,17 @@ def main():
         print(f"{label:<34} {r['accept_len']:10.2f} {r['tok_s']:8.2f} {r['speedup']:8.2f}x {str(r['exact']):>9}  {pos}")
     args.out.mkdir(parents=True, exist_ok=True)
     stem = f"tree_sweep_{args.dataset}_{time.strftime('%Y%m%d-%H%M%S')}"
-    (args.out / f"{stem}.json").write_text(json.dumps(dict(args=vars(args) | {"out": str(args.out)},
-                                                            plain_tok_s=base_tps, rows=rows), indent=2))
+    (args.out / f"{stem}.json").write_text(json.dumps(dict(args=vars(args) | {"out": str(args.out)}, plain_tok_s=base_tps, rows=rows), indent=2))
     plot(rows, args.out / f"{stem}.png", f"{args.dataset}, {len(prompts)} prompts, batch 1, full trees")
     print(f"wrote {args.out / stem}.json and .png")
 
 
 def plot(rows, path, title):
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, (acc, spd) = plt.subplots(1, 2, figsize=(11, 4.5))
     for name in dict.fromkeys(r["algo"] for r in rows):
         mine = sorted((r for r in rows if r["algo"] == name), key=lambda r: (r["shape"][2], r["shape"][0]))
@@ -111,8 +124,7 @@ def plot(rows, path, title):
         acc.plot(x, [r["accept_len"] for r in mine], marker="o", label=name)
         spd.plot(x, [r["speedup"] for r in mine], marker="o", label=name)
         for r in mine:
-            acc.annotate("{},{},{}".format(*r["shape"]), (r["shape"][2], r["accept_len"]), fontsize=7,
-                         textcoords="offset points", xytext=(4, -10))
+            acc.annotate("{},{},{}".format(*r["shape"]), (r["shape"][2], r["accept_len"]), fontsize=7, textcoords="offset points", xytext=(4, -10))
     for ax in (acc, spd):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("num_draft_tokens (tree nodes incl. root)")

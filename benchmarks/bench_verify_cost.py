@@ -10,6 +10,7 @@ default auto; exact by construction), torch's ops batch invariant (``engine.cpu_
 plans, one-row SDPA calls) and torch's ops loose (``batch_invariant=false``: masked tree attention).
 ``--isa avx2`` forces the kernels' AVX2 build (on an AVX-512 CPU too).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -45,13 +46,19 @@ def main():
     from specfw.model_runner import build_forward_batch
 
     from specfw.machine import cpu_description
+
     settings = {"kernels": (args.isa, True), "torch exact": ("none", True), "torch loose": ("none", False)}
     runners = {}
     for name, (isa, invariant) in settings.items():
-        eng = Engine(SpecfwConfig(model=ModelConfig(dtype=args.dtype), speculative=SpeculativeConfig(),
-                                  engine=EngineConfig(num_threads=args.threads, cpu_packed_gemm=not args.no_packed_gemm,
-                                                      cpu_isa=isa, batch_invariant=invariant,
-                                                      max_total_tokens=args.prefix + 64)))
+        eng = Engine(
+            SpecfwConfig(
+                model=ModelConfig(dtype=args.dtype),
+                speculative=SpeculativeConfig(),
+                engine=EngineConfig(
+                    num_threads=args.threads, cpu_packed_gemm=not args.no_packed_gemm, cpu_isa=isa, batch_invariant=invariant, max_total_tokens=args.prefix + 64
+                ),
+            )
+        )
         runners[name] = (eng.runner, eng.runner.allocator.alloc(args.prefix))
     sizes = list(range(1, 17)) + [24, 32]
     best: dict[tuple[bool, int], float] = {}
@@ -70,11 +77,14 @@ def main():
                 key = (name, T)
                 best[key] = min(best.get(key, float("inf")), (time.perf_counter() - t0) / 5)
                 runner.allocator.free(slots)
-    print(f"\nforward cost by tree rows ({args.dtype}, prefix {args.prefix}, tree levels of {args.width}, "
-          f"kernels {runners['kernels'][0].backend.describe()})\non {cpu_description()}")
+    print(
+        f"\nforward cost by tree rows ({args.dtype}, prefix {args.prefix}, tree levels of {args.width}, "
+        f"kernels {runners['kernels'][0].backend.describe()})\non {cpu_description()}"
+    )
     print("rows " + "".join(f"{name:>22s}" for name in runners))
     for T in sizes:
         print(f"{T:4d} " + "".join(f"{best[(n, T)] * 1e3:10.2f} ms {best[(n, T)] / best[(n, 1)]:5.2f}x  " for n in runners))
+
 
 if __name__ == "__main__":
     main()

@@ -11,6 +11,7 @@ of a regenerated-responses cache (``--responses``: training data, to compare). S
 is P(draft top-1 at depth j == target top-1) given the true tokens before it, which is what the
 drafter sees online wherever its earlier draft tokens were right.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -26,17 +27,22 @@ from tqdm import tqdm
 
 def sequences(args, tokenizer_engine):
     from specfw.train.data import Example
+
     if args.responses:
         opener = gzip.open if args.responses.endswith(".gz") else open
         with opener(args.responses, "rt") as f:
             recs = [json.loads(line) for line in f if line.strip()]
         random.Random(0).shuffle(recs)
         cut = args.response_tokens or None
-        return [Example((r["prompt_ids"] + r["response_ids"][:cut])[:args.max_len],
-                        ([0] * len(r["prompt_ids"]) + [1] * len(r["response_ids"][:cut]))[:args.max_len])
-                for r in recs[:args.n]]
+        return [
+            Example(
+                (r["prompt_ids"] + r["response_ids"][:cut])[: args.max_len], ([0] * len(r["prompt_ids"]) + [1] * len(r["response_ids"][:cut]))[: args.max_len]
+            )
+            for r in recs[: args.n]
+        ]
     from specfw.datasets import mtbench_first_turns
     from specfw.sampling import SamplingParams
+
     eng = tokenizer_engine()
     prompts = [eng.tokenize_chat([{"role": "user", "content": q}]) for q in mtbench_first_turns(args.n)]
     outs = eng.generate(prompts, SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0), progress=True)
@@ -50,8 +56,9 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--max-len", type=int, default=320, help="sequence cap for --responses records")
     ap.add_argument("--responses", default=None, help="regenerated-responses cache (.jsonl or .jsonl.gz) instead of MT-bench")
-    ap.add_argument("--response-tokens", type=int, default=0,
-                    help="score only the first N response tokens of --responses records (0 = all), like MT-bench's 64")
+    ap.add_argument(
+        "--response-tokens", type=int, default=0, help="score only the first N response tokens of --responses records (0 = all), like MT-bench's 64"
+    )
     ap.add_argument("--steps", type=int, default=6, help="unroll depth")
     ap.add_argument("--threads", type=int, default=2)
     args = ap.parse_args()
@@ -63,10 +70,12 @@ def main() -> None:
     from specfw.train.target import TargetTeacher
     from specfw_plugins.eagle3.drafter import DEMO_DRAFT
     from specfw_plugins.eagle3.model import load_eagle3
+
     exs = sequences(args, lambda: Engine(SpecfwConfig()))
     teacher = TargetTeacher(demo_model_dir(), torch.float32)
-    cfg = SimpleNamespace(draft=SimpleNamespace(aux_layers=None, draft_vocab_size=8192, ttt_steps=args.steps, ttt_decay=1.0),
-                          data=SimpleNamespace(max_len=4096))
+    cfg = SimpleNamespace(
+        draft=SimpleNamespace(aux_layers=None, draft_vocab_size=8192, ttt_steps=args.steps, ttt_decay=1.0), data=SimpleNamespace(max_len=4096)
+    )
     trainer = Eagle3Trainer(cfg, teacher, exs[:1])
     draft = Path(args.draft) if args.draft else DEMO_DRAFT
     trainer.head = load_eagle3(draft, teacher.config, torch.float32)
@@ -83,8 +92,11 @@ def main() -> None:
             for k, v in metrics.items():
                 if k.startswith("acc"):
                     sums[k] = sums.get(k, 0.0) + v * w
-    src = (f"{args.responses} (first {args.response_tokens or 'all'} response tokens)" if args.responses else
-           f"MT-bench first turns x {args.max_new_tokens} greedy tokens")
+    src = (
+        f"{args.responses} (first {args.response_tokens or 'all'} response tokens)"
+        if args.responses
+        else f"MT-bench first turns x {args.max_new_tokens} greedy tokens"
+    )
     print(f"draft {draft}; {len(exs)} sequences from {src}; {int(weight)} scored tokens")
     print("top-1 agreement per unroll step: " + " ".join(f"{sums[k] / weight:.3f}" for k in sorted(sums)))
 

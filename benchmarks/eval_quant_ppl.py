@@ -7,6 +7,7 @@ The demo's transformers model with its linears swapped for specfw's ``QuantLinea
 int4 scales are per output row, so quantizing q/k/v or gate/up apart gives the codes of specfw's
 fused layers). ``gguf`` is ``none`` bit for bit (tests/engine/test_quant.py), so it is not run again.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -18,12 +19,13 @@ import torch
 
 def texts(tok, window: int, windows: int):
     from specfw.datasets import humaneval_prompts
+
     prose = (Path(__file__).parents[1] / "docs" / "architecture.md").read_text()
     code = "\n".join(humaneval_prompts(40))
     out = []
     for text in (prose, code):
         ids = tok(text)["input_ids"]
-        out += [ids[i * window:(i + 1) * window] for i in range(windows // 2) if len(ids) >= (i + 1) * window]
+        out += [ids[i * window : (i + 1) * window] for i in range(windows // 2) if len(ids) >= (i + 1) * window]
     return out
 
 
@@ -50,6 +52,7 @@ def main():
     from specfw.demo_model import demo_model_dir
     from specfw.kernels import quant_ops
     from specfw.machine import cpu_description
+
     print("CPU:", cpu_description())
     path = demo_model_dir()
     tok = AutoTokenizer.from_pretrained(path)

@@ -6,6 +6,7 @@ alignment of its operands on some CPUs (measured on AMD EPYC: fp32 SDPA rows com
 second OpenMP thread, whose scratch buffer sits elsewhere, differ in the last bits), which
 breaks batch-invariant decoding. A value set by the user wins.
 """
+
 import os
 
 os.environ.setdefault("MKL_CBWR", "AUTO")

@@ -20,6 +20,7 @@ causal path.
 One-row bf16 queries run SDPA in float32 where that is measured faster on this CPU
 (``_upcast_one_row_queries``; 2-4.6x on EPYCs without AMX).
 """
+
 from __future__ import annotations
 
 import time
@@ -35,8 +36,8 @@ MAX_GROUPED_Q = 16
 
 @dataclass
 class Group:
-    rows: torch.Tensor       # [B*q] query rows in the flattened batch
-    kv_index: torch.Tensor   # [B, kv_len] slots (padding points at slot 0 and is masked out)
+    rows: torch.Tensor  # [B*q] query rows in the flattened batch
+    kv_index: torch.Tensor  # [B, kv_len] slots (padding points at slot 0 and is masked out)
     mask: torch.Tensor | None  # [B, 1, q, kv_len] bool; None when every row sees all kv_len entries
     q_len: int
 
@@ -54,12 +55,11 @@ def _mask_for(span: SeqSpan, kv_len: int, device) -> torch.Tensor:
     n = int(span.kv_slots.numel())
     m = torch.zeros(span.q_len, kv_len, dtype=torch.bool, device=device)
     m[:, : n - tm.shape[1]] = True
-    m[:, n - tm.shape[1]: n] = tm
+    m[:, n - tm.shape[1] : n] = tm
     return m
 
 
-def plan_attention(seqs: list[SeqSpan], device, batch_invariant: bool = False,
-                   group_rows: bool = True) -> list[SeqSpan | Group]:
+def plan_attention(seqs: list[SeqSpan], device, batch_invariant: bool = False, group_rows: bool = True) -> list[SeqSpan | Group]:
     if batch_invariant:
         return _plan_per_row(seqs, device, group_rows)
     by_len: dict[int, list[SeqSpan]] = {}
@@ -86,7 +86,7 @@ def _visible_slots(span: SeqSpan) -> list[torch.Tensor]:
     """Per new token of ``span``: the KV slots it may attend to, in cache order (host tensors)."""
     tm = _new_token_mask(span, span.kv_slots.device)
     n, m = int(span.kv_slots.numel()), tm.shape[1]
-    prefix, tail = span.kv_slots[: n - m], span.kv_slots[n - m:]
+    prefix, tail = span.kv_slots[: n - m], span.kv_slots[n - m :]
     return [torch.cat([prefix, tail[tm[i]]]) for i in range(span.q_len)]
 
 
@@ -95,7 +95,7 @@ def _plan_per_row(seqs: list[SeqSpan], device, group_rows: bool) -> list[SeqSpan
     by_len: dict[int, list[tuple[int, torch.Tensor | SeqSpan]]] = {}
     for s in seqs:
         if s.q_len > 1 and s.prefix_len == 0 and s.tree_mask is None:
-            plan.append(s)   # prompt prefill: one causal call
+            plan.append(s)  # prompt prefill: one causal call
             continue
         if s.q_len == 1:
             by_len.setdefault(int(s.kv_slots.numel()), []).append((s.q_start, s))
@@ -103,7 +103,7 @@ def _plan_per_row(seqs: list[SeqSpan], device, group_rows: bool) -> list[SeqSpan
         for i, slots in enumerate(_visible_slots(s)):
             by_len.setdefault(int(slots.numel()), []).append((s.q_start + i, slots))
     for items in by_len.values():
-        if len(items) == 1 or not group_rows:   # lone rows: a view of the cache when their slots are one run
+        if len(items) == 1 or not group_rows:  # lone rows: a view of the cache when their slots are one run
             plan.extend(sl if isinstance(sl, SeqSpan) else SeqSpan(q_start=row, q_len=1, kv_slots=sl) for row, sl in items)
             continue
         items = [(r, sl.kv_slots if isinstance(sl, SeqSpan) else sl) for r, sl in items]
@@ -115,11 +115,9 @@ def _plan_per_row(seqs: list[SeqSpan], device, group_rows: bool) -> list[SeqSpan
 def _sdpa(q, k, v, mask, scale, is_causal=False):
     # q [B, H, q, D]; k, v [B, Hkv, kv, D]; grouped-query heads handled by SDPA itself
     if q.shape[2] == 1 and _upcast_one_row_queries(q.dtype, q.shape[1], k.shape[1], q.shape[3], q.device):
-        o = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=scale,
-                                           enable_gqa=k.shape[1] != q.shape[1])
+        o = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
         return o.to(q.dtype)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=is_causal,
-                                          enable_gqa=k.shape[1] != q.shape[1])
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, is_causal=is_causal, enable_gqa=k.shape[1] != q.shape[1])
 
 
 _upcast: dict[tuple, bool] = {}
@@ -138,7 +136,7 @@ def _upcast_one_row_queries(dtype, heads: int, kv_heads: int, head_dim: int, dev
         q = torch.randn(4, heads, 1, head_dim, generator=g).to(dtype)
         k, v = (torch.randn(4, kv_heads, 300, head_dim, generator=g).to(dtype) for _ in range(2))
         gqa = kv_heads != heads
-        native = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)   # noqa: E731
+        native = lambda: F.scaled_dot_product_attention(q, k, v, enable_gqa=gqa)  # noqa: E731
         upcast = lambda: F.scaled_dot_product_attention(q.float(), k.float(), v.float(), enable_gqa=gqa).to(dtype)  # noqa: E731
         seconds: dict = {native: [], upcast: []}
         with torch.inference_mode():
@@ -146,22 +144,22 @@ def _upcast_one_row_queries(dtype, heads: int, kv_heads: int, head_dim: int, dev
                 for f in seconds:
                     t = time.perf_counter()
                     f()
-                    if rep >= 2:   # first calls allocate and initialise
+                    if rep >= 2:  # first calls allocate and initialise
                         seconds[f].append(time.perf_counter() - t)
-        _upcast[key] = sorted(seconds[upcast])[5] < sorted(seconds[native])[5]   # medians
+        _upcast[key] = sorted(seconds[upcast])[5] < sorted(seconds[native])[5]  # medians
     return _upcast[key]
 
 
 def _gather(cache: torch.Tensor, s: SeqSpan) -> torch.Tensor:
     """A sequence's K or V as [1, Hkv, kv, D]; a view when its slots are one ascending run."""
     if s.kv_range is not None:
-        return cache[s.kv_range[0]:s.kv_range[1]].transpose(0, 1).unsqueeze(0)
+        return cache[s.kv_range[0] : s.kv_range[1]].transpose(0, 1).unsqueeze(0)
     return cache.index_select(0, s.slots_on(cache.device)).transpose(0, 1).unsqueeze(0)
 
 
 def _attend_one(q, k_cache, v_cache, s: SeqSpan, scale) -> torch.Tensor:
-    qs = q[s.q_start:s.q_start + s.q_len].transpose(0, 1).unsqueeze(0)          # [1, H, q, D]
-    k, v = _gather(k_cache, s), _gather(v_cache, s)                             # [1, Hkv, kv, D]
+    qs = q[s.q_start : s.q_start + s.q_len].transpose(0, 1).unsqueeze(0)  # [1, H, q, D]
+    k, v = _gather(k_cache, s), _gather(v_cache, s)  # [1, Hkv, kv, D]
     if s.q_len == 1:
         o = _sdpa(qs, k, v, None, scale)
     elif s.tree_mask is None and s.prefix_len == 0:
@@ -182,11 +180,11 @@ def _span_mask(s: SeqSpan, device) -> torch.Tensor:
 
 def _attend_group(q, k_cache, v_cache, g: Group, scale) -> torch.Tensor:
     B = g.kv_index.shape[0]
-    qs = q.index_select(0, g.rows).view(B, g.q_len, *q.shape[1:]).transpose(1, 2)   # [B, H, q, D]
+    qs = q.index_select(0, g.rows).view(B, g.q_len, *q.shape[1:]).transpose(1, 2)  # [B, H, q, D]
     flat = g.kv_index.view(-1)
-    k = k_cache.index_select(0, flat).view(B, -1, *k_cache.shape[1:]).transpose(1, 2)   # [B, Hkv, kv, D]
+    k = k_cache.index_select(0, flat).view(B, -1, *k_cache.shape[1:]).transpose(1, 2)  # [B, Hkv, kv, D]
     v = v_cache.index_select(0, flat).view(B, -1, *v_cache.shape[1:]).transpose(1, 2)
-    o = _sdpa(qs, k, v, g.mask, scale)                                             # [B, H, q, D]
+    o = _sdpa(qs, k, v, g.mask, scale)  # [B, H, q, D]
     return o.transpose(1, 2).reshape(-1, *q.shape[1:])
 
 
@@ -194,8 +192,7 @@ def _rows(item) -> int:
     return int(item.rows.numel()) if isinstance(item, Group) else item.q_len
 
 
-def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: list[SeqSpan | Group],
-           scale: float) -> torch.Tensor:
+def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: list[SeqSpan | Group], scale: float) -> torch.Tensor:
     """q: [T, H, D] (new tokens, rope applied); caches [slots, Hkv, D] already hold the new K/V.
     Returns [T, H, D]."""
     if len(plan) == 1 and isinstance(plan[0], SeqSpan) and plan[0].q_len == q.shape[0]:
@@ -205,5 +202,5 @@ def attend(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, plan: 
         if isinstance(item, Group):
             out[item.rows] = _attend_group(q, k_cache, v_cache, item, scale)
         else:
-            out[item.q_start:item.q_start + item.q_len] = _attend_one(q, k_cache, v_cache, item, scale)
+            out[item.q_start : item.q_start + item.q_len] = _attend_one(q, k_cache, v_cache, item, scale)
     return out

@@ -1,5 +1,6 @@
 """``specfw`` console script: Hydra-composed subcommands ``generate``, ``serve`` and ``train``;
 ``plugins`` and ``new-plugin``."""
+
 from __future__ import annotations
 
 import logging
@@ -28,13 +29,13 @@ COMMANDS = ("generate", "serve", "train", "plugins", "new-plugin", "cluster")
 
 
 def setup_logging(level: str) -> None:
-    logging.basicConfig(level=getattr(logging, str(level).upper(), logging.INFO),
-                        format="[%(asctime)s] %(levelname)s %(name)s: %(message)s", force=True)
+    logging.basicConfig(level=getattr(logging, str(level).upper(), logging.INFO), format="[%(asctime)s] %(levelname)s %(name)s: %(message)s", force=True)
 
 
 def _run_hydra(command: str, task) -> None:
     import hydra
     from .config_store import register_configs
+
     register_configs()
     hydra.main(config_path="pkg://specfw_conf", config_name=command, version_base="1.3")(_clean_errors(task))()
 
@@ -50,11 +51,13 @@ def _clean_errors(task):
         from .plugins import PluginError
         from .sampling import SamplingParamsError
         from .scheduler import RequestRejected
+
         try:
             task(cfg)
         except (ConfigError, ModelLoadError, PluginError, SamplingParamsError, RequestRejected) as e:
             print(f"specfw {sys.argv[0].split()[-1]}: error: {e}", file=sys.stderr)
             sys.exit(2)
+
     return run
 
 
@@ -62,6 +65,7 @@ def sweep_label() -> str | None:
     """``[job N] overrides`` when this run is one job of a ``-m`` sweep, else None."""
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
+
     if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
         return None
     hc = HydraConfig.get()
@@ -72,12 +76,14 @@ def generate_task(cfg) -> None:
     from .config import validate
     from .engine import Engine
     from .sampling import SamplingParams
+
     validate(cfg)
     label = sweep_label()
     if label:
         print(label, flush=True)
-    params = SamplingParams(max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p,
-                            top_k=cfg.top_k, min_p=cfg.min_p, seed=cfg.seed).validate()
+    params = SamplingParams(
+        max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p, seed=cfg.seed
+    ).validate()
     setup_logging(cfg.server.log_level if cfg.server.log_level != "info" else "warning")
     engine = Engine(cfg)
     prompt = engine.tokenize_chat([{"role": "user", "content": cfg.prompt}]) if cfg.chat else cfg.prompt
@@ -95,6 +101,7 @@ def generate_task(cfg) -> None:
 def serve_task(cfg) -> None:
     from .config import validate
     from .server.app import run_server
+
     validate(cfg)
     setup_logging(cfg.server.log_level)
     run_server(cfg)
@@ -103,6 +110,7 @@ def serve_task(cfg) -> None:
 def train_task(cfg) -> None:
     from .train.config import validate_train
     from .train.run import run_training
+
     validate_train(cfg)
     label = sweep_label()
     if label:
@@ -114,11 +122,13 @@ def train_task(cfg) -> None:
 def implemented_hooks(obj) -> list[str]:
     """The specfw hooks ``obj`` (an algorithm's factory class or a plugin module) implements with @hookimpl."""
     from .hookspecs import PROJECT
+
     return sorted(n for n in dir(obj) if n.startswith("specfw_") and hasattr(getattr(obj, n, None), f"{PROJECT}_impl"))
 
 
 def plugins_command() -> None:
     from .plugins import plugin_manager
+
     pm = plugin_manager()
     print(f"{'algorithm':<14} {'package':<28} {'version':<10} module")
     for r in pm.describe():
@@ -135,6 +145,7 @@ def plugins_command() -> None:
 
 def new_plugin_command(args: list[str]) -> None:
     from .new_plugin import write_plugin
+
     if not 1 <= len(args) <= 2:
         print("usage: specfw new-plugin NAME [DIR]", file=sys.stderr)
         sys.exit(2)
@@ -151,16 +162,17 @@ def from_sglang(rest: list[str]) -> list[str]:
     """``--from-sglang "<flags>"`` in ``rest`` replaced by the translated overrides (printed, with a
     line per flag not honoured); the other items of ``rest`` follow them and win."""
     from .sglang_flags import translate
+
     i = next(i for i, a in enumerate(rest) if a == "--from-sglang" or a.startswith("--from-sglang="))
     if rest[i] == "--from-sglang":
         if i + 1 >= len(rest):
             print("specfw serve: error: --from-sglang needs the SGLang flags as one quoted argument", file=sys.stderr)
             sys.exit(2)
-        flags, others = rest[i + 1], rest[:i] + rest[i + 2:]
+        flags, others = rest[i + 1], rest[:i] + rest[i + 2 :]
     else:
-        flags, others = rest[i].partition("=")[2], rest[:i] + rest[i + 1:]
+        flags, others = rest[i].partition("=")[2], rest[:i] + rest[i + 1 :]
     t = translate(flags)
-    for name, value in t.environ.items():   # SGLang's env vars given inline are honoured as if exported
+    for name, value in t.environ.items():  # SGLang's env vars given inline are honoured as if exported
         os.environ[name] = value
     for w in t.warnings:
         print(f"specfw serve --from-sglang: warning: {w}", file=sys.stderr)
@@ -183,14 +195,16 @@ def main(argv: list[str] | None = None) -> None:
         return
     if command == "cluster":
         from .cluster import ClusterError, run
+
         try:
             sys.exit(run(rest))
         except ClusterError as e:
             print(f"specfw cluster: error: {e}", file=sys.stderr)
             sys.exit(2)
     from .plugins import PluginError, plugin_manager
+
     try:
-        plugin_manager()   # discovery errors (SPECFW_PLUGINS naming no installed plugin) end here, in one line
+        plugin_manager()  # discovery errors (SPECFW_PLUGINS naming no installed plugin) end here, in one line
     except PluginError as e:
         print(f"specfw {command}: error: {e}", file=sys.stderr)
         sys.exit(2)

@@ -11,6 +11,7 @@ prefix seen before goes to the replica that served it; ``round_robin``, ``random
 ``specfw serve`` per machine and the router with Kubernetes service discovery
 (``deploy/kubernetes.yaml``).
 """
+
 from __future__ import annotations
 
 import os
@@ -76,6 +77,7 @@ def _wait(procs: list[subprocess.Popen], urls: list[str], timeout: float) -> Non
 def _wait_registered(router: subprocess.Popen, url: str, n: int, timeout: float) -> None:
     """Until the router lists ``n`` healthy workers (``GET /workers``)."""
     import json
+
     deadline = time.monotonic() + timeout
     while True:
         try:
@@ -104,8 +106,7 @@ def run(args: list[str], startup_timeout: float = 300) -> int:
     except ImportError:
         raise ClusterError("sglang-router is not installed: pip install 'specfw[router]'") from None
     n, port = own["replicas"], own["port"]
-    threads = [] if any(a.startswith("engine.num_threads=") for a in serve) else \
-        [f"engine.num_threads={max(1, (os.cpu_count() or 1) // n)}"]
+    threads = [] if any(a.startswith("engine.num_threads=") for a in serve) else [f"engine.num_threads={max(1, (os.cpu_count() or 1) // n)}"]
     urls = [f"http://127.0.0.1:{port + 1 + i}" for i in range(n)]
     procs: list[subprocess.Popen] = []
 
@@ -122,19 +123,36 @@ def run(args: list[str], startup_timeout: float = 300) -> int:
 
     def interrupted(*_):
         raise KeyboardInterrupt
+
     signal.signal(signal.SIGTERM, interrupted)
-    signal.signal(signal.SIGINT, interrupted)   # also where it was ignored (started in the background)
+    signal.signal(signal.SIGINT, interrupted)  # also where it was ignored (started in the background)
     try:
         for i, url in enumerate(urls):
             procs.append(subprocess.Popen(specfw_command() + ["serve", *serve, *threads, f"server.port={port + 1 + i}"]))
             print(f"replica {i}: pid {procs[-1].pid} {url}", flush=True)
         _wait(procs, urls, startup_timeout)
-        procs.append(subprocess.Popen([sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-                                       "--port", str(port), "--policy", own["policy"], "--worker-urls", *urls,
-                                       "--prometheus-port", str(port + 1 + n)]))
+        procs.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "sglang_router.launch_router",
+                    "--host",
+                    "127.0.0.1",
+                    "--port",
+                    str(port),
+                    "--policy",
+                    own["policy"],
+                    "--worker-urls",
+                    *urls,
+                    "--prometheus-port",
+                    str(port + 1 + n),
+                ]
+            )
+        )
         print(f"router: pid {procs[-1].pid} http://127.0.0.1:{port} (policy {own['policy']})", flush=True)
         _wait(procs[-1:], [f"http://127.0.0.1:{port}"], 60)
-        _wait_registered(procs[-1], f"http://127.0.0.1:{port}", n, 60)   # the router adds workers in the background
+        _wait_registered(procs[-1], f"http://127.0.0.1:{port}", n, 60)  # the router adds workers in the background
         print(f"cluster ready: {n} replica(s) behind http://127.0.0.1:{port}", flush=True)
         while all(p.poll() is None for p in procs[-1:]):
             time.sleep(0.5)

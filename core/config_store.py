@@ -1,6 +1,7 @@
 """Register specfw's schemas and one ``speculative`` option per algorithm (under its name, its
 upper-case SGLang spelling and SGLang's aliases) and one ``draft`` option (``specfw train``) per
 trainer in Hydra's ConfigStore."""
+
 from __future__ import annotations
 
 from hydra.core.config_store import ConfigStore
@@ -15,13 +16,13 @@ def register_configs() -> ConfigStore:
     cs.store(name="serve_schema", node=SpecfwConfig)
     cs.store(group="speculative", name="none", node=SpeculativeConfig(algorithm="none"))
     from .train.config import TrainConfig
+
     cs.store(name="train_schema", node=TrainConfig)
     for t in plugin_manager().trainers.values():
         cs.store(group="draft", name=t.kind, node=t.config_class(kind=t.kind))
     for algo in plugin_manager().describe():
         for name in dict.fromkeys([algo.name, algo.name.upper(), *SGLANG_ALIASES.get(algo.name, ())]):
-            cs.store(group="speculative", name=name, node=algo.config_class(algorithm=algo.name),
-                     provider=algo.package)
+            cs.store(group="speculative", name=name, node=algo.config_class(algorithm=algo.name), provider=algo.package)
     return cs
 
 

@@ -24,6 +24,7 @@ It is faster than ``F.linear`` and, on AMX CPUs, flat from 1 to 16 rows, but not
 by construction (the row-plan probe decides). No extra weight memory (the blocked copy replaces
 the plain one).
 """
+
 from __future__ import annotations
 
 import torch
@@ -32,7 +33,7 @@ import torch.nn.functional as F
 
 from .invariance import DEFAULT_TIMED_ROWS, RowPlan, invariant_row_plan
 
-PACKED_MAX_ROWS = 16   # above this, plain F.linear is faster on the measured CPUs
+PACKED_MAX_ROWS = 16  # above this, plain F.linear is faster on the measured CPUs
 
 
 def mkl_packing_available() -> bool:
@@ -58,11 +59,11 @@ class FastLinear(nn.Module):
     def __init__(self, linear: nn.Linear, batch_invariant: bool = False):
         super().__init__()
         self.batch_invariant = batch_invariant
-        self._row_plan: tuple[int, RowPlan | None] = (0, None)   # (thread count, plan) once measured
-        self.timed_rows = DEFAULT_TIMED_ROWS   # row counts the plan is chosen for (invariance.measure_model)
+        self._row_plan: tuple[int, RowPlan | None] = (0, None)  # (thread count, plan) once measured
+        self.timed_rows = DEFAULT_TIMED_ROWS  # row counts the plan is chosen for (invariance.measure_model)
         w = linear.weight.detach()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.register_buffer("weight_t", w.t().contiguous(), persistent=False)   # [K, N] for GEMV
+        self.register_buffer("weight_t", w.t().contiguous(), persistent=False)  # [K, N] for GEMV
         self.register_buffer("packed", torch.ops.mkl._mkl_reorder_linear_weight(w.contiguous(), 8), persistent=False)
         self.bias = None if linear.bias is None else linear.bias.detach()
 
@@ -94,8 +95,7 @@ class FastLinear(nn.Module):
 
 
 def onednn_bf16_available() -> bool:
-    return (torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
-            and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight") and torch.ops.mkldnn._is_mkldnn_bf16_supported()
 
 
 class PackedBF16Linear(nn.Module):
@@ -108,11 +108,11 @@ class PackedBF16Linear(nn.Module):
     def __init__(self, linear: nn.Linear, batch_invariant: bool = False):
         super().__init__()
         self.batch_invariant = batch_invariant
-        self._row_plan: tuple[int, RowPlan | None] = (0, None)   # (thread count, plan) once measured
-        self.timed_rows = DEFAULT_TIMED_ROWS   # row counts the plan is chosen for (invariance.measure_model)
+        self._row_plan: tuple[int, RowPlan | None] = (0, None)  # (thread count, plan) once measured
+        self.timed_rows = DEFAULT_TIMED_ROWS  # row counts the plan is chosen for (invariance.measure_model)
         w = linear.weight.detach().contiguous()
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)   # opaque oneDNN tensor
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(w, 1)  # opaque oneDNN tensor
         self.bias = None if linear.bias is None else linear.bias.detach()
 
     @property
@@ -145,7 +145,8 @@ class DotBF16Linear(nn.Module):
     def __init__(self, linear: nn.Linear, batch_invariant: bool = False, kernel=None):
         super().__init__()
         from .kernels import bf16_amx, bf16_kernel
-        self.kernel = kernel or bf16_kernel()   # kernel: a compiled module (tests pick each ISA's)
+
+        self.kernel = kernel or bf16_kernel()  # kernel: a compiled module (tests pick each ISA's)
         self.kernel_name = "bf16_amx" if self.kernel is bf16_amx() else "bf16_dot"
         self.batch_invariant = batch_invariant
         self._row_plan: tuple[int, RowPlan | None] = (0, None)
@@ -176,6 +177,7 @@ class DotBF16Linear(nn.Module):
 def bf16_kernel_available() -> bool:
     """Whether bf16 layers get ``DotBF16Linear`` by default here (``kernels.bf16_dot_preferred``)."""
     from .kernels import bf16_dot_preferred
+
     return bf16_dot_preferred()
 
 

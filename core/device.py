@@ -10,6 +10,7 @@ the device; sampling with a request's seeded ``torch.Generator`` runs on a host 
 
 ``auto`` picks CUDA when torch sees a GPU, else the CPU.
 """
+
 from __future__ import annotations
 
 import torch
@@ -37,8 +38,7 @@ def resolve_device(name: str, key: str = "model.device") -> torch.device:
     dev = torch.device(name)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ConfigError(key, f"'{name}' asked for, but torch {torch.__version__} sees no CUDA device "
-                                   f"(use {key}=cpu or auto)")
+            raise ConfigError(key, f"'{name}' asked for, but torch {torch.__version__} sees no CUDA device (use {key}=cpu or auto)")
         if dev.index is not None and dev.index >= torch.cuda.device_count():
             raise ConfigError(key, f"'{name}' asked for, but torch sees {torch.cuda.device_count()} CUDA device(s)")
     return dev
@@ -68,11 +68,13 @@ def kv_budget_from_fraction(device: torch.device, fraction: float) -> int:
     """SGLang's ``--mem-fraction-static`` rule, with the weights already loaded: the KV pool gets
     what is left of ``fraction`` of the device's memory, ``available - total * (1 - fraction)``."""
     from .config import ConfigError
+
     available, total = memory_info(device)
     budget = available - total * (1 - fraction)
     if budget <= 0:
-        raise ConfigError("engine.mem_fraction_static",
-                          f"{fraction} of {total / 2**30:.1f} GiB leaves no room for the KV pool with "
-                          f"{available / 2**30:.1f} GiB available after loading the weights; raise it")
+        raise ConfigError(
+            "engine.mem_fraction_static",
+            f"{fraction} of {total / 2**30:.1f} GiB leaves no room for the KV pool with "
+            f"{available / 2**30:.1f} GiB available after loading the weights; raise it",
+        )
     return int(budget)
-

@@ -9,6 +9,7 @@ a row's one-row bits, or calls padded to 8 or 16 rows, whichever is fastest for 
 typical forwards. Padding costs little there: at these row counts a GPU linear is bound by
 reading the weight, not by the rows.
 """
+
 from __future__ import annotations
 
 import torch
@@ -25,7 +26,7 @@ class InvariantLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight
         self.bias = linear.bias
-        self.timed_rows = DEFAULT_TIMED_ROWS   # row counts the plan is chosen for (invariance.measure_model)
+        self.timed_rows = DEFAULT_TIMED_ROWS  # row counts the plan is chosen for (invariance.measure_model)
         self._row_plan: tuple[tuple, RowPlan | None] = ((), None)
 
     def _mm(self, x2: torch.Tensor) -> torch.Tensor:
@@ -35,8 +36,7 @@ class InvariantLinear(nn.Module):
         key = (self.timed_rows, torch.get_num_threads())
         if self._row_plan[0] != key:
             kernel = ("linear", self.weight.device.type, self.out_features, self.bias is not None)
-            self._row_plan = (key, invariant_row_plan(self._mm, self.in_features, self.weight.dtype, kernel,
-                                                      self.timed_rows, self.weight.device))
+            self._row_plan = (key, invariant_row_plan(self._mm, self.in_features, self.weight.dtype, kernel, self.timed_rows, self.weight.device))
         return self._row_plan[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

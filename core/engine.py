@@ -8,6 +8,7 @@
   requests; the engine turns them into ``RequestOutput`` (detokenizer, stop strings, metrics).
 
 Only the scheduler changes KV tables and request states."""
+
 from __future__ import annotations
 
 import logging
@@ -36,6 +37,7 @@ logger = logging.getLogger("specfw")
 @dataclass
 class RequestOutput:
     """Incremental output of one request after a step."""
+
     rid: str
     new_token_ids: list[int]
     text_delta: str
@@ -51,6 +53,7 @@ class RequestOutput:
 @dataclass
 class Completion:
     """Final result of ``Engine.generate``."""
+
     rid: str
     text: str
     token_ids: list[int]
@@ -63,6 +66,7 @@ def speculative_tree_shape(cfg, hf_config):
     """The validated tree shape of the configured speculative algorithm (None: plain decoding)."""
     from .config import speculative_config
     from .speculative.config import resolve_tree_shape
+
     spec = speculative_config(cfg)
     return resolve_tree_shape(spec, hf_config) if hasattr(spec, "resolve_shape") else None
 
@@ -83,9 +87,14 @@ class Engine:
             torch.set_num_threads(cfg.engine.num_threads)
         dtype = str(getattr(cfg.model.dtype, "value", cfg.model.dtype))
         self.device = resolve_device(str(getattr(cfg.model, "device", "auto")))
-        loaded = load_model(cfg.model.path, dtype=dtype, revision=cfg.model.revision,
-                            max_positions=cfg.model.context_length, device=self.device,
-                            quantization=str(getattr(cfg.model, "quantization", "none")))
+        loaded = load_model(
+            cfg.model.path,
+            dtype=dtype,
+            revision=cfg.model.revision,
+            max_positions=cfg.model.context_length,
+            device=self.device,
+            quantization=str(getattr(cfg.model, "quantization", "none")),
+        )
         self.loaded, self.tokenizer, self.model_path = loaded, loaded.tokenizer, loaded.path
         self.dtype = DTYPES[dtype]
         self.tree_shape = speculative_tree_shape(cfg, loaded.hf_config)
@@ -95,26 +104,37 @@ class Engine:
         typical_rows = self.tree_shape.num_draft_tokens if self.tree_shape else PLAIN_BATCH_ROWS
         layer0 = loaded.model.layers[0]
         num_slots = cfg.engine.max_total_tokens or KVPool.slots_for_budget(
-            _kv_bytes(cfg.engine, self.device), loaded.model.num_layers, layer0.n_kv, layer0.head_dim, self.dtype)
+            _kv_bytes(cfg.engine, self.device), loaded.model.num_layers, layer0.n_kv, layer0.head_dim, self.dtype
+        )
         self.backend = backend_from_config(cfg.engine, self.device, cfg)
-        self.runner = ModelRunner(loaded.model, loaded.hf_config, num_slots, self.dtype, backend=self.backend,
-                                  timed_rows=(1, typical_rows))
+        self.runner = ModelRunner(loaded.model, loaded.hf_config, num_slots, self.dtype, backend=self.backend, timed_rows=(1, typical_rows))
         self.stats = EngineStats(decode_log_interval=cfg.engine.decode_log_interval)
         self.worker = worker_factory(self) if worker_factory else self._default_worker()
-        self.scheduler = Scheduler(self.runner.kv, cfg.engine.max_running_requests,
-                                   cfg.engine.max_prefill_tokens, self.runner.max_context,
-                                   slots_per_decode=self.worker.slots_per_decode,
-                                   max_queued_requests=cfg.engine.max_queued_requests)
+        self.scheduler = Scheduler(
+            self.runner.kv,
+            cfg.engine.max_running_requests,
+            cfg.engine.max_prefill_tokens,
+            self.runner.max_context,
+            slots_per_decode=self.worker.slots_per_decode,
+            max_queued_requests=cfg.engine.max_queued_requests,
+        )
         self.quarantine = Quarantine()
-        self.eos_token_ids = tuple(sorted({i for i in [self.tokenizer.eos_token_id,
-                                            getattr(loaded.hf_config, "eos_token_id", None)] if isinstance(i, int)}))
+        self.eos_token_ids = tuple(sorted({i for i in [self.tokenizer.eos_token_id, getattr(loaded.hf_config, "eos_token_id", None)] if isinstance(i, int)}))
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self.model_name = cfg.model.served_model_name or self.model_path.name
-        logger.info("engine ready: model=%s dtype=%s device=%s kernels=%s kv_slots=%d worker=%s", self.model_name, dtype,
-                    self.device, self.backend.describe(), num_slots, type(self.worker).__name__)
+        logger.info(
+            "engine ready: model=%s dtype=%s device=%s kernels=%s kv_slots=%d worker=%s",
+            self.model_name,
+            dtype,
+            self.device,
+            self.backend.describe(),
+            num_slots,
+            type(self.worker).__name__,
+        )
 
     def _default_worker(self):
         from .plugins import build_worker
+
         return build_worker(self) or PlainWorker(self.runner)
 
     # ---- requests -----------------------------------------------------------------------
@@ -169,15 +189,13 @@ class Engine:
         return outs + self._outputs(batch, results, updates)
 
     def _load(self):
-        return Load(len(self.scheduler.running), len(self.scheduler.waiting), self.runner.allocator.num_used,
-                    self.runner.kv.usage())
+        return Load(len(self.scheduler.running), len(self.scheduler.waiting), self.runner.allocator.num_used, self.runner.kv.usage())
 
     def _step_failed(self, batch: ScheduledBatch, exc: Exception) -> list[RequestOutput]:
         """Roll the batch back; alone, its request is the cause and fails, else its requests
         become suspects that run alone next (see ``quarantine.py``)."""
         self.stats.step_failures += 1
-        logger.error("%s step of %d request(s) failed: %s: %s", batch.kind, len(batch.reqs), type(exc).__name__, exc,
-                     exc_info=len(batch.reqs) == 1)
+        logger.error("%s step of %d request(s) failed: %s: %s", batch.kind, len(batch.reqs), type(exc).__name__, exc, exc_info=len(batch.reqs) == 1)
         self.scheduler.rollback(batch)
         for r in batch.reqs:
             self.worker.release(r)
@@ -193,14 +211,14 @@ class Engine:
             if req.first_token_time is None:
                 req.first_token_time = now
                 self.stats.on_first_token(now - req.arrival_time)
-            if res.num_draft:   # one definition of accept length, as in /metrics: drafted steps only
+            if res.num_draft:  # one definition of accept length, as in /metrics: drafted steps only
                 req.spec_verify_ct += 1
                 req.spec_accepted_tokens += res.num_accepted
             new, reason = upd.new_tokens, upd.finish_reason
             detok = self._detok[req.rid]
-            if detok.update(req.output_ids):   # a stop string
+            if detok.update(req.output_ids):  # a stop string
                 reason = "stop"
-            logprobs = res.logprobs[:len(new)]
+            logprobs = res.logprobs[: len(new)]
             if reason is not None:
                 outs.append(self._finish(req, reason, new, logprobs))
             else:
@@ -219,20 +237,18 @@ class Engine:
         return self._output(req, new or [], delta, True, reason, logprobs or [])
 
     def _output(self, req, new, delta, finished, reason, logprobs) -> RequestOutput:
-        meta = {"spec_verify_ct": req.spec_verify_ct, "spec_accept_length": round(req.spec_accept_length, 4)} \
-            if req.spec_verify_ct else {}
-        return RequestOutput(req.rid, new, delta, finished, reason, req.error, list(logprobs),
-                             len(req.prompt_ids), len(req.output_ids), meta)
+        meta = {"spec_verify_ct": req.spec_verify_ct, "spec_accept_length": round(req.spec_accept_length, 4)} if req.spec_verify_ct else {}
+        return RequestOutput(req.rid, new, delta, finished, reason, req.error, list(logprobs), len(req.prompt_ids), len(req.output_ids), meta)
 
     # ---- offline convenience ------------------------------------------------------------
-    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams],
-                 progress: bool = False) -> list[Completion]:
+    def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams], progress: bool = False) -> list[Completion]:
         """Run prompts through continuous batching to completion; results in prompt order."""
         plist = params if isinstance(params, list) else [params] * len(prompts)
         reqs = [self.add_request(self.make_request(p, sp)) for p, sp in zip(prompts, plist)]
         bar = None
         if progress:
             from tqdm import tqdm
+
             bar = tqdm(total=len(reqs), desc="generate", unit="req")
         while self.has_work:
             for o in self.step():
@@ -240,5 +256,7 @@ class Engine:
                     bar.update()
         if bar:
             bar.close()
-        return [Completion(r.rid, r.final_text, list(r.output_ids), r.finish_reason, len(r.prompt_ids),
-                           self._output(r, [], "", True, r.finish_reason, []).meta) for r in reqs]
+        return [
+            Completion(r.rid, r.final_text, list(r.output_ids), r.finish_reason, len(r.prompt_ids), self._output(r, [], "", True, r.finish_reason, []).meta)
+            for r in reqs
+        ]

@@ -4,6 +4,7 @@ the KV slots it attends to and how its new tokens see each other.
 Built on the host; ``ForwardBatch.to(device)`` moves the per-token tensors a forward computes
 with (ids, positions, output slots, logits rows) and leaves the per-sequence metadata
 (``seqs``) on the host, where attention plans are made (``specfw.device``)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -21,11 +22,12 @@ class SeqSpan:
     tokens themselves (``m == q_len``); a drafter may include earlier drafted nodes. KV entries
     before those are always visible. ``None`` means causal among the new tokens.
     """
+
     q_start: int
     q_len: int
     kv_slots: torch.Tensor
     tree_mask: torch.Tensor | None = None
-    kv_range: tuple[int, int] | None = None   # set when kv_slots is one ascending run [a, b)
+    kv_range: tuple[int, int] | None = None  # set when kv_slots is one ascending run [a, b)
 
     def __post_init__(self):
         n = int(self.kv_slots.numel())
@@ -51,13 +53,13 @@ class SeqSpan:
 
 @dataclass
 class ForwardBatch:
-    input_ids: torch.Tensor          # [T] flattened new tokens of all sequences
-    positions: torch.Tensor          # [T] rope positions (depth-based for trees)
-    out_slots: torch.Tensor          # [T] KV slots the new tokens are written to
+    input_ids: torch.Tensor  # [T] flattened new tokens of all sequences
+    positions: torch.Tensor  # [T] rope positions (depth-based for trees)
+    out_slots: torch.Tensor  # [T] KV slots the new tokens are written to
     seqs: list[SeqSpan]
     logits_indices: torch.Tensor | None = None  # rows of the hidden states that need logits; None = all
     capture_layers: tuple[int, ...] = field(default_factory=tuple)  # hidden states entering these layers
-    attn_plan: object | None = None   # filled by the model once per forward (backend.plan_attention); called per layer
+    attn_plan: object | None = None  # filled by the model once per forward (backend.plan_attention); called per layer
 
     @property
     def num_tokens(self) -> int:
@@ -67,14 +69,15 @@ class ForwardBatch:
         """This batch with its per-token tensors on ``device`` (itself when they already are)."""
         if self.input_ids.device == device:
             return self
+
         def move(t):
             return None if t is None else t.to(device, non_blocking=True)
-        return ForwardBatch(move(self.input_ids), move(self.positions), move(self.out_slots), self.seqs,
-                            move(self.logits_indices), self.capture_layers)
+
+        return ForwardBatch(move(self.input_ids), move(self.positions), move(self.out_slots), self.seqs, move(self.logits_indices), self.capture_layers)
 
 
 @dataclass
 class ForwardOutput:
-    logits: torch.Tensor | None      # [len(logits_indices) or T, V]
-    hidden: torch.Tensor             # [T, H] final-norm input (last layer output, pre-norm)
+    logits: torch.Tensor | None  # [len(logits_indices) or T, V]
+    hidden: torch.Tensor  # [T, H] final-norm input (last layer output, pre-norm)
     aux_hidden: list[torch.Tensor] = field(default_factory=list)  # per capture layer, [T, H]

@@ -20,6 +20,7 @@ All per-step hooks run on the engine thread. Model tensors (``hidden``, ``aux_hi
 ``DraftTree`` are host (CPU) tensors, like every other piece of scheduling metadata
 (``specfw.device``).
 """
+
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
@@ -126,8 +127,9 @@ def specfw_verify(ctx: "SpecContext", req: "Request", tree: "DraftTree", logits:
 
 # ---- lifecycle --------------------------------------------------------------------------
 @hookspec
-def specfw_on_prefill(ctx: "SpecContext", reqs: "list[Request]", hidden: "torch.Tensor",
-                      aux_hidden: "list[torch.Tensor]", spans: "list[tuple[int, int]]") -> None:
+def specfw_on_prefill(
+    ctx: "SpecContext", reqs: "list[Request]", hidden: "torch.Tensor", aux_hidden: "list[torch.Tensor]", spans: "list[tuple[int, int]]"
+) -> None:
     """After the target prefilled ``reqs``: build per-request drafter state.
 
     :param hidden: target last-layer hidden states of every prefilled token ``[T, H]``.
@@ -138,8 +140,9 @@ def specfw_on_prefill(ctx: "SpecContext", reqs: "list[Request]", hidden: "torch.
 
 
 @hookspec
-def specfw_on_accept(ctx: "SpecContext", reqs: "list[Request]", results: "list[VerifyResult]",
-                     hidden: "torch.Tensor", aux_hidden: "list[torch.Tensor]") -> None:
+def specfw_on_accept(
+    ctx: "SpecContext", reqs: "list[Request]", results: "list[VerifyResult]", hidden: "torch.Tensor", aux_hidden: "list[torch.Tensor]"
+) -> None:
     """After verification: keep the drafter in step with the accepted tokens.
 
     Called before the scheduler applies the step (keeps the accepted path's target KV, appends

@@ -18,6 +18,7 @@ but in bf16 a different fp32 summation order changes the rounded output only nea
 boundary (measured: 1 of 4,608 outputs of the 1536->576 layer at 8 rows), so each row count is
 checked on about 2^18 outputs.
 """
+
 from __future__ import annotations
 
 import time
@@ -27,8 +28,8 @@ from typing import Callable
 import torch
 
 MAX_ROW_BLOCK = 64
-PROBE_OUTPUTS = 1 << 18   # outputs compared per row count (bf16 outputs hide most fp32 reordering)
-DEFAULT_TIMED_ROWS = (1, 8)   # row counts plans are timed for unless the runner says (engine: 1 + tree size)
+PROBE_OUTPUTS = 1 << 18  # outputs compared per row count (bf16 outputs hide most fp32 reordering)
+DEFAULT_TIMED_ROWS = (1, 8)  # row counts plans are timed for unless the runner says (engine: 1 + tree size)
 _plans: dict[tuple, "RowPlan"] = {}
 _attention: dict[tuple, bool] = {}
 
@@ -37,6 +38,7 @@ _attention: dict[tuple, bool] = {}
 class RowPlan:
     """How a batch-invariant linear runs its rows: calls of at most ``block`` rows, or, with
     ``pad``, calls of exactly ``block`` rows (zero rows appended), so every row meets one kernel."""
+
     block: int
     pad: bool = False
 
@@ -49,9 +51,14 @@ class RowPlan:
         return torch.cat([mm(part) for part in x2.split(self.block)])[:rows]
 
 
-def invariant_row_plan(mm: Callable[[torch.Tensor], torch.Tensor], in_features: int, dtype: torch.dtype,
-                       key: tuple, timed_rows: tuple[int, ...] = DEFAULT_TIMED_ROWS,
-                       device: torch.device = torch.device("cpu")) -> RowPlan:
+def invariant_row_plan(
+    mm: Callable[[torch.Tensor], torch.Tensor],
+    in_features: int,
+    dtype: torch.dtype,
+    key: tuple,
+    timed_rows: tuple[int, ...] = DEFAULT_TIMED_ROWS,
+    device: torch.device = torch.device("cpu"),
+) -> RowPlan:
     """The fastest ``RowPlan`` under which ``mm`` gives every row the bits it gets at that plan's
     one-row call. ``key`` names the kernel and shape (the thread count is added: work splits
     follow it). First choice: unpadded calls of up to ``block`` rows, the largest block
@@ -69,20 +76,18 @@ def invariant_row_plan(mm: Callable[[torch.Tensor], torch.Tensor], in_features: 
     return _plans[key]
 
 
-def _probe(mm, in_features: int, dtype: torch.dtype, timed_rows: tuple[int, ...],
-           device: torch.device = torch.device("cpu")) -> RowPlan:
+def _probe(mm, in_features: int, dtype: torch.dtype, timed_rows: tuple[int, ...], device: torch.device = torch.device("cpu")) -> RowPlan:
     g = torch.Generator().manual_seed(0)
     out_features = mm(torch.zeros(1, in_features, dtype=dtype, device=device)).shape[-1]
     rows = -(-max(MAX_ROW_BLOCK, -(-PROBE_OUTPUTS // out_features)) // 16) * 16
     x = torch.randn(rows, in_features, generator=g).to(device=device, dtype=dtype)
-    alone = torch.cat([mm(x[r:r + 1]) for r in range(rows)])
-    block = next((m - 1 for m in range(2, MAX_ROW_BLOCK + 1)
-                  if not torch.equal(torch.cat([mm(part) for part in x.split(m)]), alone)), MAX_ROW_BLOCK)
+    alone = torch.cat([mm(x[r : r + 1]) for r in range(rows)])
+    block = next((m - 1 for m in range(2, MAX_ROW_BLOCK + 1) if not torch.equal(torch.cat([mm(part) for part in x.split(m)]), alone)), MAX_ROW_BLOCK)
     plans = [RowPlan(block)]
     if block < max(timed_rows):
         for b in (8, 16):
             pad = x.new_zeros(b - 1, in_features)
-            alone_b = torch.cat([mm(torch.cat([x[r:r + 1], pad]))[:1] for r in range(rows)])
+            alone_b = torch.cat([mm(torch.cat([x[r : r + 1], pad]))[:1] for r in range(rows)])
             if torch.equal(torch.cat([mm(part) for part in x.split(b)]), alone_b):
                 plans.append(RowPlan(b, pad=True))
     if len(plans) == 1:
@@ -92,6 +97,7 @@ def _probe(mm, in_features: int, dtype: torch.dtype, timed_rows: tuple[int, ...]
 
 def _seconds(plan: RowPlan, mm, x: torch.Tensor, reps: int = 5) -> float:
     from .device import synchronize
+
     plan.run(mm, x)
     synchronize(x.device)
     t = time.perf_counter()
@@ -101,13 +107,13 @@ def _seconds(plan: RowPlan, mm, x: torch.Tensor, reps: int = 5) -> float:
     return (time.perf_counter() - t) / reps
 
 
-def grouped_attention_is_invariant(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int,
-                                   device: torch.device = torch.device("cpu")) -> bool:
+def grouped_attention_is_invariant(dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, device: torch.device = torch.device("cpu")) -> bool:
     """Whether one-row queries over equally many keys may share one SDPA call (the batch-invariant
     attention plan's groups) and still get the bits of lone decode rows. On a device without
     data (``meta``) nothing can be measured: no (one call per row is invariant everywhere)."""
     from .attention import attend, plan_attention
     from .forward_batch import SeqSpan
+
     device = torch.device(device)
     if device.type == "meta":
         return False
@@ -121,10 +127,9 @@ def grouped_attention_is_invariant(dtype: torch.dtype, heads: int, kv_heads: int
             q = torch.randn(rows, heads, head_dim, generator=g).to(device=device, dtype=dtype)
             spans = [SeqSpan(q_start=i, q_len=1, kv_slots=torch.arange(i * kv_len, (i + 1) * kv_len)) for i in range(rows)]
             with torch.inference_mode():
-                together = attend(q, k, v, plan_attention(spans, q.device, True, group_rows=True), head_dim ** -0.5)
+                together = attend(q, k, v, plan_attention(spans, q.device, True, group_rows=True), head_dim**-0.5)
                 for i, s in enumerate(spans):
-                    alone = attend(q[i:i + 1], k, v, plan_attention([SeqSpan(0, 1, s.kv_slots)], q.device, True),
-                                   head_dim ** -0.5)
+                    alone = attend(q[i : i + 1], k, v, plan_attention([SeqSpan(0, 1, s.kv_slots)], q.device, True), head_dim**-0.5)
                     ok = ok and torch.equal(together[i], alone[0])
         _attention[key] = ok
     return _attention[key]
@@ -143,13 +148,15 @@ def measure_linears(model: torch.nn.Module, timed_rows: tuple[int, ...] = DEFAUL
     return plans
 
 
-def measure_model(model: torch.nn.Module, dtype: torch.dtype, timed_rows: tuple[int, ...] = DEFAULT_TIMED_ROWS,
-                  device: torch.device = torch.device("cpu")) -> dict:
+def measure_model(
+    model: torch.nn.Module, dtype: torch.dtype, timed_rows: tuple[int, ...] = DEFAULT_TIMED_ROWS, device: torch.device = torch.device("cpu")
+) -> dict:
     """Run every probe a batch-invariant forward of ``model`` on torch's ops will need, now (at
     startup, not in the first request): each swapped linear's row plan, grouped attention, the
     one-row attention dtype. Returns a summary for the log:
     ``{"linears": {plan: count}, "grouped_attention": bool, ...}``."""
     from .attention import _upcast_one_row_queries
+
     plans = measure_linears(model, timed_rows)
     layer = model.layers[0]
     grouped = grouped_attention_is_invariant(dtype, layer.n_heads, layer.n_kv, layer.head_dim, device)

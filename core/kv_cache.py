@@ -6,6 +6,7 @@ forward writes new tokens' K/V at freshly allocated slots and attention gathers 
 slots in order. Token-granular slots make tree verification cheap: the accepted path's
 slots are appended to the table in path order and the rest are returned to the pool.
 """
+
 from __future__ import annotations
 
 import torch
@@ -41,7 +42,7 @@ class SlotAllocator:
         if n > self._num_free:
             raise KVPoolExhausted(f"KV pool exhausted: asked for {n} slots, {self._num_free} free of {self.num_slots}")
         start = self._num_free - n
-        out = self._free[start:self._num_free].flip(0).clone()
+        out = self._free[start : self._num_free].flip(0).clone()
         self._num_free = start
         return out
 
@@ -51,7 +52,7 @@ class SlotAllocator:
             return
         if self._num_free + n > self.num_slots:
             raise RuntimeError("double free in KV slot allocator")
-        self._free[self._num_free:self._num_free + n] = slots.flip(0)
+        self._free[self._num_free : self._num_free + n] = slots.flip(0)
         self._num_free += n
 
 
@@ -69,7 +70,7 @@ class SlotTable:
             grown = torch.empty(max(need, 2 * self._buf.numel()), dtype=torch.long)
             grown[: self.length] = self._buf[: self.length]
             self._buf = grown
-        self._buf[self.length:need] = slots
+        self._buf[self.length : need] = slots
         self.length = need
 
     def slots(self) -> torch.Tensor:
@@ -77,7 +78,7 @@ class SlotTable:
 
     def truncate(self, length: int) -> torch.Tensor:
         """Drop slots past ``length``; returns the dropped slots (caller frees them)."""
-        dropped = self._buf[length:self.length].clone()
+        dropped = self._buf[length : self.length].clone()
         self.length = min(self.length, length)
         return dropped
 
@@ -88,8 +89,9 @@ class SlotTable:
 class KVPool:
     """Per-layer K/V storage plus the slot allocator."""
 
-    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_slots: int,
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+    def __init__(
+        self, num_layers: int, num_kv_heads: int, head_dim: int, num_slots: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    ):
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
         shape = (num_slots + 1, num_kv_heads, head_dim)  # +1: scratch slot for padding
@@ -103,8 +105,7 @@ class KVPool:
         return 2 * num_layers * num_kv_heads * head_dim * torch.empty((), dtype=dtype).element_size()
 
     @classmethod
-    def slots_for_budget(cls, memory_bytes: float, num_layers: int, num_kv_heads: int, head_dim: int,
-                         dtype: torch.dtype) -> int:
+    def slots_for_budget(cls, memory_bytes: float, num_layers: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype) -> int:
         return int(memory_bytes // cls.bytes_per_token(num_layers, num_kv_heads, head_dim, dtype))
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:

@@ -1,5 +1,6 @@
 """What machine a measurement ran on, for benchmark headers and logs: the CPU's model name,
 family/model numbers, the ISA flags specfw's kernels care about, cores and threads."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -27,6 +28,8 @@ def cpu_description() -> str:
     flags = set(info.get("flags", "").split())
     isa = " ".join(f for f in _FLAGS_OF_INTEREST if f in flags) or "no AVX2"
     import os
+
     name = info.get("model name", "unknown CPU")
-    return (f"{name} (family {info.get('cpu family', '?')} model {info.get('model', '?')}), {isa}, "
-            f"{os.cpu_count()} cpus, torch threads {torch.get_num_threads()}")
+    return (
+        f"{name} (family {info.get('cpu family', '?')} model {info.get('model', '?')}), {isa}, {os.cpu_count()} cpus, torch threads {torch.get_num_threads()}"
+    )

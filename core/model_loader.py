@@ -1,5 +1,6 @@
 """Resolve a model reference (demo / local HF dir / hub id / GGUF file) and load it into
 specfw's lean Llama implementation, with its tokenizer."""
+
 from __future__ import annotations
 
 import hashlib
@@ -53,15 +54,16 @@ def resolve_model_path(ref: str | None, revision: str | None = None) -> Path:
     if p.exists() or ref.startswith((".", "/")):
         raise ModelLoadError(f"model.path: {ref} is neither a model directory nor a .gguf file")
     from huggingface_hub import snapshot_download
+
     try:
-        return Path(snapshot_download(ref, revision=revision,
-                                      allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]))
+        return Path(snapshot_download(ref, revision=revision, allow_patterns=["*.json", "*.safetensors", "*.model", "*.txt", "*.jinja"]))
     except Exception as e:  # offline, unknown id, ...
         raise ModelLoadError(f"model.path: could not fetch '{ref}' from the hub: {e}") from e
 
 
 def load_state_dict(path: Path) -> dict[str, torch.Tensor]:
     from safetensors import safe_open
+
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ModelLoadError(f"no .safetensors files in {path}")
@@ -97,8 +99,7 @@ def _fuse_into(model: LlamaModel, state: dict[str, torch.Tensor]) -> None:
             layer.down_proj.weight.copy_(take(lp + "mlp.down_proj.weight"))
             layer.input_layernorm.weight.copy_(take(lp + "input_layernorm.weight"))
             layer.post_attention_layernorm.weight.copy_(take(lp + "post_attention_layernorm.weight"))
-    mtp = [k for k in state if k.startswith(f"{p}mtp_layers.")
-           or (k.startswith(f"{p}layers.") and int(k.split(".")[2]) >= len(model.layers))]
+    mtp = [k for k in state if k.startswith(f"{p}mtp_layers.") or (k.startswith(f"{p}layers.") and int(k.split(".")[2]) >= len(model.layers))]
     if mtp:
         logger.info("%d MTP/NextN tensors left for speculative=mtp", len(mtp))
     leftover = [k for k in state if "rotary_emb" not in k and k not in set(mtp)]
@@ -109,13 +110,12 @@ def _fuse_into(model: LlamaModel, state: dict[str, torch.Tensor]) -> None:
 def _attach_gguf(model: LlamaModel, cfg, path: Path) -> None:
     import json
     from .backends.quant_linear import attach_gguf_blocks
+
     meta = Path(path) / "specfw_converted.json"
     source = json.loads(meta.read_text()).get("source") if meta.exists() else None
     if not source or not Path(source).is_file():
-        raise ModelLoadError("model.quantization: gguf needs a .gguf model.path (or the demo model); "
-                             f"{path} was not converted from a GGUF file")
-    n = attach_gguf_blocks(model, source, cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None)
-                           or cfg.num_attention_heads)
+        raise ModelLoadError(f"model.quantization: gguf needs a .gguf model.path (or the demo model); {path} was not converted from a GGUF file")
+    n = attach_gguf_blocks(model, source, cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
     logger.info("gguf: %d linears keep the blocks of %s", n, Path(source).name)
 
 
@@ -124,6 +124,7 @@ def load_config(path: Path):
     transformers) are Qwen2 plus MTP layers: their config loads as a Qwen2Config."""
     import json
     from transformers import AutoConfig, Qwen2Config
+
     raw = json.loads((Path(path) / "config.json").read_text())
     if raw.get("model_type") == "mimo":
         cfg = Qwen2Config(**{k: v for k, v in raw.items() if k not in ("model_type", "auto_map")})
@@ -132,13 +133,19 @@ def load_config(path: Path):
     return AutoConfig.from_pretrained(path)
 
 
-def load_model(ref: str | None, dtype: str = "float32", revision: str | None = None,
-               max_positions: int | None = None, device: str | torch.device = "cpu",
-               quantization: str = "none") -> LoadedModel:
+def load_model(
+    ref: str | None,
+    dtype: str = "float32",
+    revision: str | None = None,
+    max_positions: int | None = None,
+    device: str | torch.device = "cpu",
+    quantization: str = "none",
+) -> LoadedModel:
     """The model in ``dtype`` on ``device`` (weights are read on the host, then moved; tied
     embeddings stay tied), its config and tokenizer. ``quantization="gguf"``: the linears also
     get the source GGUF file's blocks (``gguf_weight``), which the CPU backend runs."""
     from transformers import AutoTokenizer
+
     if dtype not in DTYPES:
         raise ModelLoadError(f"model.dtype: '{dtype}' is not one of {sorted(DTYPES)}")
     path = resolve_model_path(ref, revision)
@@ -146,7 +153,7 @@ def load_model(ref: str | None, dtype: str = "float32", revision: str | None = N
     archs = set(getattr(cfg, "architectures", None) or ["LlamaForCausalLM"])
     if not archs & SUPPORTED_ARCHS:
         raise ModelLoadError(f"model architecture {sorted(archs)} is not supported; supported: {sorted(SUPPORTED_ARCHS)}")
-    if getattr(cfg, "model_type", "llama") in ("qwen2", "mimo"):   # MiMo = Qwen2 + MTP layers
+    if getattr(cfg, "model_type", "llama") in ("qwen2", "mimo"):  # MiMo = Qwen2 + MTP layers
         cfg.attention_bias = True
     tdtype = DTYPES[dtype]
     npos = max_positions or cfg.max_position_embeddings

@@ -1,5 +1,6 @@
 """Model runner: owns the target model and its KV pool on the model's device; turns sequences
 into ForwardBatches (built on the host) and runs them on the device."""
+
 from __future__ import annotations
 
 import logging
@@ -11,12 +12,13 @@ from .forward_batch import ForwardBatch, ForwardOutput, SeqSpan
 from .kv_cache import KVPool
 
 logger = logging.getLogger(__name__)
-PLAIN_BATCH_ROWS = 8   # a typical plain decode batch, for choosing batch-invariant row plans
+PLAIN_BATCH_ROWS = 8  # a typical plain decode batch, for choosing batch-invariant row plans
 
 
 class ModelRunner:
-    def __init__(self, model, hf_config, num_slots: int, dtype: torch.dtype, backend: Backend | None = None,
-                 timed_rows: tuple[int, ...] = (1, PLAIN_BATCH_ROWS)):
+    def __init__(
+        self, model, hf_config, num_slots: int, dtype: torch.dtype, backend: Backend | None = None, timed_rows: tuple[int, ...] = (1, PLAIN_BATCH_ROWS)
+    ):
         """``backend`` (``specfw.backends``) owns every kernel choice; default: the best for the
         model's device, not batch invariant. ``timed_rows``: the row counts of typical forwards,
         for which a backend that needs row plans (torch's ops) picks the fastest one: one-row
@@ -26,8 +28,12 @@ class ModelRunner:
         self.backend = backend or plain_or_kernels(self.device)
         self.backend.prepare_target(model)
         if self.backend.batch_invariant and self.device.type != "meta":
-            logger.info("batch invariance on %s with %s (rows per linear call: layers): %s", self.device,
-                        self.backend.describe(), self.backend.measure(model, dtype, timed_rows))
+            logger.info(
+                "batch invariance on %s with %s (rows per linear call: layers): %s",
+                self.device,
+                self.backend.describe(),
+                self.backend.measure(model, dtype, timed_rows),
+            )
         self.model = model
         self.hf_config = hf_config
         layer0 = model.layers[0]
@@ -62,14 +68,20 @@ def _pad(fb: ForwardBatch, rows: int, scratch_slot: int) -> ForwardBatch:
     n = rows - fb.num_tokens
     pad = torch.zeros(n, dtype=torch.long)
     return ForwardBatch(
-        input_ids=torch.cat([fb.input_ids, pad]), positions=torch.cat([fb.positions, pad]),
-        out_slots=torch.cat([fb.out_slots, torch.full((n,), scratch_slot, dtype=torch.long)]), seqs=fb.seqs,
+        input_ids=torch.cat([fb.input_ids, pad]),
+        positions=torch.cat([fb.positions, pad]),
+        out_slots=torch.cat([fb.out_slots, torch.full((n,), scratch_slot, dtype=torch.long)]),
+        seqs=fb.seqs,
         logits_indices=fb.logits_indices if fb.logits_indices is not None else torch.arange(fb.num_tokens),
-        capture_layers=fb.capture_layers)
+        capture_layers=fb.capture_layers,
+    )
 
 
-def build_forward_batch(chunks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]],
-                        last_only: bool = False, capture_layers: tuple[int, ...] = ()) -> ForwardBatch:
+def build_forward_batch(
+    chunks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]],
+    last_only: bool = False,
+    capture_layers: tuple[int, ...] = (),
+) -> ForwardBatch:
     """Assemble a ForwardBatch from per-sequence chunks.
 
     Each chunk is ``(new_ids, positions, new_slots, prefix_slots, tree_mask)``. With
@@ -85,6 +97,10 @@ def build_forward_batch(chunks: list[tuple[torch.Tensor, torch.Tensor, torch.Ten
         start += n
         last.append(start - 1)
     return ForwardBatch(
-        input_ids=torch.cat(ids), positions=torch.cat(pos), out_slots=torch.cat(slots), seqs=seqs,
+        input_ids=torch.cat(ids),
+        positions=torch.cat(pos),
+        out_slots=torch.cat(slots),
+        seqs=seqs,
         logits_indices=torch.tensor(last, dtype=torch.long) if last_only else None,
-        capture_layers=capture_layers)
+        capture_layers=capture_layers,
+    )

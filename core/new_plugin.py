@@ -1,11 +1,12 @@
 """``specfw new-plugin NAME [DIR]``: write a plugin package to start from: pyproject with the
 entry point, a config dataclass, a drafter, and a test that runs the plugin test kit."""
+
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
-PYPROJECT = '''[build-system]
+PYPROJECT = """[build-system]
 requires = ["setuptools>=68"]
 build-backend = "setuptools.build_meta"
 
@@ -25,7 +26,7 @@ test = ["pytest>=8"]
 
 [tool.setuptools]
 packages = ["specfw_{name}"]
-'''
+"""
 
 INIT = '''"""specfw algorithm '{name}'. Registered through the `specfw` entry-point group."""
 from __future__ import annotations
@@ -101,7 +102,7 @@ def test_lossless_chain_of_two():
     check_lossless("{name}", {{"num_steps": 2, "topk": 1}})
 '''
 
-README = '''# specfw-{name}
+README = """# specfw-{name}
 
 ```bash
 pip install -e '.[test]'             # into the environment specfw is installed in
@@ -109,7 +110,7 @@ specfw plugins                       # lists {name}
 specfw generate speculative={name} prompt="Count from 1 to 20."
 python -m pytest tests               # the plugin test kit (specfw.testing), seconds
 ```
-'''
+"""
 
 
 def write_plugin(name: str, dest: str | Path | None = None) -> Path:
@@ -120,8 +121,14 @@ def write_plugin(name: str, dest: str | Path | None = None) -> Path:
     if root.exists() and any(root.iterdir()):
         raise ValueError(f"{root} exists and is not empty")
     cls = "".join(p.capitalize() for p in name.split("_"))
-    files = {"pyproject.toml": PYPROJECT, "README.md": README, f"specfw_{name}/__init__.py": INIT,
-             f"specfw_{name}/config.py": CONFIG, f"specfw_{name}/drafter.py": DRAFTER, f"tests/test_{name}.py": TEST}
+    files = {
+        "pyproject.toml": PYPROJECT,
+        "README.md": README,
+        f"specfw_{name}/__init__.py": INIT,
+        f"specfw_{name}/config.py": CONFIG,
+        f"specfw_{name}/drafter.py": DRAFTER,
+        f"tests/test_{name}.py": TEST,
+    }
     for rel, text in files.items():
         (root / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / rel).write_text(text.format(name=name, cls=cls))

@@ -5,6 +5,7 @@ the per-engine plugin manager for the configured algorithm.
 Environment: ``SPECFW_PLUGINS=a,b`` loads only those entry points (a name that is not installed is
 an error); ``SPECFW_DISABLE_PLUGINS=a,b`` skips them (unknown names warn).
 """
+
 from __future__ import annotations
 
 import importlib.metadata as md
@@ -39,6 +40,7 @@ class Algorithm:
 @dataclass
 class Trainer:
     """A draft trainer (``specfw train draft=<kind>``), registered by ``specfw_register_trainers``."""
+
     kind: str
     config_class: type
     factory: Callable
@@ -66,11 +68,9 @@ class PluginManager:
         eps = sorted(md.entry_points(group=ENTRY_POINT_GROUP), key=lambda e: e.name)
         names = {ep.name for ep in eps}
         if allow - names:
-            raise PluginError(f"SPECFW_PLUGINS names {sorted(allow - names)}, which are not installed "
-                              f"specfw entry points; installed: {sorted(names)}")
+            raise PluginError(f"SPECFW_PLUGINS names {sorted(allow - names)}, which are not installed specfw entry points; installed: {sorted(names)}")
         if block - names:
-            logger.warning("SPECFW_DISABLE_PLUGINS names %s, which are not installed specfw entry points; installed: %s",
-                           sorted(block - names), sorted(names))
+            logger.warning("SPECFW_DISABLE_PLUGINS names %s, which are not installed specfw entry points; installed: %s", sorted(block - names), sorted(names))
         for ep in eps:
             if (allow and ep.name not in allow) or ep.name in block:
                 continue
@@ -82,7 +82,7 @@ class PluginManager:
             dist = ep.dist
             try:
                 self.register(obj, ep.name, package=dist.name if dist else "?", version=dist.version if dist else "?")
-            except PluginError as e:   # likewise: report it, serve the other plugins
+            except PluginError as e:  # likewise: report it, serve the other plugins
                 logger.error("specfw plugin '%s' (%s) not registered: %s", ep.name, ep.value, e)
 
     def register(self, plugin, name: str | None = None, package: str = "?", version: str = "?") -> None:
@@ -94,18 +94,21 @@ class PluginManager:
 
         def register_algorithm(algo_name: str, config_class: type, factory: Callable, description: str = "") -> None:
             from .speculative.config import SpecAlgoConfig
+
             if algo_name in self.algorithms or algo_name == "none":
-                raise PluginError(f"speculative algorithm '{algo_name}' is registered twice "
-                                  f"({self.algorithms[algo_name].module if algo_name in self.algorithms else 'core'} and {module})")
+                raise PluginError(
+                    f"speculative algorithm '{algo_name}' is registered twice "
+                    f"({self.algorithms[algo_name].module if algo_name in self.algorithms else 'core'} and {module})"
+                )
             if not (isinstance(config_class, type) and issubclass(config_class, SpecAlgoConfig)):
                 raise PluginError(f"algorithm '{algo_name}': config_class must subclass SpecAlgoConfig")
             if isinstance(factory, type):
                 check_marked(factory, f"algorithm '{algo_name}' ({factory.__name__})")
             self.algorithms[algo_name] = Algorithm(algo_name, config_class, factory, description, package, version, module)
 
-        def register_trainer(kind: str, config_class: type, factory: Callable, description: str = "",
-                             demo_draft=None, copy_tokenizer: bool = False) -> None:
+        def register_trainer(kind: str, config_class: type, factory: Callable, description: str = "", demo_draft=None, copy_tokenizer: bool = False) -> None:
             from .train.config import DraftTrainConfig
+
             if kind in self.trainers:
                 raise PluginError(f"trainer '{kind}' is registered twice ({self.trainers[kind].module} and {module})")
             if not (isinstance(config_class, type) and issubclass(config_class, DraftTrainConfig)):
@@ -137,11 +140,12 @@ class PluginManager:
 def check_marked(obj, what: str) -> None:
     """Fail when ``obj`` defines a specfw hook without ``@hookimpl``: pluggy would silently skip it."""
     spec_names = {n for n in dir(hookspecs) if n.startswith("specfw_") and callable(getattr(hookspecs, n))}
-    unmarked = sorted(n for n in spec_names if callable(getattr(obj, n, None))
-                      and not hasattr(getattr(obj, n), f"{hookspecs.PROJECT}_impl"))
+    unmarked = sorted(n for n in spec_names if callable(getattr(obj, n, None)) and not hasattr(getattr(obj, n), f"{hookspecs.PROJECT}_impl"))
     if unmarked:
-        raise PluginError(f"{what} defines {', '.join(unmarked)} without the @hookimpl marker, so specfw would "
-                          "never call it; decorate it with `@hookimpl` (from specfw.hookspecs import hookimpl)")
+        raise PluginError(
+            f"{what} defines {', '.join(unmarked)} without the @hookimpl marker, so specfw would "
+            "never call it; decorate it with `@hookimpl` (from specfw.hookspecs import hookimpl)"
+        )
 
 
 _MANAGER: PluginManager | None = None
@@ -164,6 +168,15 @@ def build_worker(engine):
     if name not in algos:
         raise PluginError(f"speculative.algorithm: '{name}' is not registered; installed: {sorted(algos) + ['none']}")
     from .speculative.worker import SpeculativeWorker
-    return SpeculativeWorker(engine.runner, algos[name], plugin_manager(), engine_config=engine.cfg,
-                             tokenizer=engine.tokenizer, stats=engine.stats, target_path=engine.loaded.path,
-                             hf_config=engine.loaded.hf_config, shape=engine.tree_shape)
+
+    return SpeculativeWorker(
+        engine.runner,
+        algos[name],
+        plugin_manager(),
+        engine_config=engine.cfg,
+        tokenizer=engine.tokenizer,
+        stats=engine.stats,
+        target_path=engine.loaded.path,
+        hf_config=engine.loaded.hf_config,
+        shape=engine.tree_shape,
+    )

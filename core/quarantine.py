@@ -9,6 +9,7 @@ step of the kind that failed (a prefill, or a decode after its prefill) is clear
 failure either fails one request or turns a batch into suspects that each run alone next, so
 this ends; the other requests keep their output (greedy decoding recomputes the same tokens).
 """
+
 from __future__ import annotations
 
 from .request import Request
@@ -17,7 +18,7 @@ from .scheduler import ScheduledBatch, Scheduler
 
 class Quarantine:
     def __init__(self):
-        self.suspects: dict[str, str] = {}     # rid → kind of the step that failed ("prefill" | "decode")
+        self.suspects: dict[str, str] = {}  # rid → kind of the step that failed ("prefill" | "decode")
 
     def narrow(self, batch: ScheduledBatch, scheduler: Scheduler) -> ScheduledBatch:
         """The batch to run: unchanged, or its first suspect alone (the other requests of a

@@ -1,4 +1,5 @@
 """A generation request and its lifecycle state."""
+
 from __future__ import annotations
 
 import enum
@@ -28,7 +29,7 @@ class Request:
     eos_token_ids: tuple[int, ...] = ()
     status: Status = Status.WAITING
     output_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None       # "stop" | "length" | "abort" | "error"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     error: str | None = None
     slots: SlotTable = field(default_factory=SlotTable)
     arrival_time: float = field(default_factory=time.monotonic)

@@ -1,6 +1,7 @@
 """Sampling parameters and the sampler: greedy, temperature, top-k, top-p, min-p, seeds and
 repetition / frequency / presence penalties. ``target_probs`` is shared with speculative
 verification so both paths transform logits identically."""
+
 from __future__ import annotations
 
 import math
@@ -8,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-MAX_TEMPERATURE = 2.0      # OpenAI's range is [0, 2]
+MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
 _FLOATS = ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
 
 
@@ -23,9 +24,9 @@ class SamplingParamsError(ValueError):
 @dataclass
 class SamplingParams:
     max_new_tokens: int = 128
-    temperature: float = 1.0          # 0 = greedy
+    temperature: float = 1.0  # 0 = greedy
     top_p: float = 1.0
-    top_k: int = -1                   # -1 = off
+    top_k: int = -1  # -1 = off
     min_p: float = 0.0
     seed: int | None = None
     stop: list[str] = field(default_factory=list)
@@ -40,9 +41,10 @@ class SamplingParams:
     def validate(self) -> "SamplingParams":
         def bad(param, msg):
             raise SamplingParamsError(param, f"{param}: {msg}")
+
         if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 1:
             bad("max_new_tokens", f"must be a positive integer, got {self.max_new_tokens!r}")
-        for name in _FLOATS:     # NaN passes every comparison below, so it is rejected first
+        for name in _FLOATS:  # NaN passes every comparison below, so it is rejected first
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
                 bad(name, f"must be a finite number, got {v!r}")
@@ -109,8 +111,8 @@ def target_probs(logits: torch.Tensor, p: SamplingParams) -> torch.Tensor:
     if p.top_p < 1.0:
         sorted_p, idx = probs.sort(dim=-1, descending=True)
         cum = sorted_p.cumsum(-1)
-        drop = (cum - sorted_p) >= p.top_p          # keep the smallest prefix reaching top_p
-        drop[..., 0] = False                        # and the top token (top_p below float32's range)
+        drop = (cum - sorted_p) >= p.top_p  # keep the smallest prefix reaching top_p
+        drop[..., 0] = False  # and the top token (top_p below float32's range)
         sorted_p = sorted_p.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(-1, idx, sorted_p)
     if p.min_p > 0:
@@ -125,8 +127,7 @@ class TokenLogprob:
     top: list[tuple[int, float]]
 
 
-def sample_one(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator,
-               prompt_ids: list[int], output_ids: list[int]) -> tuple[int, TokenLogprob | None]:
+def sample_one(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator, prompt_ids: list[int], output_ids: list[int]) -> tuple[int, TokenLogprob | None]:
     """Pick the next token from one row of logits [V] (on any device; sampled on the host, where
     the request's generator is)."""
     logits = apply_penalties(logits.cpu()[None], p, prompt_ids, output_ids)[0]

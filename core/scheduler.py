@@ -7,6 +7,7 @@ the rest of the reservation, append the emitted tokens, finish on eos / stop ids
 Workers read the reservation and return what happened (``step.StepResult``); they never
 allocate, free or append KV slots. A failed step is undone with ``rollback(batch)``.
 """
+
 from __future__ import annotations
 
 import logging
@@ -32,13 +33,13 @@ class RequestRejected(ValueError):
 
 @dataclass
 class ScheduledBatch:
-    kind: str                 # "prefill" (new/retracted requests) or "decode" (running requests)
+    kind: str  # "prefill" (new/retracted requests) or "decode" (running requests)
     reqs: list[Request]
     # per request, the KV slots this step may write (prefill: one per uncached token; decode:
     # ``slots_per_decode``, the largest tree); ``update`` keeps what the results say, frees the rest
     new_slots: list[torch.Tensor] = field(default_factory=list)
-    retracted: list[Request] = field(default_factory=list)   # moved back to the queue (drop their worker state)
-    starved: list[Request] = field(default_factory=list)     # cannot grow in the pool: finish them ('length')
+    retracted: list[Request] = field(default_factory=list)  # moved back to the queue (drop their worker state)
+    starved: list[Request] = field(default_factory=list)  # cannot grow in the pool: finish them ('length')
 
     @property
     def is_prefill(self) -> bool:
@@ -53,24 +54,26 @@ class ScheduledBatch:
 @dataclass
 class StepUpdate:
     """What ``update`` did for one request: the tokens appended and, if it finished, why."""
+
     new_tokens: list[int]
     finish_reason: str | None = None
 
 
 class Scheduler:
-    def __init__(self, kv: KVPool, max_running_requests: int, max_prefill_tokens: int,
-                 max_context: int, slots_per_decode: int = 1, max_queued_requests: int = 0):
+    def __init__(
+        self, kv: KVPool, max_running_requests: int, max_prefill_tokens: int, max_context: int, slots_per_decode: int = 1, max_queued_requests: int = 0
+    ):
         self.kv = kv
         self.allocator = kv.allocator
         self.max_running = max_running_requests
         self.max_prefill_tokens = max_prefill_tokens
         self.max_context = max_context
-        self.slots_per_decode = slots_per_decode   # 1 for plain decode, the largest tree for speculative
-        self.max_queued = max_queued_requests      # 0 = unbounded
+        self.slots_per_decode = slots_per_decode  # 1 for plain decode, the largest tree for speculative
+        self.max_queued = max_queued_requests  # 0 = unbounded
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.num_retracted = 0
-        self.in_flight: ScheduledBatch | None = None   # scheduled, neither updated nor rolled back yet
+        self.in_flight: ScheduledBatch | None = None  # scheduled, neither updated nor rolled back yet
 
     # ---- queue management -------------------------------------------------------------
     def check(self, req: Request) -> None:
@@ -121,7 +124,7 @@ class Scheduler:
 
     # ---- scheduling ---------------------------------------------------------------------
     def schedule(self) -> ScheduledBatch | None:
-        if self.in_flight is not None:   # the last step neither finished nor rolled back (it raised)
+        if self.in_flight is not None:  # the last step neither finished nor rolled back (it raised)
             self.rollback(self.in_flight)
         batch = self._schedule_prefill()
         if batch is None:

@@ -27,6 +27,7 @@ Trainers (``specfw_register_trainers``)
     ``DraftTrainConfig`` (the common draft-training keys), ``ModuleTrainer``, ``load_matching``,
     ``unroll``, ``unrolled_layer_step`` (the training-time-test unroll).
 """
+
 from __future__ import annotations
 
 import torch
@@ -50,14 +51,41 @@ from .train.config import DraftTrainConfig
 
 __all__ = [
     # contract
-    "hookimpl", "ConfigError", "SpecAlgoConfig", "TreeShape", "SpecContext", "StepPlan",
-    "DraftCandidates", "DraftTree", "VerifyResult", "StepResult", "Request",
+    "hookimpl",
+    "ConfigError",
+    "SpecAlgoConfig",
+    "TreeShape",
+    "SpecContext",
+    "StepPlan",
+    "DraftCandidates",
+    "DraftTree",
+    "VerifyResult",
+    "StepResult",
+    "Request",
     # model-based drafters
-    "FeatureDrafter", "beam_search", "DraftDecoderLayer", "RMSNorm", "Rotary", "KVPool", "SlotTable",
-    "load_model", "ModelRunner", "build_forward_batch", "ForwardBatch", "resolve_model_path",
-    "load_state_dict", "place_on_target", "target_dtype", "target_device", "draft_kv_slots",
+    "FeatureDrafter",
+    "beam_search",
+    "DraftDecoderLayer",
+    "RMSNorm",
+    "Rotary",
+    "KVPool",
+    "SlotTable",
+    "load_model",
+    "ModelRunner",
+    "build_forward_batch",
+    "ForwardBatch",
+    "resolve_model_path",
+    "load_state_dict",
+    "place_on_target",
+    "target_dtype",
+    "target_device",
+    "draft_kv_slots",
     # trainers
-    "DraftTrainConfig", "ModuleTrainer", "load_matching", "unroll", "unrolled_layer_step",
+    "DraftTrainConfig",
+    "ModuleTrainer",
+    "load_matching",
+    "unroll",
+    "unrolled_layer_step",
 ]
 
 

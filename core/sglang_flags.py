@@ -6,6 +6,7 @@ server flags its examples use, is either mapped to a specfw key, honoured as it 
 whose effect specfw already has), or reported as not honoured, by name and with the reason. A
 flag outside the table is reported too: nothing is dropped silently.
 """
+
 from __future__ import annotations
 
 import shlex
@@ -13,21 +14,30 @@ from dataclasses import dataclass, field
 
 # SGLang --speculative-algorithm values → specfw speculative options (NEXTN: the target's own
 # NextN/MTP layers, which is specfw's mtp)
-ALGORITHMS = {"EAGLE": "eagle", "EAGLE3": "eagle3", "STANDALONE": "standalone", "NGRAM": "ngram", "NEXTN": "mtp",
-              "MTP": "mtp"}
+ALGORITHMS = {"EAGLE": "eagle", "EAGLE3": "eagle3", "STANDALONE": "standalone", "NGRAM": "ngram", "NEXTN": "mtp", "MTP": "mtp"}
 
 # flag → specfw key (the value passes through)
 KEYS = {
-    "--model-path": "model.path", "--model": "model.path", "--revision": "model.revision",
-    "--quantization": "model.quantization", "--context-length": "model.context_length",
-    "--served-model-name": "model.served_model_name", "--device": "model.device",
-    "--host": "server.host", "--port": "server.port", "--api-key": "server.api_key", "--log-level": "server.log_level",
-    "--max-running-requests": "engine.max_running_requests", "--max-prefill-tokens": "engine.max_prefill_tokens",
-    "--max-total-tokens": "engine.max_total_tokens", "--mem-fraction-static": "engine.mem_fraction_static",
+    "--model-path": "model.path",
+    "--model": "model.path",
+    "--revision": "model.revision",
+    "--quantization": "model.quantization",
+    "--context-length": "model.context_length",
+    "--served-model-name": "model.served_model_name",
+    "--device": "model.device",
+    "--host": "server.host",
+    "--port": "server.port",
+    "--api-key": "server.api_key",
+    "--log-level": "server.log_level",
+    "--max-running-requests": "engine.max_running_requests",
+    "--max-prefill-tokens": "engine.max_prefill_tokens",
+    "--max-total-tokens": "engine.max_total_tokens",
+    "--mem-fraction-static": "engine.mem_fraction_static",
     "--speculative-draft-model-path": "speculative.draft_model_path",
     "--speculative-draft": "speculative.draft_model_path",
     "--speculative-draft-model-revision": "speculative.draft_model_revision",
-    "--speculative-num-steps": "speculative.num_steps", "--speculative-eagle-topk": "speculative.topk",
+    "--speculative-num-steps": "speculative.num_steps",
+    "--speculative-eagle-topk": "speculative.topk",
     "--speculative-num-draft-tokens": "speculative.num_draft_tokens",
     "--speculative-accept-threshold-single": "speculative.accept_threshold_single",
     "--speculative-accept-threshold-acc": "speculative.accept_threshold_acc",
@@ -55,7 +65,8 @@ NOT_HONOURED = {
     "--enable-torch-compile": "no torch.compile in specfw yet (issue 23)",
     "--torch-compile-max-bs": "no torch.compile in specfw yet (issue 23)",
     "--enable-multi-layer-eagle": "mtp drafts from one NextN layer (speculative.mtp_layer)",
-    "--tp-size": "no tensor parallelism in specfw yet (issue 22)", "--tp": "no tensor parallelism in specfw yet (issue 22)",
+    "--tp-size": "no tensor parallelism in specfw yet (issue 22)",
+    "--tp": "no tensor parallelism in specfw yet (issue 22)",
     "--dp-size": "one engine per process: run replicas behind sglang-router (issue 22)",
     "--dp": "one engine per process: run replicas behind sglang-router (issue 22)",
     "--enable-dp-attention": "no data-parallel attention in specfw",
@@ -73,17 +84,33 @@ ALREADY = {
     "--skip-server-warmup": "specfw does not warm the server up",
 }
 PARALLEL = {"--tp-size", "--tp", "--dp-size", "--dp", "--ep-size"}
-SWITCHES = {"--enable-torch-compile", "--enable-multi-layer-eagle", "--enable-dp-attention", "--disable-cuda-graph",
-            "--trust-remote-code", "--disable-radix-cache", "--disable-overlap-schedule", "--skip-server-warmup"}
-DTYPES = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "half": "float16", "fp16": "float16",
-          "float32": "float32", "float": "float32", "fp32": "float32"}
+SWITCHES = {
+    "--enable-torch-compile",
+    "--enable-multi-layer-eagle",
+    "--enable-dp-attention",
+    "--disable-cuda-graph",
+    "--trust-remote-code",
+    "--disable-radix-cache",
+    "--disable-overlap-schedule",
+    "--skip-server-warmup",
+}
+DTYPES = {
+    "bfloat16": "bfloat16",
+    "bf16": "bfloat16",
+    "float16": "float16",
+    "half": "float16",
+    "fp16": "float16",
+    "float32": "float32",
+    "float": "float32",
+    "fp32": "float32",
+}
 
 
 @dataclass
 class Translation:
     overrides: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
-    environ: dict[str, str] = field(default_factory=dict)   # NAME=value items before the flags
+    environ: dict[str, str] = field(default_factory=dict)  # NAME=value items before the flags
 
     def command(self) -> str:
         return "specfw serve " + " ".join(shlex.quote(o) for o in self.overrides)
@@ -93,7 +120,7 @@ def translate(flags: str | list[str]) -> Translation:
     """SGLang launch flags (one string, shell-quoted, or argv items) → specfw overrides + warnings."""
     args = shlex.split(flags) if isinstance(flags, str) else list(flags)
     out = Translation()
-    while args and "=" in args[0] and not args[0].startswith("-"):   # SGLANG_ENABLE_SPEC_V2=True python3 ...
+    while args and "=" in args[0] and not args[0].startswith("-"):  # SGLANG_ENABLE_SPEC_V2=True python3 ...
         name, _, value = args.pop(0).partition("=")
         out.environ[name] = value
     launcher = ("python", "python3", "-m", "sglang.launch_server")
@@ -130,7 +157,7 @@ def _one(flag: str, value: str, out: Translation) -> None:
             out.overrides.insert(0, f"speculative={name}")
     elif flag == "--dtype":
         if value == "auto":
-            pass   # specfw's default (float32 on CPU) stands
+            pass  # specfw's default (float32 on CPU) stands
         elif value in DTYPES:
             out.overrides.append(f"model.dtype={DTYPES[value]}")
         else:
@@ -138,11 +165,11 @@ def _one(flag: str, value: str, out: Translation) -> None:
     elif flag in KEYS:
         out.overrides.append(f"{KEYS[flag]}={_hydra_value(value)}")
     elif flag in PARALLEL and value == "1":
-        pass   # one engine, one rank: what specfw does
+        pass  # one engine, one rank: what specfw does
     elif flag in NOT_HONOURED:
         out.warnings.append(f"{flag}: not honoured: {NOT_HONOURED[flag]}")
     elif flag in ALREADY:
-        pass   # already so in specfw
+        pass  # already so in specfw
     else:
         out.warnings.append(f"{flag}: not an SGLang flag specfw knows; ignored")
 
@@ -150,4 +177,3 @@ def _one(flag: str, value: str, out: Translation) -> None:
 def _hydra_value(value: str) -> str:
     """A value as a Hydra override literal (paths with '=' or ',' quoted)."""
     return value if value and not any(c in value for c in " ,=[]{}()'\"") else "'" + value.replace("'", "\\'") + "'"
-

@@ -1,4 +1,5 @@
 """Engine statistics: counters for /metrics and SGLang-style periodic log lines."""
+
 from __future__ import annotations
 
 import logging
@@ -11,6 +12,7 @@ logger = logging.getLogger("specfw")
 
 class Load(NamedTuple):
     """The engine's load after a step (for the log lines)."""
+
     running: int
     waiting: int
     kv_used: int
@@ -27,15 +29,15 @@ class EngineStats:
     verify_forwards: int = 0
     accepted_draft_tokens: int = 0
     proposed_draft_tokens: int = 0
-    step_failures: int = 0               # worker steps that raised (see quarantine.py)
-    position_accepts: list[int] = field(default_factory=list)   # accepted count per draft depth
+    step_failures: int = 0  # worker steps that raised (see quarantine.py)
+    position_accepts: list[int] = field(default_factory=list)  # accepted count per draft depth
     position_proposals: list[int] = field(default_factory=list)
     _window_tokens: int = 0
     _window_start: float = field(default_factory=time.monotonic)
     _window_verify: int = 0
     _window_emitted: int = 0
     observers: list = field(default_factory=list)  # callables(event, **kw), e.g. Prometheus metrics
-    decode_log_interval: int = 40        # a decode log line every this many decode steps
+    decode_log_interval: int = 40  # a decode log line every this many decode steps
 
     def _emit(self, event: str, **kw) -> None:
         for obs in self.observers:
@@ -57,8 +59,14 @@ class EngineStats:
         if batch.is_prefill:
             new_tokens = sum(r.seq_len for r in batch.reqs)
             self.prompt_tokens += new_tokens
-            logger.info("Prefill batch. #new-seq: %d, #new-token: %d, #running-req: %d, #queue-req: %d, "
-                        "token usage: %.2f", len(batch.reqs), new_tokens, load.running, load.waiting, load.kv_usage)
+            logger.info(
+                "Prefill batch. #new-seq: %d, #new-token: %d, #running-req: %d, #queue-req: %d, token usage: %.2f",
+                len(batch.reqs),
+                new_tokens,
+                load.running,
+                load.waiting,
+                load.kv_usage,
+            )
         else:
             self.decode_steps += 1
             self._window_tokens += emitted
@@ -89,8 +97,7 @@ class EngineStats:
     def _log_decode(self, load: "Load") -> None:
         now = time.monotonic()
         thr = self._window_tokens / max(now - self._window_start, 1e-9)
-        msg = (f"Decode batch. #running-req: {load.running}, "
-               f"#token: {load.kv_used}, token usage: {load.kv_usage:.2f}, ")
+        msg = f"Decode batch. #running-req: {load.running}, #token: {load.kv_used}, token usage: {load.kv_usage:.2f}, "
         if self._window_verify:
             msg += f"accept len: {self._window_emitted / self._window_verify:.2f}, "
         msg += f"gen throughput (token/s): {thr:.2f}, #queue-req: {load.waiting}"

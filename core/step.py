@@ -8,6 +8,7 @@ its one, a speculative decode the accepted path of its tree (root first). The sc
 it (``Scheduler.update``): the kept entries move to the front of the reservation, join the
 request's KV table, and the rest of the reservation is freed. Workers never touch KV tables.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -17,9 +18,9 @@ import torch
 
 @dataclass
 class StepResult:
-    tokens: list[int]                      # tokens to emit (accepted drafts + bonus, or the one sampled)
-    kv_keep: list[int]                     # indices into the step's reserved slots kept, in sequence order
-    num_draft: int = 0                     # draft tokens verified (0: no draft this step)
+    tokens: list[int]  # tokens to emit (accepted drafts + bonus, or the one sampled)
+    kv_keep: list[int]  # indices into the step's reserved slots kept, in sequence order
+    num_draft: int = 0  # draft tokens verified (0: no draft this step)
     logprobs: list = field(default_factory=list)
     node_rows: torch.Tensor | None = None  # rows of the forward for kv_keep (speculative: set by the worker)
 
@@ -33,8 +34,7 @@ class VerifyResult(StepResult):
     """``specfw_verify``'s answer: the accepted path (tree node indices, root first) and the tokens
     to emit (accepted draft tokens + bonus). A :class:`StepResult` whose kept KV is that path."""
 
-    def __init__(self, accepted_nodes: list[int], tokens: list[int], num_draft: int,
-                 node_rows: torch.Tensor | None = None, logprobs: list | None = None):
+    def __init__(self, accepted_nodes: list[int], tokens: list[int], num_draft: int, node_rows: torch.Tensor | None = None, logprobs: list | None = None):
         super().__init__(list(tokens), list(accepted_nodes), num_draft, list(logprobs or []), node_rows)
 
     @property

@@ -12,6 +12,7 @@ a time, and fails naming the dtype, the batch size and the first prompt whose to
 It takes seconds. A drafter with a model of its own takes ``draft_model_path`` in
 ``overrides`` (``tiny_model()`` gives a directory to derive one from).
 """
+
 from __future__ import annotations
 
 import shutil
@@ -20,8 +21,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 # Token-id prompts: repeated patterns (what copy-based drafters find) and plain sequences.
-PROMPTS: list[list[int]] = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [1000, 20, 1000, 20, 1000], [9, 99, 999, 9999],
-                            [300, 301, 302, 303, 304, 300, 301, 302], [42] * 6, [7, 70, 700, 7, 70]]
+PROMPTS: list[list[int]] = [
+    [5, 6, 7, 8, 5, 6, 7, 8, 5, 6],
+    [1000, 20, 1000, 20, 1000],
+    [9, 99, 999, 9999],
+    [300, 301, 302, 303, 304, 300, 301, 302],
+    [42] * 6,
+    [7, 70, 700, 7, 70],
+]
 
 _TINY: Path | None = None
 
@@ -36,10 +43,20 @@ def tiny_model(out: str | Path | None = None, seed: int = 0) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from .demo_model import demo_model_dir
+
     path = Path(out) if out is not None else Path(tempfile.mkdtemp(prefix="specfw-tiny-"))
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                      tie_word_embeddings=True, eos_token_id=2, bos_token_id=1)
+    cfg = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        eos_token_id=2,
+        bos_token_id=1,
+    )
     state = torch.random.get_rng_state()
     torch.manual_seed(seed)
     model = LlamaForCausalLM(cfg)
@@ -53,6 +70,7 @@ def tiny_model(out: str | Path | None = None, seed: int = 0) -> Path:
             shutil.copy(demo / f, path / f)
     if out is None:
         import atexit
+
         atexit.register(shutil.rmtree, path, True)
         _TINY = path
     return path
@@ -61,6 +79,7 @@ def tiny_model(out: str | Path | None = None, seed: int = 0) -> Path:
 @dataclass
 class LosslessReport:
     """What ``check_lossless`` ran: per (dtype, batch size) the verify forwards and accepted draft tokens."""
+
     algorithm: str
     runs: dict = field(default_factory=dict)
 
@@ -69,9 +88,17 @@ class LosslessReport:
         return sum(r["accepted"] for r in self.runs.values())
 
 
-def check_lossless(algorithm: str, overrides: dict | None = None, *, dtypes=("float32", "bfloat16"),
-                   batch_sizes=(1, 4), prompts: list | None = None, max_new_tokens: int = 24,
-                   model_dir: str | Path | None = None, require_accepts: bool = True) -> LosslessReport:
+def check_lossless(
+    algorithm: str,
+    overrides: dict | None = None,
+    *,
+    dtypes=("float32", "bfloat16"),
+    batch_sizes=(1, 4),
+    prompts: list | None = None,
+    max_new_tokens: int = 24,
+    model_dir: str | Path | None = None,
+    require_accepts: bool = True,
+) -> LosslessReport:
     """Assert greedy speculative output == plain greedy output for ``algorithm`` (a registered
     name) with ``overrides`` (keys of its config dataclass, e.g. ``{"num_steps": 4, "topk": 1}``).
 
@@ -85,10 +112,12 @@ def check_lossless(algorithm: str, overrides: dict | None = None, *, dtypes=("fl
     from .engine import Engine
     from .plugins import plugin_manager
     from .sampling import SamplingParams
+
     algos = plugin_manager().algorithms
     if algorithm not in algos:
-        raise AssertionError(f"'{algorithm}' is not registered (installed: {sorted(algos)}); is the package "
-                             "installed and its [project.entry-points.specfw] entry point right?")
+        raise AssertionError(
+            f"'{algorithm}' is not registered (installed: {sorted(algos)}); is the package installed and its [project.entry-points.specfw] entry point right?"
+        )
     spec = algos[algorithm].config_class(algorithm=algorithm, **(overrides or {}))
     spec.validate()
     spec.resolve_shape("LlamaForCausalLM")
@@ -98,9 +127,11 @@ def check_lossless(algorithm: str, overrides: dict | None = None, *, dtypes=("fl
     report = LosslessReport(algorithm)
 
     def engine(dtype, batch, speculative):
-        return Engine(SpecfwConfig(model=ModelConfig(path=model, dtype=dtype),
-                                   engine=EngineConfig(max_running_requests=batch, max_total_tokens=4096),
-                                   speculative=speculative))
+        return Engine(
+            SpecfwConfig(
+                model=ModelConfig(path=model, dtype=dtype), engine=EngineConfig(max_running_requests=batch, max_total_tokens=4096), speculative=speculative
+            )
+        )
 
     for dtype in dtypes:
         plain = [o.token_ids for o in engine(dtype, 1, SpeculativeConfig()).generate(prompts, greedy)]
@@ -113,11 +144,14 @@ def check_lossless(algorithm: str, overrides: dict | None = None, *, dtypes=("fl
             for i, (a, b) in enumerate(zip(got, plain)):
                 if a != b:
                     at = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-                    raise AssertionError(f"{algorithm} {overrides or {}}: {dtype}, batch {batch}: prompt {i} diverges "
-                                         f"from plain greedy at output token {at} ({a[at:at + 4]} vs {b[at:at + 4]})")
-            report.runs[(dtype, batch)] = {"verify_forwards": eng.stats.verify_forwards,
-                                           "accepted": eng.stats.accepted_draft_tokens}
+                    raise AssertionError(
+                        f"{algorithm} {overrides or {}}: {dtype}, batch {batch}: prompt {i} diverges "
+                        f"from plain greedy at output token {at} ({a[at : at + 4]} vs {b[at : at + 4]})"
+                    )
+            report.runs[(dtype, batch)] = {"verify_forwards": eng.stats.verify_forwards, "accepted": eng.stats.accepted_draft_tokens}
     if require_accepts and report.accepted == 0:
-        raise AssertionError(f"{algorithm}: no draft token was ever accepted, so the contract was not exercised "
-                             "(give prompts your drafter can predict, or require_accepts=False)")
+        raise AssertionError(
+            f"{algorithm}: no draft token was ever accepted, so the contract was not exercised "
+            "(give prompts your drafter can predict, or require_accepts=False)"
+        )
     return report

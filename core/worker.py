@@ -3,6 +3,7 @@
 A worker computes a scheduled batch and returns one ``StepResult`` per request; it writes KV
 only into the slots the scheduler reserved for the step (``batch.new_slots``) and leaves the
 KV tables and request states to the scheduler (``Scheduler.update``)."""
+
 from __future__ import annotations
 
 import torch
@@ -12,7 +13,6 @@ from .request import Request
 from .sampling import TokenLogprob, sample_one
 from .scheduler import ScheduledBatch
 from .step import StepResult
-
 
 
 def sample_rows(logits: torch.Tensor, reqs: list[Request]) -> list[tuple[int, TokenLogprob | None]]:
@@ -28,15 +28,13 @@ def prefill_chunks(batch: ScheduledBatch):
     for r, slots in zip(batch.reqs, batch.new_slots):
         start = r.num_cached
         ids = r.seq_ids[start:]
-        chunks.append((torch.tensor(ids, dtype=torch.long), torch.arange(start, start + len(ids)),
-                       slots, r.slots.slots(), None))
+        chunks.append((torch.tensor(ids, dtype=torch.long), torch.arange(start, start + len(ids)), slots, r.slots.slots(), None))
     return chunks
 
 
 def prefill_results(sampled: list[tuple[int, TokenLogprob | None]], batch: ScheduledBatch) -> list[StepResult]:
     """A prefill keeps the KV of every token it wrote and emits the one token sampled."""
-    return [StepResult([t], list(range(int(s.numel()))), logprobs=[lp] if lp else [])
-            for (t, lp), s in zip(sampled, batch.new_slots)]
+    return [StepResult([t], list(range(int(s.numel()))), logprobs=[lp] if lp else []) for (t, lp), s in zip(sampled, batch.new_slots)]
 
 
 class PlainWorker:
@@ -53,8 +51,10 @@ class PlainWorker:
         return prefill_results(sample_rows(out.logits, batch.reqs), batch)
 
     def decode(self, batch: ScheduledBatch) -> list[StepResult]:
-        chunks = [(torch.tensor(r.seq_ids[-1:], dtype=torch.long), torch.tensor([r.num_cached]), slots[:1], r.slots.slots(), None)
-                  for r, slots in zip(batch.reqs, batch.new_slots)]
+        chunks = [
+            (torch.tensor(r.seq_ids[-1:], dtype=torch.long), torch.tensor([r.num_cached]), slots[:1], r.slots.slots(), None)
+            for r, slots in zip(batch.reqs, batch.new_slots)
+        ]
         out = self.runner.forward(build_forward_batch(chunks))
         return [StepResult([t], [0], logprobs=[lp] if lp else []) for t, lp in sample_rows(out.logits, batch.reqs)]
 

@@ -11,6 +11,7 @@ torch.set_num_threads(int(os.environ.get("SPECFW_TEST_THREADS", "2")))
 
 def make_cfg(**engine_kw):
     from specfw.config import EngineConfig, ModelConfig, SpecfwConfig, SpeculativeConfig
+
     model_kw = {k[6:]: engine_kw.pop(k) for k in list(engine_kw) if k.startswith("model_")}
     spec = engine_kw.pop("speculative", None) or SpeculativeConfig()
     return SpecfwConfig(model=ModelConfig(**model_kw), engine=EngineConfig(**engine_kw), speculative=spec)
@@ -19,12 +20,14 @@ def make_cfg(**engine_kw):
 @pytest.fixture(scope="session")
 def demo_dir():
     from specfw.demo_model import demo_model_dir
+
     return demo_model_dir()
 
 
 @pytest.fixture(scope="session")
 def demo_engine():
     from specfw.engine import Engine
+
     return Engine(make_cfg(max_running_requests=8, max_total_tokens=8192))
 
 
@@ -32,10 +35,20 @@ def demo_engine():
 def tiny_model_dir(tmp_path_factory, demo_dir):
     """A 2-layer random Llama with the demo tokenizer (fast unit tests)."""
     from transformers import LlamaConfig, LlamaForCausalLM
+
     out = tmp_path_factory.mktemp("tiny-llama")
-    cfg = LlamaConfig(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                      tie_word_embeddings=True, eos_token_id=2, bos_token_id=1)
+    cfg = LlamaConfig(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        eos_token_id=2,
+        bos_token_id=1,
+    )
     torch.manual_seed(0)
     model = LlamaForCausalLM(cfg)
     with torch.no_grad():  # sharper distributions so greedy paths are stable and varied
@@ -54,6 +67,7 @@ TINY_DRAFT_CHATS = ["Count to ten.", "Name a color.", "What is two plus two?"]
 def tiny_draft_dir(tiny_model_dir, tmp_path_factory):
     """A one-layer standalone draft for the tiny target (its first layer), once per test run."""
     from specfw_plugins.standalone.make_draft import truncate_model
+
     return truncate_model(tiny_model_dir, tmp_path_factory.mktemp("tiny-draft"), layers=1)
 
 
@@ -65,18 +79,36 @@ def tiny_eagle_drafts(tiny_model_dir, tmp_path_factory):
     from hydra import compose, initialize_config_module
     from specfw.config_store import register_configs
     from specfw.train.run import run_training
+
     root = tmp_path_factory.mktemp("tiny-eagle")
     (root / "prompts.jsonl").write_text("\n".join(json.dumps({"prompt": p}) for p in TINY_DRAFT_CHATS))
     register_configs()
     out = {}
-    for kind, extra in [("eagle3", ["draft.aux_layers=[0,1,1]", "draft.draft_vocab_size=2048", "draft.ttt_steps=3"]),
-                        ("eagle", []), ("mtp", [])]:
+    for kind, extra in [("eagle3", ["draft.aux_layers=[0,1,1]", "draft.draft_vocab_size=2048", "draft.ttt_steps=3"]), ("eagle", []), ("mtp", [])]:
         with initialize_config_module("specfw_conf", version_base="1.3"):
-            cfg = compose("train", overrides=[f"model.path={tiny_model_dir}", f"draft={kind}", "steps=40", "batch_size=3",
-                                              "lr=3e-3", "warmup_steps=2", "data.source=jsonl", f"data.jsonl={root / 'prompts.jsonl'}",
-                                              "data.num_prompts=3", "data.max_new_tokens=48", "data.max_len=96",
-                                              "data.regen_dtype=float32", f"data.cache_dir={root}", f"output_dir={root / kind}",
-                                              "target_dtype=float32", "save_dtype=float32", "save_every=40"] + extra)
+            cfg = compose(
+                "train",
+                overrides=[
+                    f"model.path={tiny_model_dir}",
+                    f"draft={kind}",
+                    "steps=40",
+                    "batch_size=3",
+                    "lr=3e-3",
+                    "warmup_steps=2",
+                    "data.source=jsonl",
+                    f"data.jsonl={root / 'prompts.jsonl'}",
+                    "data.num_prompts=3",
+                    "data.max_new_tokens=48",
+                    "data.max_len=96",
+                    "data.regen_dtype=float32",
+                    f"data.cache_dir={root}",
+                    f"output_dir={root / kind}",
+                    "target_dtype=float32",
+                    "save_dtype=float32",
+                    "save_every=40",
+                ]
+                + extra,
+            )
         out[kind] = run_training(cfg)
     return out
 
@@ -84,4 +116,5 @@ def tiny_eagle_drafts(tiny_model_dir, tmp_path_factory):
 @pytest.fixture
 def tiny_engine(tiny_model_dir):
     from specfw.engine import Engine
+
     return Engine(make_cfg(model_path=str(tiny_model_dir), max_running_requests=8, max_total_tokens=4096))

@@ -1,5 +1,6 @@
 """Kernel backends: one object per device kind owns the kernels of a forward (``base.py`` is
 the contract). ``make_backend`` picks it from the device and the ``engine.*`` settings."""
+
 from __future__ import annotations
 
 import logging
@@ -11,25 +12,33 @@ from .base import AttentionPlan, Backend, HeadShape
 logger = logging.getLogger(__name__)
 
 
-def make_backend(device: torch.device | str = "cpu", batch_invariant: bool = True, cpu_isa: str = "auto",
-                 cpu_packed_gemm: bool = True, cpu_bf16_kernel: bool = True, quantization: str = "none",
-                 draft_quantization: str | None = None) -> Backend:
+def make_backend(
+    device: torch.device | str = "cpu",
+    batch_invariant: bool = True,
+    cpu_isa: str = "auto",
+    cpu_packed_gemm: bool = True,
+    cpu_bf16_kernel: bool = True,
+    quantization: str = "none",
+    draft_quantization: str | None = None,
+) -> Backend:
     """``CpuBackend`` on a CPU where specfw's kernels build for ``cpu_isa`` (``auto``: the best the
     CPU's flags allow; ``none``: torch's ops), else ``TorchBackend``. Quantized weights
     (``quantization`` / ``draft_quantization`` other than none) need the CPU backend."""
     from .torch_ops import TorchBackend
+
     device = torch.device(device)
     if device.type == "cpu" and cpu_isa != "none":
         from ..kernels import cpu_isa as pick_isa, cpu_ops
+
         isa = pick_isa(cpu_isa)
         ops = cpu_ops(isa)
         if ops is not None:
             from .cpu import CpuBackend
+
             return CpuBackend(ops, isa, batch_invariant, cpu_bf16_kernel, quantization, draft_quantization)
         logger.warning("specfw's CPU kernels are unavailable here: using torch's ops")
     if quantization != "none" or draft_quantization not in (None, "none", "unquant"):
-        raise ValueError("model.quantization: quantized weights run on specfw's CPU kernels only "
-                         "(a CPU device and engine.cpu_isa other than none)")
+        raise ValueError("model.quantization: quantized weights run on specfw's CPU kernels only (a CPU device and engine.cpu_isa other than none)")
     return TorchBackend(device, batch_invariant, cpu_packed_gemm, cpu_bf16_kernel)
 
 
@@ -42,6 +51,7 @@ def default_backend(device: torch.device | str) -> Backend:
 def plain_backend(device: torch.device | str) -> Backend:
     """Torch's plain ops, loose attention plans: for a model run without a ModelRunner."""
     from .torch_ops import TorchBackend
+
     return TorchBackend(device, batch_invariant=False, packed_gemm=False)
 
 
@@ -54,9 +64,15 @@ def backend_from_config(engine_cfg, device: torch.device, cfg=None) -> Backend:
             draft = getattr(cfg.speculative, "draft_model_quantization", None)
         except Exception:
             draft = None
-    return make_backend(device, engine_cfg.batch_invariant, str(getattr(engine_cfg, "cpu_isa", "auto")),
-                        engine_cfg.cpu_packed_gemm, engine_cfg.cpu_bf16_kernel, quant,
-                        None if draft is None else str(draft))
+    return make_backend(
+        device,
+        engine_cfg.batch_invariant,
+        str(getattr(engine_cfg, "cpu_isa", "auto")),
+        engine_cfg.cpu_packed_gemm,
+        engine_cfg.cpu_bf16_kernel,
+        quant,
+        None if draft is None else str(draft),
+    )
 
 
 __all__ = ["AttentionPlan", "Backend", "HeadShape", "backend_from_config", "default_backend", "make_backend", "plain_backend"]

@@ -20,6 +20,7 @@ Backends: ``CpuBackend`` (``backends/cpu.py``: specfw's compiled kernels for one
 set) and ``TorchBackend`` (``backends/torch_ops.py``: torch's own ops -- accelerators, and CPUs
 where the kernels cannot be built or ``engine.cpu_isa=none``). ``make_backend`` picks one.
 """
+
 from __future__ import annotations
 
 import copy
@@ -35,6 +36,7 @@ from ..forward_batch import SeqSpan
 @dataclass(frozen=True)
 class HeadShape:
     """What an attention plan needs to know of the layers it serves."""
+
     dtype: torch.dtype
     heads: int
     kv_heads: int

@@ -16,6 +16,7 @@ flags; forcing ``avx2`` on an AVX-512 CPU tests and times that path there too).
 * the packed weights of the target (and of each draft module) in one buffer on 2 MB pages
   (``huge_pages``).
 """
+
 from __future__ import annotations
 
 import torch
@@ -33,8 +34,9 @@ from .quant_linear import QuantLinear, supports
 class CpuBackend(Backend):
     name = "cpu"
 
-    def __init__(self, ops, isa: str, batch_invariant: bool = True, bf16_kernel: bool = True,
-                 quantization: str = "none", draft_quantization: str | None = None):
+    def __init__(
+        self, ops, isa: str, batch_invariant: bool = True, bf16_kernel: bool = True, quantization: str = "none", draft_quantization: str | None = None
+    ):
         super().__init__(torch.device("cpu"), batch_invariant)
         self.ops, self.isa = ops, isa
         self.bf16_kernel = bf16_kernel and bf16_kernel_available()
@@ -44,6 +46,7 @@ class CpuBackend(Backend):
         self.qops = None
         if "none" != self.quantization or "none" != self.draft_quantization:
             from ..kernels import quant_ops
+
             self.qops = quant_ops(isa)
             if self.qops is None:
                 raise RuntimeError("model.quantization: the quantized CPU kernels (kernels/quant_ops.cpp) could not be built")
@@ -61,7 +64,7 @@ class CpuBackend(Backend):
         return KernelLinear(linear, self.ops, self.isa, batch_invariant)
 
     def _swap(self, module: nn.Module, batch_invariant: bool, scheme: str = "none") -> nn.Module:
-        if type(module) is nn.Linear:   # a bare layer (e.g. an FR-Spec lm_head)
+        if type(module) is nn.Linear:  # a bare layer (e.g. an FR-Spec lm_head)
             return self.linear_for(module, batch_invariant, scheme) or module
         for parent in list(module.modules()):
             for name, child in list(parent.named_children()):
@@ -91,8 +94,9 @@ class CpuBackend(Backend):
         return self.ops if dtype in (torch.float32, torch.bfloat16) and intermediate % 16 == 0 else None
 
     def plan_attention(self, seqs, device, shape: HeadShape, exact: bool):
-        if shape.dtype not in (torch.float32, torch.bfloat16):   # float16: the kernel has no path, torch's SDPA does
+        if shape.dtype not in (torch.float32, torch.bfloat16):  # float16: the kernel has no path, torch's SDPA does
             from .torch_ops import TorchBackend
+
             return TorchBackend.plan_attention(self, seqs, device, shape, exact)
         return KernelAttentionPlan(self.ops, seqs)
 
@@ -103,6 +107,7 @@ class CpuBackend(Backend):
         bf16 = ""
         if self.bf16_kernel:
             from ..kernels import bf16_amx
+
             bf16 = ", bf16 linears on AMX tiles" if bf16_amx() is not None else ", bf16 linears on bf16_dot (AVX512-BF16)"
         quant = f", weights {self.quantization}" if self.quantization != "none" else ""
         draft = f", draft weights {self.draft_quantization}" if self.draft_quantization != self.quantization else ""

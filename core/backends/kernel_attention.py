@@ -9,6 +9,7 @@ over the row's keys in cache order: a tree node's output has the bits of the pla
 that produces the same token, and plain rows never depend on the batch. Prompt prefills (no
 prefix, causal) keep one causal SDPA call per sequence, the same in plain and speculative runs.
 """
+
 from __future__ import annotations
 
 import torch
@@ -30,15 +31,15 @@ class KernelAttentionPlan:
             if _is_prompt_prefill(s):
                 continue
             n = int(s.kv_slots.numel())
-            if s.q_len == 1 and s.tree_mask is None:   # a decode row: everything but itself is prefix
+            if s.q_len == 1 and s.tree_mask is None:  # a decode row: everything but itself is prefix
                 prefix.append(s.kv_slots[: n - 1])
-                extras.append(s.kv_slots[n - 1:])
+                extras.append(s.kv_slots[n - 1 :])
                 counts = [1]
             else:
                 tm = s.tree_mask if s.tree_mask is not None else torch.ones(s.q_len, s.q_len, dtype=torch.bool).tril_()
                 m = tm.shape[1]
                 prefix.append(s.kv_slots[: n - m])
-                extras.append(s.kv_slots[n - m:].expand(s.q_len, m)[tm])   # row-major: row 0's, row 1's, ...
+                extras.append(s.kv_slots[n - m :].expand(s.q_len, m)[tm])  # row-major: row 0's, row 1's, ...
                 counts = tm.sum(1).tolist()
             prefix_len.append(prefix_len[-1] + int(prefix[-1].numel()))
             row_q.extend(range(s.q_start, s.q_start + s.q_len))
@@ -60,9 +61,9 @@ class KernelAttentionPlan:
         covered = self.rows + sum(s.q_len for s in self.prefills)
         out = torch.empty_like(q) if covered == q.shape[0] else torch.zeros_like(q)
         if self.groups:
-            self.ops.attention(q, k_cache, v_cache, out, float(scale), self.prefix_ptr, self.prefix_slots,
-                               self.row_ptr, self.row_q, self.extra_ptr, self.extra_slots)
+            self.ops.attention(
+                q, k_cache, v_cache, out, float(scale), self.prefix_ptr, self.prefix_slots, self.row_ptr, self.row_q, self.extra_ptr, self.extra_slots
+            )
         for s in self.prefills:
-            out[s.q_start:s.q_start + s.q_len] = _attend_one(q, k_cache, v_cache, s, scale)
+            out[s.q_start : s.q_start + s.q_len] = _attend_one(q, k_cache, v_cache, s, scale)
         return out
-

@@ -11,6 +11,7 @@ An fp32 weight whose every value is a bfloat16 value (a bf16 checkpoint loaded i
 engine, as the published EAGLE-3 heads are) is packed as bf16: the same values, the same fp32
 arithmetic and bits, half the bytes streamed per token.
 """
+
 from __future__ import annotations
 
 import torch
@@ -24,7 +25,7 @@ class KernelLinear(nn.Module):
         super().__init__()
         self.ops, self.isa = ops, isa
         self.batch_invariant = batch_invariant
-        self.timed_rows = DEFAULT_TIMED_ROWS   # row counts a plan would be timed for (invariance.measure_model)
+        self.timed_rows = DEFAULT_TIMED_ROWS  # row counts a plan would be timed for (invariance.measure_model)
         self._row_plan: tuple[int, RowPlan | None] = (0, None)
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed = ops.pack(_narrowest_lossless(linear.weight.detach()))
@@ -50,7 +51,7 @@ class KernelLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x2 = x.reshape(-1, self.in_features)
         if self.batch_invariant and self._row_plan[1] is not None and self._row_plan[1] != RowPlan(MAX_ROW_BLOCK):
-            y = self._row_plan[1].run(self._mm, x2)   # only if the probe ever found the kernel row-dependent
+            y = self._row_plan[1].run(self._mm, x2)  # only if the probe ever found the kernel row-dependent
         else:
             y = self._mm(x2)
         return y.view(*x.shape[:-1], self.out_features)

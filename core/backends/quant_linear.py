@@ -15,6 +15,7 @@ docs/quantization.md):
 Every output is accumulated in fp32 in k order whatever the rows (batch invariant by
 construction, like ``KernelLinear``), so greedy speculation stays exact within each scheme.
 """
+
 from __future__ import annotations
 
 import logging
@@ -29,17 +30,18 @@ logger = logging.getLogger(__name__)
 SCHEMES = ("none", "int8", "int4", "gguf")
 DRAFT_SCHEMES = (*SCHEMES, "unquant")
 INT4_GROUP = 32
-BLOCK = 16   # outputs per packed block (as cpu_ops' linear)
+BLOCK = 16  # outputs per packed block (as cpu_ops' linear)
 
 
 @dataclass
 class QuantWeight:
     """Codes and scales in the kernel's layout (``quant_ops.cpp``)."""
-    codes: torch.Tensor            # int8 [NB, K, 16] (bits 8) or uint8 [NB, K/2, 16] (bits 4)
-    scale: torch.Tensor            # fp32 [NB, K/G, 16]
-    minv: torch.Tensor             # fp32 like scale, or empty
+
+    codes: torch.Tensor  # int8 [NB, K, 16] (bits 8) or uint8 [NB, K/2, 16] (bits 4)
+    scale: torch.Tensor  # fp32 [NB, K/G, 16]
+    minv: torch.Tensor  # fp32 like scale, or empty
     bits: int
-    offset: int                    # subtracted from a 4-bit code (8 for Q4_0)
+    offset: int  # subtracted from a 4-bit code (8 for Q4_0)
     group: int
     out_features: int
     in_features: int
@@ -58,8 +60,7 @@ def _blocked(t: torch.Tensor) -> torch.Tensor:
     return t.view(nb, BLOCK, t.shape[1]).transpose(1, 2).contiguous()
 
 
-def pack(codes: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None, bits: int, offset: int,
-         group: int) -> QuantWeight:
+def pack(codes: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None, bits: int, offset: int, group: int) -> QuantWeight:
     """codes [N, K] (int8 values for bits 8, 0..15 for bits 4), scale/minv [N, K/group]."""
     n, k = codes.shape
     if bits == 8:
@@ -115,8 +116,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q = self.qw
-        y = self.ops.qlinear(x.reshape(-1, self.in_features), q.codes, q.scale, q.minv, q.bits, q.offset, q.group,
-                             self.out_features, self.bias)
+        y = self.ops.qlinear(x.reshape(-1, self.in_features), q.codes, q.scale, q.minv, q.bits, q.offset, q.group, self.out_features, self.bias)
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
@@ -124,6 +124,7 @@ class QuantLinear(nn.Module):
 
 
 # ---------------------------------------------------------------- GGUF blocks
+
 
 def gguf_blocks(raw: np.ndarray, qtype: str, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int, int]:
     """One GGUF tensor's raw blocks [N, bytes] -> per-weight codes [N, K], d [N, K/32], m or None,
@@ -135,7 +136,7 @@ def gguf_blocks(raw: np.ndarray, qtype: str, n: int, k: int) -> tuple[torch.Tens
         return q, d, None, 8, 0
     if qtype in ("Q4_0", "Q4_1"):
         off = 2 if qtype == "Q4_0" else 4
-        qs = raw[..., off:off + 16]
+        qs = raw[..., off : off + 16]
         q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k)
         m = torch.from_numpy(raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)) if qtype == "Q4_1" else None
         return torch.from_numpy(q), d, m, 4, 8 if qtype == "Q4_0" else 0
@@ -158,8 +159,7 @@ def _reverse_permute(n: int, heads: int) -> torch.Tensor:
     return torch.arange(n).view(heads, dim, 2).transpose(1, 2).reshape(n)
 
 
-_NAMES = {"qkv_proj": ("attn_q", "attn_k", "attn_v"), "o_proj": ("attn_output",),
-          "gate_up_proj": ("ffn_gate", "ffn_up"), "down_proj": ("ffn_down",)}
+_NAMES = {"qkv_proj": ("attn_q", "attn_k", "attn_v"), "o_proj": ("attn_output",), "gate_up_proj": ("ffn_gate", "ffn_up"), "down_proj": ("ffn_down",)}
 
 
 def attach_gguf_blocks(model: nn.Module, gguf_path, n_heads: int, n_kv_heads: int) -> int:
@@ -167,6 +167,7 @@ def attach_gguf_blocks(model: nn.Module, gguf_path, n_heads: int, n_kv_heads: in
     (``QuantWeight``) -- only where dequantizing the blocks gives exactly the fp32 weight loaded
     (else the linear stays fp32 and a warning says which). Returns how many got blocks."""
     from gguf import GGUFReader
+
     reader = GGUFReader(str(gguf_path))
     tensors = {t.name: t for t in reader.tensors}
     targets: list[tuple[nn.Linear, list[str]]] = []
@@ -203,7 +204,7 @@ def _match(w: torch.Tensor, parts, n_heads: int, n_kv_heads: int) -> QuantWeight
     row = 0
     for name, (q, d, m, bits, offset) in parts:
         n = q.shape[0]
-        target = w[row:row + n]
+        target = w[row : row + n]
         row += n
         heads = n_heads if name.endswith("attn_q.weight") else n_kv_heads
         perms = [None] + ([_reverse_permute(n, heads)] if name.endswith(("attn_q.weight", "attn_k.weight")) else [])

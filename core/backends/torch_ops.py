@@ -9,6 +9,7 @@ CPUs where specfw's kernels cannot be built or ``engine.cpu_isa=none``.
 * attention: SDPA plans (``attention.plan_attention``): exact ones run every decode/tree row as a
   one-row query over exactly its visible keys; loose ones group equal query lengths with masks.
 """
+
 from __future__ import annotations
 
 import torch
@@ -50,7 +51,7 @@ class TorchBackend(Backend):
         self._hand_backend(module)
         if self.packed_gemm:
             use_fast_linears(module, bf16_kernel=self.bf16_kernel)
-            if type(module) is nn.Linear:   # a bare layer (e.g. an FR-Spec lm_head)
+            if type(module) is nn.Linear:  # a bare layer (e.g. an FR-Spec lm_head)
                 module = fast_linear_for(module, bf16_kernel=self.bf16_kernel) or module
         return module
 

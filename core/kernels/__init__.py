@@ -12,6 +12,7 @@ tile one (``bf16_amx.cpp``), each or None where it cannot run: a CPU without the
 ``SPECFW_NO_KERNELS=1``. The build (~30 s) lands in torch's extension cache
 (``TORCH_EXTENSIONS_DIR``, default ``~/.cache/torch_extensions``) and is reused afterwards.
 """
+
 from __future__ import annotations
 
 import logging
@@ -36,10 +37,8 @@ def _cpu_flags() -> set[str]:
 
 
 ISAS = ("avx512", "avx2", "portable")
-_ISA_FLAGS = {"avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"],
-              "avx2": ["-mavx2", "-mfma"], "portable": []}
-_ISA_NEEDS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma"},
-              "avx2": {"avx2", "fma"}, "portable": set()}
+_ISA_FLAGS = {"avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"], "avx2": ["-mavx2", "-mfma"], "portable": []}
+_ISA_NEEDS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma"}, "avx2": {"avx2", "fma"}, "portable": set()}
 
 
 def isa_supported(isa: str) -> bool:
@@ -75,8 +74,7 @@ def quant_ops(isa: str | None = None):
     isa = isa or cpu_isa()
     key = f"quant_ops_{isa}"
     if key not in _cache:
-        _cache[key] = _load(_QUANT_SOURCE, f"specfw_quant_ops_{isa}", [*_ISA_FLAGS[isa], "-ffp-contract=off"],
-                            "quantized kernels " + isa)
+        _cache[key] = _load(_QUANT_SOURCE, f"specfw_quant_ops_{isa}", [*_ISA_FLAGS[isa], "-ffp-contract=off"], "quantized kernels " + isa)
     return _cache[key]
 
 
@@ -90,15 +88,17 @@ def _load(source: Path, name: str, isa_flags: list[str], what: str):
     try:
         from torch.utils.cpp_extension import load
         import hashlib
+
         # loops aligned to 64 bytes: without it the speed of the 7-9-row linear tiles depended
         # on where the build happened to place them (20% apart between two builds of one source)
         cflags = ["-O3", "-fopenmp", "-falign-loops=64", *isa_flags]
         # the hash of the source and flags is in the name: an edited kernel never loads a stale build
         tag = hashlib.sha1(source.read_bytes() + " ".join(cflags).encode()).hexdigest()[:10]
         logger.info("%s: building or loading (first use compiles for ~30-60 s)", what)
-        return load(name=f"{name}_{tag}", sources=[str(source)], extra_cflags=cflags,
-                    extra_ldflags=["-fopenmp"], verbose=False)   # OpenMP: at::parallel_for's threads
-    except Exception as e:   # no compiler, no ninja, a failed build: torch's ops still work
+        return load(
+            name=f"{name}_{tag}", sources=[str(source)], extra_cflags=cflags, extra_ldflags=["-fopenmp"], verbose=False
+        )  # OpenMP: at::parallel_for's threads
+    except Exception as e:  # no compiler, no ninja, a failed build: torch's ops still work
         logger.warning("%s unavailable (%s: %s); using torch's ops", what, type(e).__name__, str(e).splitlines()[0][:200])
         return None
 
@@ -128,9 +128,11 @@ def bf16_amx():
     """The AMX-tile bf16 linear (``bf16_amx.cpp``: ``pack``, ``linear``; bf16_dot's weight layout),
     or None where it cannot run (no AMX-BF16, no compiler, a failed build, ``SPECFW_NO_KERNELS``)."""
     if "bf16_amx" not in _cache:
-        _cache["bf16_amx"] = _load(_AMX_SOURCE, "specfw_bf16_amx",
-                                   ["-mamx-tile", "-mamx-bf16", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"],
-                                   "bf16 AMX kernel") if cpu_has_amx_bf16() else None
+        _cache["bf16_amx"] = (
+            _load(_AMX_SOURCE, "specfw_bf16_amx", ["-mamx-tile", "-mamx-bf16", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"], "bf16 AMX kernel")
+            if cpu_has_amx_bf16()
+            else None
+        )
     return _cache["bf16_amx"]
 
 
@@ -159,4 +161,3 @@ def build_all() -> dict[str, bool]:
     if cpu_has_amx_bf16():
         done["bf16_amx"] = bf16_amx() is not None
     return done
-

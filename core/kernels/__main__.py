@@ -1,4 +1,5 @@
 """``python -m specfw.kernels``: build (or load from the cache) this CPU's kernels (scripts/setup.sh)."""
+
 import logging
 
 from . import build_all

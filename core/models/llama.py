@@ -4,6 +4,7 @@ Fused QKV and gate/up projections, one attention call per layer for the whole ra
 tree masks for speculative verification, and optional capture of inner hidden states
 (EAGLE-3 taps). Numerics follow transformers' LlamaForCausalLM (fp32 RMSNorm, same RoPE).
 """
+
 from __future__ import annotations
 
 import torch
@@ -22,7 +23,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:   # one fused op, bitwise equal to the formula below
+        if x.dtype == torch.float32:  # one fused op, bitwise equal to the formula below
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # HF's formula (upcast, x * rsqrt(mean(x^2) + eps), cast back, times weight) with its fp32
         # part as the fused op: bitwise the same (tests/unit/test_model_runner.py), and cheaper per call
@@ -34,6 +35,7 @@ class Rotary:
 
     def __init__(self, hf_config, max_positions: int, dtype: torch.dtype):
         from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
         rope = LlamaRotaryEmbedding(hf_config)
         pos = torch.arange(max_positions, dtype=torch.float32)
         freqs = pos[:, None] * rope.inv_freq.float()[None, :]
@@ -70,7 +72,7 @@ class DecoderLayer(nn.Module):
         self.down_proj = nn.Linear(cfg.intermediate_size, h, bias=False)
         self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps)
-        self.scale = self.head_dim ** -0.5
+        self.scale = self.head_dim**-0.5
         self.intermediate = cfg.intermediate_size
 
     def forward(self, x, fb: ForwardBatch, kv: KVPool, layer: int, cos, sin, fused=None) -> torch.Tensor:
@@ -80,8 +82,8 @@ class DecoderLayer(nn.Module):
         qkv = self.qkv_proj(self.input_layernorm(x))
         # rope on q and k heads together: one set of ops instead of two
         qk = Rotary.apply(qkv[:, : self.q_size + self.kv_size].view(T, self.n_heads + self.n_kv, self.head_dim), cos, sin)
-        q, k = qk[:, : self.n_heads], qk[:, self.n_heads:]
-        v = qkv[:, self.q_size + self.kv_size:].view(T, self.n_kv, self.head_dim)
+        q, k = qk[:, : self.n_heads], qk[:, self.n_heads :]
+        v = qkv[:, self.q_size + self.kv_size :].view(T, self.n_kv, self.head_dim)
         kv.write(layer, fb.out_slots, k, v)
         o = fb.attn_plan(q, kv.k[layer], kv.v[layer], self.scale)
         x = x + self.o_proj(o.reshape(T, self.q_size))
@@ -95,8 +97,7 @@ class DecoderLayer(nn.Module):
         qkv = self.qkv_proj(ops.add_rms_norm(x, x.new_empty(0), self.input_layernorm.weight, self.input_layernorm.eps)[1])
         q = ops.rope_write(qkv, cos, sin, kv.k[layer], kv.v[layer], fb.out_slots, self.n_heads, self.n_kv)
         o = fb.attn_plan(q, kv.k[layer], kv.v[layer], self.scale)
-        x, h = ops.add_rms_norm(x, self.o_proj(o.reshape(x.shape[0], self.q_size)), self.post_attention_layernorm.weight,
-                             self.post_attention_layernorm.eps)
+        x, h = ops.add_rms_norm(x, self.o_proj(o.reshape(x.shape[0], self.q_size)), self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
         return x + self.down_proj(ops.silu_mul(self.gate_up_proj(h)))
 
 
@@ -110,7 +111,7 @@ class LlamaModel(nn.Module):
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         self.tie_word_embeddings = bool(getattr(cfg, "tie_word_embeddings", False))
         self.rotary = Rotary(cfg, max_positions, dtype)
-        self.backend = None   # the runner's kernel backend (specfw.backends), handed over by the ModelRunner
+        self.backend = None  # the runner's kernel backend (specfw.backends), handed over by the ModelRunner
 
     @property
     def num_layers(self) -> int:
@@ -131,7 +132,7 @@ class LlamaModel(nn.Module):
             x = layer(x, fb, kv, i, cos, sin, fused)
         hidden = x
         captured[len(self.layers)] = x
-        aux = [captured[i] for i in fb.capture_layers]   # in the requested order (ids may repeat)
+        aux = [captured[i] for i in fb.capture_layers]  # in the requested order (ids may repeat)
         sel = hidden if fb.logits_indices is None else hidden.index_select(0, fb.logits_indices)
         logits = self.lm_head(self.norm(sel)).float()
         return ForwardOutput(logits=logits, hidden=hidden, aux_hidden=aux)
@@ -144,4 +145,5 @@ class LlamaModel(nn.Module):
 def default_backend(device: torch.device):
     """Torch's ops, loose plans: for a model run without a ModelRunner (tests, training tools)."""
     from ..backends import plain_backend
+
     return plain_backend(device)

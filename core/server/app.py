@@ -6,6 +6,7 @@ Routes: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/model
 ``GET /metrics`` (always open, for load balancers and Prometheus). ``/openapi.json`` describes
 them (``openapi.py``); bodies over ``max_request_bytes`` get 413 before parsing (``limits.py``).
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -34,7 +35,7 @@ from .submission import DEFAULT_MAX_TOKENS
 
 logger = logging.getLogger("specfw.server")
 
-API_KEY_ENV = "SPECFW_API_KEY"      # read when server.api_key is not set (keeps the key out of `ps`)
+API_KEY_ENV = "SPECFW_API_KEY"  # read when server.api_key is not set (keeps the key out of `ps`)
 
 
 class APIKeyMiddleware:
@@ -62,9 +63,14 @@ class APIKeyMiddleware:
         await err.response()(scope, receive, send)
 
 
-def create_app(engine: Engine | AsyncEngine, *, api_key: str | None = None,
-               default_max_tokens: int = DEFAULT_MAX_TOKENS, owns: bool | None = None,
-               max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES) -> FastAPI:
+def create_app(
+    engine: Engine | AsyncEngine,
+    *,
+    api_key: str | None = None,
+    default_max_tokens: int = DEFAULT_MAX_TOKENS,
+    owns: bool | None = None,
+    max_request_bytes: int = DEFAULT_MAX_REQUEST_BYTES,
+) -> FastAPI:
     """An app serving ``engine``. Given an ``Engine``, the app owns a new engine thread (started
     and stopped with the app's lifespan); given an ``AsyncEngine``, the thread is shared (started if
     needed, never stopped by the app, unless ``owns=True``), so several apps can serve one engine."""
@@ -81,8 +87,7 @@ def create_app(engine: Engine | AsyncEngine, *, api_key: str | None = None,
         try:
             yield
         finally:
-            bridge.call(lambda eng: eng.stats.observers.remove(metrics.observer)
-                        if metrics.observer in eng.stats.observers else None)
+            bridge.call(lambda eng: eng.stats.observers.remove(metrics.observer) if metrics.observer in eng.stats.observers else None)
             if owns:
                 bridge.stop()
 
@@ -106,15 +111,14 @@ def create_app(engine: Engine | AsyncEngine, *, api_key: str | None = None,
     def openapi() -> dict:
         if app.openapi_schema is None:
             e = bridge.engine
-            app.openapi_schema = build_openapi(app, vocab_size=e.runner.vocab_size,
-                                               max_queued=e.scheduler.max_queued, secured=bool(api_key))
+            app.openapi_schema = build_openapi(app, vocab_size=e.runner.vocab_size, max_queued=e.scheduler.max_queued, secured=bool(api_key))
         return app.openapi_schema
+
     app.openapi = openapi
 
     if api_key:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
-    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes,
-                       on_reject=lambda path: metrics.on_error(path, 413))
+    app.add_middleware(BodyLimitMiddleware, max_bytes=max_request_bytes, on_reject=lambda path: metrics.on_error(path, 413))
     return app
 
 
@@ -126,6 +130,7 @@ def api_key_from(server_cfg) -> str | None:
 def _version() -> str:
     try:
         from importlib.metadata import version
+
         return version("specfw")
     except Exception:  # noqa: BLE001
         return "0"
@@ -136,16 +141,23 @@ def run_server(cfg) -> None:
     ``cfg.server.host:cfg.server.port``. Logging goes through the root logger configured by
     ``cli.setup_logging`` (engine "Prefill batch"/"Decode batch" lines and uvicorn's access log)."""
     import uvicorn
+
     t0 = time.perf_counter()
-    bridge = AsyncEngine.build(lambda: Engine(cfg))   # all torch work on the engine thread (see build)
+    bridge = AsyncEngine.build(lambda: Engine(cfg))  # all torch work on the engine thread (see build)
     app = create_app(bridge, api_key=api_key_from(cfg.server), owns=True, max_request_bytes=int(cfg.server.max_request_bytes))
-    logger.info("engine built in %.1f s; listening on http://%s:%d", time.perf_counter() - t0,
-                cfg.server.host, cfg.server.port)
-    config = uvicorn.Config(app, host=cfg.server.host, port=int(cfg.server.port), log_config=None,
-                            log_level=str(cfg.server.log_level).lower(), access_log=True, timeout_graceful_shutdown=5)
+    logger.info("engine built in %.1f s; listening on http://%s:%d", time.perf_counter() - t0, cfg.server.host, cfg.server.port)
+    config = uvicorn.Config(
+        app,
+        host=cfg.server.host,
+        port=int(cfg.server.port),
+        log_config=None,
+        log_level=str(cfg.server.log_level).lower(),
+        access_log=True,
+        timeout_graceful_shutdown=5,
+    )
     try:
         _Server(config, bridge).run()
-    except KeyboardInterrupt:      # uvicorn re-raises the captured SIGINT after its clean shutdown
+    except KeyboardInterrupt:  # uvicorn re-raises the captured SIGINT after its clean shutdown
         pass
     logger.info("specfw serve stopped")
 

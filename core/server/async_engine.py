@@ -20,6 +20,7 @@ a step fails the requests it may have touched (every running request, plus any w
 vanished from the scheduler) with a 500 error; waiting requests continue and the thread keeps
 serving. Draft KV slots left in use with no request in the engine are given back.
 """
+
 from __future__ import annotations
 
 import asyncio
@@ -40,6 +41,7 @@ logger = logging.getLogger("specfw.server")
 @dataclass
 class EngineFailure:
     """Delivered instead of a RequestOutput when the engine failed a request."""
+
     status: int
     message: str
     code: str = "engine_error"
@@ -51,18 +53,19 @@ class EngineFailure:
 @dataclass
 class Snapshot:
     """Engine state taken on the engine thread after every step/command batch (read by /metrics)."""
+
     waiting: int = 0
     running: int = 0
     kv_used: int = 0
     kv_total: int = 0
     kv_usage: float = 0.0
-    draft_kv_used: int = 0           # the drafter's own KV pool (0/0 without one)
+    draft_kv_used: int = 0  # the drafter's own KV pool (0/0 without one)
     draft_kv_total: int = 0
     verify_forwards: int = 0
     accepted_draft_tokens: int = 0
     proposed_draft_tokens: int = 0
     accept_length: float = 0.0
-    position_accept: tuple = ()      # acceptance rate per draft depth (speculative)
+    position_accept: tuple = ()  # acceptance rate per draft depth (speculative)
     decode_steps: int = 0
     num_retracted: int = 0
     step_failures: int = 0
@@ -146,7 +149,7 @@ class AsyncEngine:
         self.engine = engine
         self._cv = threading.Condition()
         self._cmds: list[tuple[str, Any]] = []
-        self._sinks: dict[str, _Sink] = {}          # engine thread only
+        self._sinks: dict[str, _Sink] = {}  # engine thread only
         self._thread: threading.Thread | None = None
         self._stopping = False
         self.snapshot = Snapshot()
@@ -253,6 +256,7 @@ class AsyncEngine:
                 loop.call_soon_threadsafe(_settle, fut, None, e)
             else:
                 loop.call_soon_threadsafe(_settle, fut, res, None)
+
         self._post("call", wrapped)
         return await fut
 
@@ -310,8 +314,7 @@ class AsyncEngine:
             reqs = build(self.engine)
             dup = [r.rid for r in reqs if r.rid in self._sinks]
             if dup or len({r.rid for r in reqs}) != len(reqs):
-                raise APIError(400, f"request id {(dup or [reqs[0].rid])[0]!r} is already in use", "rid",
-                               "duplicate_request_id")
+                raise APIError(400, f"request id {(dup or [reqs[0].rid])[0]!r} is already in use", "rid", "duplicate_request_id")
             for r in reqs:
                 self.engine.add_request(r)
                 added.append(r)
@@ -328,10 +331,11 @@ class AsyncEngine:
 
         def bind():
             group._bind(rids)
-            if fut.cancelled():            # the client went away while we were queued
+            if fut.cancelled():  # the client went away while we were queued
                 group.abort()
             else:
                 fut.set_result(group)
+
         if not _call_soon(loop, bind):
             self.abort_now(rids)
 
@@ -349,7 +353,7 @@ class AsyncEngine:
             logger.exception("engine step failed; failing the affected requests")
             self._fail_after_step_error(e)
             return
-        self._take_snapshot()      # before delivery: a client that got its answer sees fresh metrics
+        self._take_snapshot()  # before delivery: a client that got its answer sees fresh metrics
         self._deliver(outs)
 
     def _deliver(self, outs: list[RequestOutput]) -> None:
@@ -364,8 +368,7 @@ class AsyncEngine:
         for loop, items in per_loop.items():
             if not _call_soon(loop, _put_many, items):
                 # that event loop is gone: nobody will read these requests any more
-                self.abort_now([out.rid for _, _, out in items if not isinstance(out, EngineFailure)
-                                and not out.finished])
+                self.abort_now([out.rid for _, _, out in items if not isinstance(out, EngineFailure) and not out.finished])
 
     def _fail_after_step_error(self, exc: Exception) -> None:
         sched = self.engine.scheduler
@@ -377,7 +380,7 @@ class AsyncEngine:
             except Exception:  # pragma: no cover - last resort: drop it from the scheduler
                 logger.exception("abort of %s failed", r.rid)
                 sched.remove(r.rid)
-        if sched.in_flight is not None:   # the step raised past the engine: undo its reservation
+        if sched.in_flight is not None:  # the step raised past the engine: undo its reservation
             sched.rollback(sched.in_flight)
         self._take_snapshot()
         per_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
@@ -409,8 +412,7 @@ class AsyncEngine:
         with self._cv:
             for kind, payload in self._cmds:
                 if kind == "submit":
-                    _call_soon(payload[2], _settle, payload[3], None,
-                               APIError(503, "Server is shutting down", None, "shutting_down"))
+                    _call_soon(payload[2], _settle, payload[3], None, APIError(503, "Server is shutting down", None, "shutting_down"))
             self._cmds.clear()
         self._take_snapshot()
         logger.debug("engine thread stopped")
@@ -419,13 +421,22 @@ class AsyncEngine:
         e = self.engine
         alloc, st, draft = e.runner.allocator, e.stats, draft_allocator(e)
         self.snapshot = Snapshot(
-            draft_kv_used=draft.num_used if draft else 0, draft_kv_total=draft.num_slots if draft else 0,
-            waiting=len(e.scheduler.waiting), running=len(e.scheduler.running), kv_used=alloc.num_used,
-            kv_total=alloc.num_slots, kv_usage=e.runner.kv.usage(), verify_forwards=st.verify_forwards,
-            accepted_draft_tokens=st.accepted_draft_tokens, proposed_draft_tokens=st.proposed_draft_tokens,
-            accept_length=st.accept_length, decode_steps=st.decode_steps,
+            draft_kv_used=draft.num_used if draft else 0,
+            draft_kv_total=draft.num_slots if draft else 0,
+            waiting=len(e.scheduler.waiting),
+            running=len(e.scheduler.running),
+            kv_used=alloc.num_used,
+            kv_total=alloc.num_slots,
+            kv_usage=e.runner.kv.usage(),
+            verify_forwards=st.verify_forwards,
+            accepted_draft_tokens=st.accepted_draft_tokens,
+            proposed_draft_tokens=st.proposed_draft_tokens,
+            accept_length=st.accept_length,
+            decode_steps=st.decode_steps,
             position_accept=tuple(a / p if p else 0.0 for a, p in zip(st.position_accepts, st.position_proposals)),
-            num_retracted=e.scheduler.num_retracted, step_failures=self.step_failures + st.step_failures)
+            num_retracted=e.scheduler.num_retracted,
+            step_failures=self.step_failures + st.step_failures,
+        )
 
 
 def draft_allocator(engine):
@@ -444,7 +455,7 @@ def _call_soon(loop: asyncio.AbstractEventLoop, fn, *args) -> bool:
     try:
         loop.call_soon_threadsafe(fn, *args)
         return True
-    except RuntimeError:      # loop closed
+    except RuntimeError:  # loop closed
         return False
 
 

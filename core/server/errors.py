@@ -5,6 +5,7 @@ values, prompts or ``max_tokens`` beyond the context), 401 bad/missing API key, 
 or route, 405 wrong method, 413 body over ``server.max_request_bytes``, 500 engine failure, 503
 queue full or server shutting down (with ``Retry-After``). Every 4xx carries a ``code``.
 """
+
 from __future__ import annotations
 
 import logging
@@ -20,20 +21,24 @@ from ..scheduler import RequestRejected
 logger = logging.getLogger("specfw.server")
 
 RETRY_AFTER_S = 1
-_DEFAULT_CODES = {400: "invalid_request", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed",
-                  413: "request_too_large", 503: "unavailable"}
-_PYDANTIC_CODES = ("invalid_unicode", "unsupported_parameter")   # our own error types, used as codes
+_DEFAULT_CODES = {400: "invalid_request", 401: "invalid_api_key", 404: "not_found", 405: "method_not_allowed", 413: "request_too_large", 503: "unavailable"}
+_PYDANTIC_CODES = ("invalid_unicode", "unsupported_parameter")  # our own error types, used as codes
 _UNION_TAG_CHARS = set("[]-")
-_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "invalid_request_error",
-          404: "invalid_request_error", 405: "invalid_request_error", 413: "invalid_request_error",
-          422: "invalid_request_error"}
+_TYPES = {
+    400: "invalid_request_error",
+    401: "invalid_request_error",
+    403: "invalid_request_error",
+    404: "invalid_request_error",
+    405: "invalid_request_error",
+    413: "invalid_request_error",
+    422: "invalid_request_error",
+}
 
 
 class APIError(Exception):
     """An error returned to the client as an OpenAI error body."""
 
-    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str | None = None, headers: dict | None = None):
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None, type: str | None = None, headers: dict | None = None):
         super().__init__(message)
         self.status, self.message, self.param = status, message, param
         self.code = code or _DEFAULT_CODES.get(status)
@@ -66,6 +71,7 @@ def to_api_error(exc: BaseException) -> APIError:
         return APIError(400, str(exc), exc.param, code)
     try:
         from jinja2 import TemplateError
+
         if isinstance(exc, TemplateError):
             return APIError(400, f"chat template error: {exc}", "messages", "invalid_value")
     except ImportError:  # pragma: no cover
@@ -75,8 +81,7 @@ def to_api_error(exc: BaseException) -> APIError:
 
 def _param_from_loc(loc) -> str | None:
     """``('body', 'prompt', 'list[int]', 0)`` → ``prompt.0`` (pydantic's union member tags dropped)."""
-    parts = [str(p) for p in loc if not (isinstance(p, str) and (p == "body" or _UNION_TAG_CHARS & set(p)
-                                                                   or p in ("str", "int", "float", "bool")))]
+    parts = [str(p) for p in loc if not (isinstance(p, str) and (p == "body" or _UNION_TAG_CHARS & set(p) or p in ("str", "int", "float", "bool")))]
     return ".".join(parts) or None
 
 
@@ -92,14 +97,12 @@ def _respond(request: Request, err: APIError) -> JSONResponse:
 async def validation_handler(request: Request, exc: RequestValidationError) -> JSONResponse:
     errs = exc.errors()
     # our own error types say most, then the deepest error (a union reports one per member)
-    e = max(errs, key=lambda x: (x.get("type") in _PYDANTIC_CODES, len(x.get("loc", ())))) if errs else \
-        {"msg": "invalid request", "loc": (), "type": ""}
+    e = max(errs, key=lambda x: (x.get("type") in _PYDANTIC_CODES, len(x.get("loc", ())))) if errs else {"msg": "invalid request", "loc": (), "type": ""}
     if e.get("type") == "json_invalid":
         return _respond(request, bad_request(f"Invalid JSON body: {e.get('msg')}", None, "invalid_json"))
     param = _param_from_loc(e.get("loc", ()))
     if param is None and e.get("type") in ("model_attributes_type", "dict_type", "model_type", "missing"):
-        return _respond(request, bad_request("The request body must be a JSON object (Content-Type: application/json)",
-                                             None, "invalid_json"))
+        return _respond(request, bad_request("The request body must be a JSON object (Content-Type: application/json)", None, "invalid_json"))
     msg = f"{param}: {e.get('msg')}" if param else str(e.get("msg"))
     if len(errs) > 1:
         msg += f" (and {len(errs) - 1} more error{'s' if len(errs) > 2 else ''})"
@@ -117,7 +120,7 @@ async def http_exception_handler(request: Request, exc: StarletteHTTPException) 
     code = None
     if exc.status_code == 404:
         msg = f"Not found: {request.method} {request.url.path!r}"
-    elif exc.status_code == 400:      # the body could not be read as JSON (e.g. invalid UTF-8)
+    elif exc.status_code == 400:  # the body could not be read as JSON (e.g. invalid UTF-8)
         msg, code = f"Invalid JSON body: {msg}", "invalid_json"
     return _respond(request, APIError(exc.status_code, msg, None, code, headers=getattr(exc, "headers", None)))
 

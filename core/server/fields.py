@@ -14,6 +14,7 @@ is not an integer, ``1.5`` is not an integer (``5.0`` is, as in JSON Schema); an
 numbers (JSON ``NaN``, ``Infinity``) are rejected (``allow_inf_nan=False``). ``seed`` is any
 integer, used modulo 2**64.
 """
+
 from __future__ import annotations
 
 from typing import Annotated, Any
@@ -23,7 +24,7 @@ from pydantic_core import PydanticCustomError
 
 MAX_N = 128
 MAX_TOP_LOGPROBS = 20
-SEED_MOD = 2 ** 64
+SEED_MOD = 2**64
 
 STRICT = ConfigDict(strict=True, allow_inf_nan=False)
 
@@ -35,8 +36,7 @@ def _valid_unicode(s: str) -> str:
     try:
         s.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise PydanticCustomError("invalid_unicode", "lone UTF-16 surrogate at position {pos}",
-                                  {"pos": e.start}) from None
+        raise PydanticCustomError("invalid_unicode", "lone UTF-16 surrogate at position {pos}", {"pos": e.start}) from None
     return s
 
 
@@ -59,7 +59,7 @@ Choices = integer(ge=1, le=MAX_N, json_schema_extra={CHOICES_MARK: True})
 Seed = Annotated[Int, AfterValidator(lambda v: v % SEED_MOD)]
 Temperature = Annotated[float, Field(ge=0, le=2)]
 TopP = Annotated[float, Field(gt=0, le=1)]
-TopK = integer(ge=-1, json_schema_extra={"not": {"const": 0}})   # -1 = off
+TopK = integer(ge=-1, json_schema_extra={"not": {"const": 0}})  # -1 = off
 MinP = Annotated[float, Field(ge=0, le=1)]
 Penalty = Annotated[float, Field(ge=-2, le=2)]
 RepetitionPenalty = Annotated[float, Field(gt=0)]
@@ -69,17 +69,21 @@ TopLogprobs = integer(ge=0, le=MAX_TOP_LOGPROBS)
 
 def only(name: str, *values: Any):
     """A validator and its schema: ``values`` are the supported values of the field ``name``."""
+
     def check(v):
         if v not in values:
             raise PydanticCustomError("unsupported_parameter", f"{name}={v!r} is not supported")
         return v
+
     return AfterValidator(check), Field(json_schema_extra={"enum": list(values)})
 
 
 def empty(name: str):
     """A validator: the collection must be empty (the feature is not supported)."""
+
     def check(v):
         if v:
             raise PydanticCustomError("unsupported_parameter", f"{name} is not supported")
         return v
+
     return AfterValidator(check)

@@ -6,14 +6,15 @@ After the 413 is sent, the rest of the body is read and dropped (up to ``DRAIN_F
 limit): a socket closed with unread data in its receive buffer sends a TCP reset, and a client
 still writing its body would see "connection reset" instead of the 413. Bodies beyond that bound
 are not read; their connection is closed at once."""
+
 from __future__ import annotations
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from .errors import APIError
 
-DEFAULT_MAX_REQUEST_BYTES = 4 * 2 ** 20
-DRAIN_FACTOR = 8   # a refused body is read and dropped up to this many times the limit
+DEFAULT_MAX_REQUEST_BYTES = 4 * 2**20
+DRAIN_FACTOR = 8  # a refused body is read and dropped up to this many times the limit
 
 
 class BodyLimitMiddleware:
@@ -28,7 +29,7 @@ class BodyLimitMiddleware:
         length = headers.get(b"content-length")
         if length is not None:
             if not length.isdigit() or int(length) <= self.max_bytes:
-                await self.app(scope, receive, send)     # the server reads exactly that many bytes
+                await self.app(scope, receive, send)  # the server reads exactly that many bytes
             else:
                 await self._reject(scope, receive, send, int(length))
             return
@@ -50,10 +51,10 @@ class BodyLimitMiddleware:
 
         async def replay() -> Message:
             return messages.pop(0) if messages else await receive()
+
         await self.app(scope, replay, send)
 
-    async def _reject(self, scope: Scope, receive: Receive, send: Send, declared: int | None,
-                      seen: int = 0) -> None:
+    async def _reject(self, scope: Scope, receive: Receive, send: Send, declared: int | None, seen: int = 0) -> None:
         """Send the 413, then drop the rest of the body: ``declared`` bytes in all (None: unknown,
         chunked), ``seen`` of them read already; nothing more when it exceeds the drain bound."""
         if self.on_reject:
@@ -62,8 +63,13 @@ class BodyLimitMiddleware:
         drain = declared != 0 and (declared is None or declared <= bound)
         # without "Connection: close" while draining: the server would close the socket right after
         # the response, before the rest of the body is read
-        err = APIError(413, f"Request body too large: the limit is {self.max_bytes} bytes (server.max_request_bytes)",
-                       None, "request_too_large", headers={} if drain else {"Connection": "close"})
+        err = APIError(
+            413,
+            f"Request body too large: the limit is {self.max_bytes} bytes (server.max_request_bytes)",
+            None,
+            "request_too_large",
+            headers={} if drain else {"Connection": "close"},
+        )
         await err.response()(scope, receive, send)
         if not drain:
             return

@@ -1,4 +1,5 @@
 """Token strings/bytes for logprobs and the OpenAI chat / completions logprob layouts."""
+
 from __future__ import annotations
 
 import functools
@@ -67,11 +68,14 @@ def chat_logprobs(entries: list[TokenLogprob], texts: TokenTexts, top_n: int) ->
     """OpenAI chat ``logprobs.content`` items."""
     out = []
     for e in entries:
-        out.append({
-            "token": texts.text(e.token_id), "logprob": _finite(e.logprob), "bytes": list(texts.bytes(e.token_id)),
-            "top_logprobs": [{"token": texts.text(t), "logprob": _finite(lp), "bytes": list(texts.bytes(t))}
-                             for t, lp in e.top[:top_n]],
-        })
+        out.append(
+            {
+                "token": texts.text(e.token_id),
+                "logprob": _finite(e.logprob),
+                "bytes": list(texts.bytes(e.token_id)),
+                "top_logprobs": [{"token": texts.text(t), "logprob": _finite(lp), "bytes": list(texts.bytes(t))} for t, lp in e.top[:top_n]],
+            }
+        )
     return out
 
 
@@ -94,4 +98,3 @@ def completion_logprobs(entries: list[TokenLogprob], texts: TokenTexts, top_n: i
         else:
             tops.append(None)
     return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
-

@@ -18,6 +18,7 @@
 Token counters and TTFT come from ``engine.stats.observers`` (called on the engine thread;
 prometheus-client is thread-safe).
 """
+
 from __future__ import annotations
 
 import logging
@@ -48,22 +49,21 @@ class _EngineCollector:
             c = CounterMetricFamily(name, doc)
             c.add_metric([], value)
             return c
+
         yield gauge("specfw_num_queue_reqs", "Requests waiting in the scheduler queue", s.waiting)
         yield gauge("specfw_num_running_reqs", "Requests in the running batch", s.running)
         yield gauge("specfw_kv_cache_usage", "Fraction of KV cache slots in use", s.kv_usage)
         yield gauge("specfw_kv_cache_used_tokens", "KV cache slots in use", s.kv_used)
         yield gauge("specfw_kv_cache_total_tokens", "KV cache slots", s.kv_total)
         yield gauge("specfw_draft_kv_cache_used_tokens", "Draft model KV cache slots in use", s.draft_kv_used)
-        yield gauge("specfw_draft_kv_cache_total_tokens", "Draft model KV cache slots (0: no draft KV pool)",
-                    s.draft_kv_total)
+        yield gauge("specfw_draft_kv_cache_total_tokens", "Draft model KV cache slots (0: no draft KV pool)", s.draft_kv_total)
         yield counter("specfw_spec_verify_forwards", "Speculative verify forwards", s.verify_forwards)
         yield counter("specfw_spec_accepted_draft_tokens", "Accepted draft tokens", s.accepted_draft_tokens)
         yield counter("specfw_spec_proposed_draft_tokens", "Proposed draft tokens", s.proposed_draft_tokens)
-        yield gauge("specfw_spec_accept_length", "Tokens emitted per verify forward (cumulative mean)",
-                    s.accept_length)
-        pos = GaugeMetricFamily("specfw_spec_position_accept_rate",
-                                "Share of verify steps whose draft was accepted at least to this depth",
-                                labels=["position"])
+        yield gauge("specfw_spec_accept_length", "Tokens emitted per verify forward (cumulative mean)", s.accept_length)
+        pos = GaugeMetricFamily(
+            "specfw_spec_position_accept_rate", "Share of verify steps whose draft was accepted at least to this depth", labels=["position"]
+        )
         for i, rate in enumerate(s.position_accept):
             pos.add_metric([str(i)], rate)
         yield pos
@@ -74,22 +74,16 @@ class _EngineCollector:
 
 class ServerMetrics:
     def __init__(self, bridge, model_name: str):
-        disable_created_metrics()      # no *_created series (process-wide setting of prometheus-client)
+        disable_created_metrics()  # no *_created series (process-wide setting of prometheus-client)
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
-        self.requests = Counter("specfw_requests", "Finished engine requests", ["endpoint", "finish_reason"],
-                                registry=r)
-        self.errors = Counter("specfw_request_errors", "Rejected or failed HTTP requests", ["endpoint", "status"],
-                              registry=r)
+        self.requests = Counter("specfw_requests", "Finished engine requests", ["endpoint", "finish_reason"], registry=r)
+        self.errors = Counter("specfw_request_errors", "Rejected or failed HTTP requests", ["endpoint", "status"], registry=r)
         self.prompt_tokens = Counter("specfw_prompt_tokens", "Prompt tokens of finished requests", registry=r)
-        self.generation_tokens = Counter("specfw_generation_tokens", "Generated tokens of finished requests",
-                                         registry=r)
-        self.ttft = Histogram("specfw_time_to_first_token_seconds", "Time to first token", buckets=TTFT_BUCKETS,
-                              registry=r)
-        self.itl = Histogram("specfw_inter_token_latency_seconds", "Inter-token latency", buckets=ITL_BUCKETS,
-                             registry=r)
-        self.e2e = Histogram("specfw_e2e_request_latency_seconds", "End-to-end request latency",
-                             buckets=E2E_BUCKETS, registry=r)
+        self.generation_tokens = Counter("specfw_generation_tokens", "Generated tokens of finished requests", registry=r)
+        self.ttft = Histogram("specfw_time_to_first_token_seconds", "Time to first token", buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("specfw_inter_token_latency_seconds", "Inter-token latency", buckets=ITL_BUCKETS, registry=r)
+        self.e2e = Histogram("specfw_e2e_request_latency_seconds", "End-to-end request latency", buckets=E2E_BUCKETS, registry=r)
         r.register(_EngineCollector(bridge))
         self.model_name = model_name
 

@@ -1,4 +1,5 @@
 """SGLang-style native endpoints: ``POST /generate``, ``GET /get_model_info``, ``GET /get_server_info``."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -17,7 +18,7 @@ from .submission import Prompt, Submission
 router = APIRouter()
 
 GENERATE = "/generate"
-DEFAULT_MAX_NEW_TOKENS = 128      # SGLang's default
+DEFAULT_MAX_NEW_TOKENS = 128  # SGLang's default
 
 
 def _params(body: GenerateRequest) -> SamplingParams:
@@ -26,11 +27,21 @@ def _params(body: GenerateRequest) -> SamplingParams:
     seed = sp.sampling_seed if sp.sampling_seed is not None else sp.seed
     try:
         return SamplingParams(
-            max_new_tokens=1, temperature=sp.temperature, top_p=sp.top_p, top_k=sp.top_k, min_p=sp.min_p,
-            seed=seed, stop=stop, stop_token_ids=list(sp.stop_token_ids or []), ignore_eos=sp.ignore_eos,
-            repetition_penalty=sp.repetition_penalty, frequency_penalty=sp.frequency_penalty,
-            presence_penalty=sp.presence_penalty, logprobs=body.return_logprob,
-            top_logprobs=body.top_logprobs_num if body.return_logprob else 0).validate()
+            max_new_tokens=1,
+            temperature=sp.temperature,
+            top_p=sp.top_p,
+            top_k=sp.top_k,
+            min_p=sp.min_p,
+            seed=seed,
+            stop=stop,
+            stop_token_ids=list(sp.stop_token_ids or []),
+            ignore_eos=sp.ignore_eos,
+            repetition_penalty=sp.repetition_penalty,
+            frequency_penalty=sp.frequency_penalty,
+            presence_penalty=sp.presence_penalty,
+            logprobs=body.return_logprob,
+            top_logprobs=body.top_logprobs_num if body.return_logprob else 0,
+        ).validate()
     except SamplingParamsError as e:
         param = "top_logprobs_num" if e.param == "top_logprobs" else f"sampling_params.{e.param}"
         raise APIError(400, str(e), param, "invalid_value") from e
@@ -73,12 +84,15 @@ class _Acc:
         self.final = out
 
 
-def _result(st: ServerState, body: GenerateRequest, params: SamplingParams, rid: str, acc: _Acc,
-            prompt_tokens: int, t0: float) -> dict:
+def _result(st: ServerState, body: GenerateRequest, params: SamplingParams, rid: str, acc: _Acc, prompt_tokens: int, t0: float) -> dict:
     out = acc.final
-    meta = {"id": rid, "prompt_tokens": prompt_tokens, "completion_tokens": len(acc.ids),
-            "finish_reason": _finish_reason(st, out.finish_reason if out and out.finished else None, acc.ids, params),
-            "e2e_latency": round(time.monotonic() - t0, 6)}
+    meta = {
+        "id": rid,
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": len(acc.ids),
+        "finish_reason": _finish_reason(st, out.finish_reason if out and out.finished else None, acc.ids, params),
+        "e2e_latency": round(time.monotonic() - t0, 6),
+    }
     if out is not None:
         meta.update(out.meta)
     if body.return_logprob:
@@ -94,10 +108,17 @@ async def generate(body: GenerateRequest, raw: Request):
     params = _params(body)
     rid = body.rid or new_id("gen")
     prompt_param = "text" if body.text is not None else "input_ids"
-    sub = Submission([Prompt(k, v) for k, v in prompts], params, n=sp.n, max_tokens=sp.max_new_tokens,
-                     default_max_tokens=DEFAULT_MAX_NEW_TOKENS, prompt_param=prompt_param,
-                     max_tokens_param="sampling_params.max_new_tokens", stop_ids_param="sampling_params.stop_token_ids",
-                     rid_prefix=rid)
+    sub = Submission(
+        [Prompt(k, v) for k, v in prompts],
+        params,
+        n=sp.n,
+        max_tokens=sp.max_new_tokens,
+        default_max_tokens=DEFAULT_MAX_NEW_TOKENS,
+        prompt_param=prompt_param,
+        max_tokens_param="sampling_params.max_new_tokens",
+        stop_ids_param="sampling_params.stop_token_ids",
+        rid_prefix=rid,
+    )
     t0 = time.monotonic()
     group = await st.submit(sub, GENERATE)
     n_out = len(group.rids)
@@ -105,6 +126,7 @@ async def generate(body: GenerateRequest, raw: Request):
     single = not is_batch and n_out == 1
 
     if body.stream:
+
         async def events():
             accs = [_Acc() for _ in range(n_out)]
             try:
@@ -120,6 +142,7 @@ async def generate(body: GenerateRequest, raw: Request):
             finally:
                 group.abort()
             yield DONE
+
         return SSEResponse(events(), on_disconnect=group.abort)
 
     accs = [_Acc() for _ in range(n_out)]
@@ -127,6 +150,7 @@ async def generate(body: GenerateRequest, raw: Request):
     async def collect():
         async for i, out in group:
             accs[i].add(out)
+
     try:
         await until_disconnect(raw, collect(), group.abort)
     except ClientDisconnected:
@@ -140,6 +164,7 @@ async def generate(body: GenerateRequest, raw: Request):
 def _config_dict(cfg) -> dict:
     try:
         from omegaconf import OmegaConf
+
         if OmegaConf.is_config(cfg):
             d = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
         else:
@@ -166,15 +191,25 @@ async def get_model_info(raw: Request):
     st = get_state(raw)
     e = st.engine
     spec = getattr(e.cfg, "speculative", None)
-    return {"model_path": str(e.model_path), "tokenizer_path": str(e.model_path), "is_generation": True,
-            "served_model_name": st.model_name, "context_length": e.runner.max_context,
-            "dtype": str(e.dtype).replace("torch.", ""), "vocab_size": e.runner.vocab_size,
-            "speculative_algorithm": getattr(spec, "algorithm", None) if spec is not None else None,
-            "worker": type(e.worker).__name__}
+    return {
+        "model_path": str(e.model_path),
+        "tokenizer_path": str(e.model_path),
+        "is_generation": True,
+        "served_model_name": st.model_name,
+        "context_length": e.runner.max_context,
+        "dtype": str(e.dtype).replace("torch.", ""),
+        "vocab_size": e.runner.vocab_size,
+        "speculative_algorithm": getattr(spec, "algorithm", None) if spec is not None else None,
+        "worker": type(e.worker).__name__,
+    }
 
 
 @router.get("/get_server_info")
 async def get_server_info(raw: Request):
     st = get_state(raw)
-    return {"config": _config_dict(st.engine.cfg), "state": dataclasses.asdict(st.bridge.snapshot),
-            "engine_thread_alive": st.bridge.alive, "last_engine_error": st.bridge.last_error}
+    return {
+        "config": _config_dict(st.engine.cfg),
+        "state": dataclasses.asdict(st.bridge.snapshot),
+        "engine_thread_alive": st.bridge.alive,
+        "last_engine_error": st.bridge.last_error,
+    }

@@ -1,4 +1,5 @@
 """``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``."""
+
 from __future__ import annotations
 
 import time
@@ -20,8 +21,7 @@ CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 
 
 def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
 
 
 def _prompt_tokens(sub: Submission) -> int:
@@ -29,7 +29,7 @@ def _prompt_tokens(sub: Submission) -> int:
 
 
 def _disconnected() -> Response:
-    return Response(status_code=499)   # nobody reads it; keeps the access log honest
+    return Response(status_code=499)  # nobody reads it; keeps the access log honest
 
 
 # ---- chat ------------------------------------------------------------------------------------
@@ -41,9 +41,16 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request):
     top_n = body.top_logprobs or 0
     params = body.sampling_params(logprobs=body.logprobs, top_logprobs=top_n)
     rid = new_id("chatcmpl")
-    sub = Submission([Prompt("chat", body.chat_messages())], params, n=body.n, max_tokens=body.effective_max_tokens,
-                     default_max_tokens=st.default_max_tokens, prompt_param="messages",
-                     max_tokens_param=body.max_tokens_param, rid_prefix=rid)
+    sub = Submission(
+        [Prompt("chat", body.chat_messages())],
+        params,
+        n=body.n,
+        max_tokens=body.effective_max_tokens,
+        default_max_tokens=st.default_max_tokens,
+        prompt_param="messages",
+        max_tokens_param=body.max_tokens_param,
+        rid_prefix=rid,
+    )
     group = await st.submit(sub, CHAT)
     created = int(time.time())
     if body.stream:
@@ -59,22 +66,42 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request):
         lp = None
         if body.logprobs:
             lp = {"content": chat_logprobs([e for o in seq for e in o.logprobs], st.texts, top_n), "refusal": None}
-        choices.append({"index": i, "message": {"role": "assistant", "content": "".join(o.text_delta for o in seq),
-                                                "refusal": None},
-                        "logprobs": lp, "finish_reason": final.finish_reason})
-    return JSONResponse({"id": rid, "object": "chat.completion", "created": created, "model": st.model_name,
-                         "choices": choices, "usage": _usage(_prompt_tokens(sub), completion_tokens),
-                         "system_fingerprint": None})
+        choices.append(
+            {
+                "index": i,
+                "message": {"role": "assistant", "content": "".join(o.text_delta for o in seq), "refusal": None},
+                "logprobs": lp,
+                "finish_reason": final.finish_reason,
+            }
+        )
+    return JSONResponse(
+        {
+            "id": rid,
+            "object": "chat.completion",
+            "created": created,
+            "model": st.model_name,
+            "choices": choices,
+            "usage": _usage(_prompt_tokens(sub), completion_tokens),
+            "system_fingerprint": None,
+        }
+    )
 
 
-async def _chat_stream(st: ServerState, body: ChatCompletionRequest, sub: Submission, group, rid: str,
-                       created: int, top_n: int):
+async def _chat_stream(st: ServerState, body: ChatCompletionRequest, sub: Submission, group, rid: str, created: int, top_n: int):
     usage_extra = {"usage": None} if body.include_usage else {}
 
     def chunk(index, delta, finish_reason=None, logprobs=None):
-        return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": st.model_name,
-                    "choices": [{"index": index, "delta": delta, "logprobs": logprobs,
-                                 "finish_reason": finish_reason}], **usage_extra})
+        return sse(
+            {
+                "id": rid,
+                "object": "chat.completion.chunk",
+                "created": created,
+                "model": st.model_name,
+                "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}],
+                **usage_extra,
+            }
+        )
+
     completion_tokens = [0] * len(group.rids)
     try:
         for i in range(len(group.rids)):
@@ -89,8 +116,16 @@ async def _chat_stream(st: ServerState, body: ChatCompletionRequest, sub: Submis
             if out.finished:
                 yield chunk(i, {}, out.finish_reason)
         if body.include_usage:
-            yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": st.model_name,
-                       "choices": [], "usage": _usage(_prompt_tokens(sub), sum(completion_tokens))})
+            yield sse(
+                {
+                    "id": rid,
+                    "object": "chat.completion.chunk",
+                    "created": created,
+                    "model": st.model_name,
+                    "choices": [],
+                    "usage": _usage(_prompt_tokens(sub), sum(completion_tokens)),
+                }
+            )
     except APIError as e:
         yield sse(e.body())
     finally:
@@ -111,9 +146,16 @@ async def completions(body: CompletionRequest, raw: Request):
             raise APIError(400, f"logprobs must be in [0, 20], got {top_n}", "logprobs", "invalid_value") from e
         raise
     rid = new_id("cmpl")
-    sub = Submission([Prompt(kind, value) for kind, value in body.prompt_list()], params, n=body.n,
-                     max_tokens=body.max_tokens, default_max_tokens=st.default_max_tokens, prompt_param="prompt",
-                     max_tokens_param="max_tokens", rid_prefix=rid)
+    sub = Submission(
+        [Prompt(kind, value) for kind, value in body.prompt_list()],
+        params,
+        n=body.n,
+        max_tokens=body.max_tokens,
+        default_max_tokens=st.default_max_tokens,
+        prompt_param="prompt",
+        max_tokens_param="max_tokens",
+        rid_prefix=rid,
+    )
     group = await st.submit(sub, COMPLETIONS)
     created = int(time.time())
     want_lp = body.logprobs is not None
@@ -128,22 +170,36 @@ async def completions(body: CompletionRequest, raw: Request):
         final = seq[-1]
         completion_tokens += final.completion_tokens
         lp = completion_logprobs([e for o in seq for e in o.logprobs], st.texts, top_n) if want_lp else None
-        choices.append({"index": i, "text": "".join(o.text_delta for o in seq), "logprobs": lp,
-                        "finish_reason": final.finish_reason})
-    return JSONResponse({"id": rid, "object": "text_completion", "created": created, "model": st.model_name,
-                         "choices": choices, "usage": _usage(_prompt_tokens(sub), completion_tokens),
-                         "system_fingerprint": None})
+        choices.append({"index": i, "text": "".join(o.text_delta for o in seq), "logprobs": lp, "finish_reason": final.finish_reason})
+    return JSONResponse(
+        {
+            "id": rid,
+            "object": "text_completion",
+            "created": created,
+            "model": st.model_name,
+            "choices": choices,
+            "usage": _usage(_prompt_tokens(sub), completion_tokens),
+            "system_fingerprint": None,
+        }
+    )
 
 
-async def _completion_stream(st: ServerState, body: CompletionRequest, sub: Submission, group, rid: str,
-                             created: int, top_n: int):
+async def _completion_stream(st: ServerState, body: CompletionRequest, sub: Submission, group, rid: str, created: int, top_n: int):
     usage_extra = {"usage": None} if body.include_usage else {}
     want_lp = body.logprobs is not None
 
     def chunk(index, text, finish_reason=None, logprobs=None):
-        return sse({"id": rid, "object": "text_completion", "created": created, "model": st.model_name,
-                    "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                                 "finish_reason": finish_reason}], **usage_extra})
+        return sse(
+            {
+                "id": rid,
+                "object": "text_completion",
+                "created": created,
+                "model": st.model_name,
+                "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}],
+                **usage_extra,
+            }
+        )
+
     n = len(group.rids)
     completion_tokens, offsets = [0] * n, [0] * n
     try:
@@ -158,8 +214,16 @@ async def _completion_stream(st: ServerState, body: CompletionRequest, sub: Subm
             if out.finished:
                 yield chunk(i, "", out.finish_reason)
         if body.include_usage:
-            yield sse({"id": rid, "object": "text_completion", "created": created, "model": st.model_name,
-                       "choices": [], "usage": _usage(_prompt_tokens(sub), sum(completion_tokens))})
+            yield sse(
+                {
+                    "id": rid,
+                    "object": "text_completion",
+                    "created": created,
+                    "model": st.model_name,
+                    "choices": [],
+                    "usage": _usage(_prompt_tokens(sub), sum(completion_tokens)),
+                }
+            )
     except APIError as e:
         yield sse(e.body())
     finally:
@@ -169,8 +233,14 @@ async def _completion_stream(st: ServerState, body: CompletionRequest, sub: Subm
 
 # ---- models ----------------------------------------------------------------------------------
 def _model_card(st: ServerState) -> dict:
-    return {"id": st.model_name, "object": "model", "created": st.created, "owned_by": "specfw",
-            "root": str(st.engine.model_path), "max_model_len": st.engine.runner.max_context}
+    return {
+        "id": st.model_name,
+        "object": "model",
+        "created": st.created,
+        "owned_by": "specfw",
+        "root": str(st.engine.model_path),
+        "max_model_len": st.engine.runner.max_context,
+    }
 
 
 @router.get("/v1/models")
@@ -183,7 +253,6 @@ async def get_model(model: str, raw: Request):
     st = get_state(raw)
     st.check_model(model)
     return _model_card(st)
-
 
 
 async def _collect(raw, group):

@@ -12,6 +12,7 @@ Limits no JSON Schema can state (prompt tokens + ``max_tokens`` against the cont
 pool, ``n`` x prompts against the queue bound) are 400s with code ``context_length_exceeded`` /
 ``invalid_value``, documented in the 400 response's description.
 """
+
 from __future__ import annotations
 
 from typing import Any
@@ -43,8 +44,8 @@ SSE_EVENT = {"type": "object", "properties": {"data": {"type": "string"}}, "requ
 
 ERROR_TEXT = {
     400: "Invalid request: malformed JSON, a wrong type, a value out of range, an unsupported parameter "
-         "(code unsupported_parameter), invalid Unicode (invalid_unicode), or a prompt + max_tokens that does not "
-         "fit the context length or the KV pool (context_length_exceeded)",
+    "(code unsupported_parameter), invalid Unicode (invalid_unicode), or a prompt + max_tokens that does not "
+    "fit the context length or the KV pool (context_length_exceeded)",
     401: "Missing or invalid API key",
     404: "Unknown model",
     413: "Request body larger than server.max_request_bytes",
@@ -73,8 +74,7 @@ def build_openapi(app, *, vocab_size: int, max_queued: int, secured: bool) -> di
             op["responses"][str(status)] = resp
         if secured and path not in OPEN_PATHS:
             op["security"] = [{"bearer": []}]
-    spec["paths"]["/metrics"]["get"]["responses"] = {
-        "200": {"description": "Prometheus metrics", "content": {"text/plain": {"schema": {"type": "string"}}}}}
+    spec["paths"]["/metrics"]["get"]["responses"] = {"200": {"description": "Prometheus metrics", "content": {"text/plain": {"schema": {"type": "string"}}}}}
     if secured:
         spec["components"]["securitySchemes"] = {"bearer": {"type": "http", "scheme": "bearer"}}
     n_max = min(MAX_N, max_queued) if max_queued else MAX_N

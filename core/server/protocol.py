@@ -10,6 +10,7 @@ Unknown top-level fields are ignored (clients send things like ``user``); fields
 the output but are not supported (``tools``, ``logit_bias``, ``echo``, ...) are accepted only with
 their neutral value, anything else is a 400 ``unsupported_parameter``.
 """
+
 from __future__ import annotations
 
 from typing import Annotated, Any, Literal, Optional, Union
@@ -18,8 +19,27 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool
 
 from ..sampling import SamplingParams
 from .errors import APIError
-from .fields import (MAX_N, STRICT, Choices, Int, MaxTokens, MinP, Penalty, PromptText, RepetitionPenalty, Seed,
-                     Temperature, Text, TokenId, TokenIds, TopK, TopLogprobs, TopP, empty, only)
+from .fields import (
+    MAX_N,
+    STRICT,
+    Choices,
+    Int,
+    MaxTokens,
+    MinP,
+    Penalty,
+    PromptText,
+    RepetitionPenalty,
+    Seed,
+    Temperature,
+    Text,
+    TokenId,
+    TokenIds,
+    TopK,
+    TopLogprobs,
+    TopP,
+    empty,
+    only,
+)
 
 __all__ = ["MAX_N", "ChatCompletionRequest", "CompletionRequest", "GenerateRequest"]
 
@@ -56,13 +76,14 @@ def _unsupported_list(name: str):
 
 class _SamplingFields(_Base):
     """Fields shared by chat and completions (OpenAI names plus SGLang/vLLM extras)."""
+
     model: Optional[Text] = None
     n: Choices = 1
     stream: StrictBool = False
     stream_options: Optional[StreamOptions] = None
     stop: Union[Text, list[Text], None] = None
     max_tokens: Optional[MaxTokens] = None
-    temperature: Optional[Temperature] = None       # None → 1.0 (OpenAI default)
+    temperature: Optional[Temperature] = None  # None → 1.0 (OpenAI default)
     top_p: Optional[TopP] = None
     seed: Optional[Seed] = None
     frequency_penalty: Penalty = 0.0
@@ -74,8 +95,7 @@ class _SamplingFields(_Base):
     ignore_eos: StrictBool = False
     stop_token_ids: Optional[list[TokenId]] = None
     # accepted for compatibility, rejected when they would matter
-    logit_bias: Annotated[Optional[dict[str, float]], empty("logit_bias"),
-                          Field(json_schema_extra={"maxProperties": 0})] = None
+    logit_bias: Annotated[Optional[dict[str, float]], empty("logit_bias"), Field(json_schema_extra={"maxProperties": 0})] = None
     user: Optional[Text] = None
 
     def stop_list(self) -> list[str]:
@@ -86,12 +106,21 @@ class _SamplingFields(_Base):
     def sampling_params(self, logprobs: bool, top_logprobs: int) -> SamplingParams:
         """max_new_tokens is a placeholder; ``Submission`` fills it per prompt."""
         return SamplingParams(
-            max_new_tokens=1, temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p, top_k=self.top_k, min_p=self.min_p,
-            seed=self.seed, stop=self.stop_list(), stop_token_ids=list(self.stop_token_ids or []),
-            ignore_eos=self.ignore_eos, repetition_penalty=self.repetition_penalty,
-            frequency_penalty=self.frequency_penalty, presence_penalty=self.presence_penalty,
-            logprobs=logprobs, top_logprobs=top_logprobs).validate()
+            max_new_tokens=1,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            seed=self.seed,
+            stop=self.stop_list(),
+            stop_token_ids=list(self.stop_token_ids or []),
+            ignore_eos=self.ignore_eos,
+            repetition_penalty=self.repetition_penalty,
+            frequency_penalty=self.frequency_penalty,
+            presence_penalty=self.presence_penalty,
+            logprobs=logprobs,
+            top_logprobs=top_logprobs,
+        ).validate()
 
     @property
     def include_usage(self) -> bool:
@@ -137,9 +166,8 @@ class ChatCompletionRequest(_SamplingFields):
 
 
 class CompletionRequest(_SamplingFields):
-    prompt: Union[PromptText, TokenIds, Annotated[list[PromptText], Field(min_length=1)],
-                  Annotated[list[TokenIds], Field(min_length=1)]]
-    logprobs: Optional[TopLogprobs] = None          # number of top logprobs per token (0 = only the chosen token)
+    prompt: Union[PromptText, TokenIds, Annotated[list[PromptText], Field(min_length=1)], Annotated[list[TokenIds], Field(min_length=1)]]
+    logprobs: Optional[TopLogprobs] = None  # number of top logprobs per token (0 = only the chosen token)
     echo: Annotated[(StrictBool, *only("echo", False))] = False
     suffix: Annotated[(Optional[Text], *only("suffix", "", None))] = None
     best_of: Annotated[(Optional[Int], *only("best_of", 1, None))] = None
@@ -159,6 +187,7 @@ class CompletionRequest(_SamplingFields):
 
 class GenerateSamplingParams(BaseModel):
     """SGLang ``sampling_params``; unknown keys are rejected."""
+
     model_config = ConfigDict(extra="forbid", **STRICT)
     max_new_tokens: Optional[MaxTokens] = None
     temperature: Temperature = 1.0
@@ -179,6 +208,7 @@ class GenerateSamplingParams(BaseModel):
 
 class GenerateRequest(_Base):
     """Exactly one of ``text`` and ``input_ids``."""
+
     model_config = ConfigDict(json_schema_extra={"oneOf": [{"required": ["text"]}, {"required": ["input_ids"]}]})
     text: Union[PromptText, Annotated[list[PromptText], Field(min_length=1)]] = None
     input_ids: Union[TokenIds, Annotated[list[TokenIds], Field(min_length=1)]] = None

@@ -11,6 +11,7 @@ workers, with SGLang's names and shapes.
   nothing to drop and it answers 200;
 * ``GET /health_generate``: healthy when the engine thread runs (as ``/health``).
 """
+
 from __future__ import annotations
 
 import time
@@ -30,16 +31,27 @@ def worker_identity(raw: Request) -> dict:
     st = get_state(raw)
     e = st.engine
     spec = getattr(e.cfg, "speculative", None)
-    return {"model_id": st.model_name, "served_model_name": st.model_name, "model_path": str(e.model_path),
-            "tokenizer_path": str(e.model_path), "tp_size": 1, "dp_size": 1, "load_balance_method": "round_robin",
-            "disaggregation_mode": "null", "max_running_requests": int(e.scheduler.max_running),
-            "max_total_tokens": int(e.runner.allocator.num_slots), "context_length": int(e.runner.max_context),
-            "speculative_algorithm": getattr(spec, "algorithm", None), "version": raw.app.version}
+    return {
+        "model_id": st.model_name,
+        "served_model_name": st.model_name,
+        "model_path": str(e.model_path),
+        "tokenizer_path": str(e.model_path),
+        "tp_size": 1,
+        "dp_size": 1,
+        "load_balance_method": "round_robin",
+        "disaggregation_mode": "null",
+        "max_running_requests": int(e.scheduler.max_running),
+        "max_total_tokens": int(e.runner.allocator.num_slots),
+        "context_length": int(e.runner.max_context),
+        "speculative_algorithm": getattr(spec, "algorithm", None),
+        "version": raw.app.version,
+    }
 
 
 @router.get("/server_info")
 async def server_info(raw: Request):
     from .native_api import get_server_info
+
     return {**worker_identity(raw), **(await get_server_info(raw))}
 
 
@@ -50,9 +62,18 @@ async def model_info(raw: Request):
 
 def _loads(raw: Request) -> list[dict]:
     snap = get_state(raw).bridge.snapshot
-    return [{"dp_rank": 0, "num_reqs": snap.running + snap.waiting, "num_running_reqs": snap.running,
-             "num_waiting_reqs": snap.waiting, "num_tokens": snap.kv_used, "num_pending_tokens": 0,
-             "kv_usage": snap.kv_usage, "ts_tic": time.time()}]
+    return [
+        {
+            "dp_rank": 0,
+            "num_reqs": snap.running + snap.waiting,
+            "num_running_reqs": snap.running,
+            "num_waiting_reqs": snap.waiting,
+            "num_tokens": snap.kv_used,
+            "num_pending_tokens": 0,
+            "kv_usage": snap.kv_usage,
+            "ts_tic": time.time(),
+        }
+    ]
 
 
 @router.get("/get_load")

@@ -1,5 +1,6 @@
 """Response shapes, published in the OpenAPI schema (the handlers build plain dicts; these say
 what those dicts hold). Extra keys are allowed: clients must ignore fields they do not know."""
+
 from __future__ import annotations
 
 from typing import Any, Literal, Optional, Union
@@ -16,6 +17,7 @@ class ErrorBody(BaseModel):
 
 class ErrorResponse(BaseModel):
     """Every error: ``{"error": {...}}`` (OpenAI's layout)."""
+
     error: ErrorBody
 
 
@@ -41,6 +43,7 @@ class ChatChoice(BaseModel):
 class ChatCompletion(BaseModel):
     """``stream: false``; with ``stream: true`` the body is ``text/event-stream`` of
     ``chat.completion.chunk`` objects, ending with ``data: [DONE]``."""
+
     id: str
     object: Literal["chat.completion"]
     created: int
@@ -59,6 +62,7 @@ class CompletionChoice(BaseModel):
 
 class Completion(BaseModel):
     """``stream: false``; with ``stream: true`` the body is ``text/event-stream``."""
+
     id: str
     object: Literal["text_completion"]
     created: int

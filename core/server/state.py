@@ -1,4 +1,5 @@
 """Per-app server state shared by the endpoint modules."""
+
 from __future__ import annotations
 
 import asyncio
@@ -46,8 +47,7 @@ class ServerState:
     def check_model(self, name: str | None) -> None:
         if name is None or name in MODEL_ALIASES or name == self.model_name:
             return
-        raise APIError(404, f"The model `{name}` does not exist. This server serves `{self.model_name}`.",
-                       "model", "model_not_found")
+        raise APIError(404, f"The model `{name}` does not exist. This server serves `{self.model_name}`.", "model", "model_not_found")
 
     def new_group(self, endpoint: str) -> RequestGroup:
         """A request group whose finishes and token timings feed the metrics."""
@@ -64,6 +64,7 @@ class ServerState:
 
         def on_finish(index, reason, out):
             self.metrics.on_finish(endpoint, reason, time.monotonic() - t0)
+
         return RequestGroup(self.bridge, on_output, on_finish)
 
     async def submit(self, sub: Submission, endpoint: str) -> RequestGroup:

@@ -5,6 +5,7 @@ for ``http.disconnect`` on ``receive``. ``SSEResponse`` streams an async iterato
 listening; on disconnect it cancels the iterator (whose ``finally`` aborts the engine requests).
 ``until_disconnect`` does the same for non-streaming requests.
 """
+
 from __future__ import annotations
 
 import asyncio

@@ -17,6 +17,7 @@ the completion and one decode step's slots):
 With ``n`` choices and ``seed = s`` the choices use seeds ``s, s+1, ...`` (different samples,
 each reproducible).
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -30,12 +31,13 @@ from ..scheduler import RequestRejected
 from .errors import APIError
 
 DEFAULT_MAX_TOKENS = 4096
-_SEED_MOD = 2 ** 64
+_SEED_MOD = 2**64
 
 
 @dataclass
 class Prompt:
     """One prompt: ``text`` (str), ``ids`` (token ids) or ``chat`` (list of message dicts)."""
+
     kind: str
     value: Any
 
@@ -47,15 +49,15 @@ def context_error(param: str, message: str) -> APIError:
 @dataclass
 class Submission:
     prompts: list[Prompt]
-    params: SamplingParams              # max_new_tokens is filled in per prompt
+    params: SamplingParams  # max_new_tokens is filled in per prompt
     n: int = 1
     max_tokens: int | None = None
     default_max_tokens: int = DEFAULT_MAX_TOKENS
-    prompt_param: str = "prompt"        # field names used in error messages
+    prompt_param: str = "prompt"  # field names used in error messages
     max_tokens_param: str = "max_tokens"
     stop_ids_param: str = "stop_token_ids"
     rid_prefix: str = "req"
-    prompt_ids: list[list[int]] = field(default_factory=list)   # filled by prepare()
+    prompt_ids: list[list[int]] = field(default_factory=list)  # filled by prepare()
     max_new: list[int] = field(default_factory=list)
 
     @property
@@ -65,13 +67,11 @@ class Submission:
     def prepare(self, engine: Engine) -> "Submission":
         vocab = engine.runner.vocab_size
         if any(t >= vocab for t in self.params.stop_token_ids):
-            raise APIError(400, f"{self.stop_ids_param}: token ids must be in [0, {vocab})", self.stop_ids_param,
-                           "invalid_value")
+            raise APIError(400, f"{self.stop_ids_param}: token ids must be in [0, {vocab})", self.stop_ids_param, "invalid_value")
         for prompt in self.prompts:
             ids = self._tokenize(engine, prompt)
             if any(isinstance(t, bool) or not isinstance(t, int) or t < 0 or t >= vocab for t in ids):
-                raise APIError(400, f"{self.prompt_param}: token ids must be in [0, {vocab})", self.prompt_param,
-                               "invalid_value")
+                raise APIError(400, f"{self.prompt_param}: token ids must be in [0, {vocab})", self.prompt_param, "invalid_value")
             if not ids:
                 raise APIError(400, f"{self.prompt_param}: the prompt is empty", self.prompt_param, "invalid_value")
             room = self._room(engine, len(ids))
@@ -88,34 +88,43 @@ class Submission:
     def _room(self, engine: Engine, prompt_tokens: int) -> int:
         ctx = engine.runner.max_context
         if prompt_tokens >= ctx:
-            raise context_error(self.prompt_param, f"This model's maximum context length is {ctx} tokens; the prompt "
-                                f"has {prompt_tokens} tokens (at least one token must remain for the completion)")
+            raise context_error(
+                self.prompt_param,
+                f"This model's maximum context length is {ctx} tokens; the prompt "
+                f"has {prompt_tokens} tokens (at least one token must remain for the completion)",
+            )
         # the last step caches all but the last sampled token and needs slots_per_decode fresh slots
         pool_room = engine.runner.allocator.num_slots - prompt_tokens - engine.worker.slots_per_decode + 2
         if pool_room < 1:
-            raise context_error(self.prompt_param, f"the prompt has {prompt_tokens} tokens; the KV pool holds "
-                                f"{engine.runner.allocator.num_slots}")
+            raise context_error(self.prompt_param, f"the prompt has {prompt_tokens} tokens; the KV pool holds {engine.runner.allocator.num_slots}")
         return min(ctx - prompt_tokens, pool_room)
 
     def _too_long(self, engine: Engine, prompt_tokens: int, room: int) -> str:
-        return (f"{self.max_tokens_param} is too large: {self.max_tokens}. This model's maximum context length is "
-                f"{engine.runner.max_context} tokens (KV pool: {engine.runner.allocator.num_slots}) and the prompt "
-                f"has {prompt_tokens} tokens, so at most {room} can be generated")
+        return (
+            f"{self.max_tokens_param} is too large: {self.max_tokens}. This model's maximum context length is "
+            f"{engine.runner.max_context} tokens (KV pool: {engine.runner.allocator.num_slots}) and the prompt "
+            f"has {prompt_tokens} tokens, so at most {room} can be generated"
+        )
 
     def build(self, engine: Engine) -> list[Request]:
         """Requests in choice order: prompt-major, then the ``n`` samples of each prompt."""
         bound = engine.scheduler.max_queued
         if bound and self.num_requests > bound:
-            raise APIError(400, f"this request needs {self.num_requests} engine requests (n x prompts) but the queue "
-                           f"holds at most {bound} (engine.max_queued_requests)", "n", "invalid_value")
+            raise APIError(
+                400,
+                f"this request needs {self.num_requests} engine requests (n x prompts) but the queue holds at most {bound} (engine.max_queued_requests)",
+                "n",
+                "invalid_value",
+            )
         reqs = []
         for pi, (ids, max_new) in enumerate(zip(self.prompt_ids, self.max_new)):
             for j in range(self.n):
                 seed = self.params.seed
                 if seed is not None and j:
                     seed = (seed + j) % _SEED_MOD
-                p = dataclasses.replace(self.params, max_new_tokens=max_new, seed=seed,
-                                        stop=list(self.params.stop), stop_token_ids=list(self.params.stop_token_ids))
+                p = dataclasses.replace(
+                    self.params, max_new_tokens=max_new, seed=seed, stop=list(self.params.stop), stop_token_ids=list(self.params.stop_token_ids)
+                )
                 try:
                     reqs.append(engine.make_request(ids, p, rid=f"{self.rid_prefix}-{pi * self.n + j}"))
                 except RequestRejected as e:
@@ -124,8 +133,7 @@ class Submission:
                     raise
                 except SamplingParamsError as e:
                     if e.param == "max_new_tokens":
-                        raise SamplingParamsError(self.max_tokens_param, str(e).replace(
-                            "max_new_tokens", self.max_tokens_param)) from e
+                        raise SamplingParamsError(self.max_tokens_param, str(e).replace("max_new_tokens", self.max_tokens_param)) from e
                     raise
         return reqs
 

@@ -13,6 +13,7 @@ The drafter supplies ``step(chunks, parent_hidden)``: one forward over beam node
 slots of beam nodes are allocated here and freed before returning: only the committed prefix
 stays in the drafter's cache.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -33,22 +34,24 @@ class _Cands:
 
     def to_candidates(self) -> DraftCandidates:
         probs = torch.stack(self.probs) if self.probs and all(p is not None for p in self.probs) else None
-        return DraftCandidates(torch.tensor(self.tokens, dtype=torch.long), torch.tensor(self.parents, dtype=torch.long),
-                               torch.tensor(self.scores, dtype=torch.float32), probs)
+        return DraftCandidates(
+            torch.tensor(self.tokens, dtype=torch.long), torch.tensor(self.parents, dtype=torch.long), torch.tensor(self.scores, dtype=torch.float32), probs
+        )
 
 
-def _expand(req, logits: torch.Tensor, beams: list[tuple[int, float, int]], k: int, cands: _Cands,
-            sampled: bool, to_target: torch.Tensor | None) -> list[tuple[int, float, int]]:
+def _expand(
+    req, logits: torch.Tensor, beams: list[tuple[int, float, int]], k: int, cands: _Cands, sampled: bool, to_target: torch.Tensor | None
+) -> list[tuple[int, float, int]]:
     """beams: (candidate index, score, row in ``logits``). Returns the best ``k`` children as
     next beams: (candidate index, score, row of ``logits`` that produced them)."""
     children = []
     if sampled:
-        for parent, score, row in beams:   # on the host, where the request's generator is
-            probs = target_probs(logits[row:row + 1].cpu(), req.params)[0]
+        for parent, score, row in beams:  # on the host, where the request's generator is
+            probs = target_probs(logits[row : row + 1].cpu(), req.params)[0]
             tok = int(torch.multinomial(probs, 1, generator=req.generator))
             full = probs if to_target is None else None
             children.append((score + float(torch.log(probs[tok] + 1e-20)), parent, tok, full, row))
-    else:   # every beam's top k in one call, read back once (one device sync per request and depth)
+    else:  # every beam's top k in one call, read back once (one device sync per request and depth)
         rows = [row for _, _, row in beams]
         block = logits if rows == list(range(logits.shape[0])) else logits[rows]
         v, ix = torch.topk(torch.log_softmax(block.float(), -1), k)
@@ -69,23 +72,31 @@ def _expand(req, logits: torch.Tensor, beams: list[tuple[int, float, int]], k: i
     return nxt
 
 
-def beam_search(reqs, first_logits: torch.Tensor, first_hidden: torch.Tensor | None, topk: int, num_steps: int,
-                committed_slots: Callable, allocator, step: Callable, sampled: Callable = lambda r: False,
-                to_target: torch.Tensor | None = None,
-                root_position: Callable = lambda r: r.seq_len - 1,
-                score_floor: float = float("-inf")) -> list[DraftCandidates]:
+def beam_search(
+    reqs,
+    first_logits: torch.Tensor,
+    first_hidden: torch.Tensor | None,
+    topk: int,
+    num_steps: int,
+    committed_slots: Callable,
+    allocator,
+    step: Callable,
+    sampled: Callable = lambda r: False,
+    to_target: torch.Tensor | None = None,
+    root_position: Callable = lambda r: r.seq_len - 1,
+    score_floor: float = float("-inf"),
+) -> list[DraftCandidates]:
     """``first_logits[i]``/``first_hidden[i]``: the drafter's output at request i's root.
     ``committed_slots(req)`` → its draft KV slots (prefix incl. root). ``to_target`` maps a
     reduced draft vocabulary to target ids (FR-Spec / EAGLE-3 ``d2t``). Beams scoring below
     ``score_floor`` are not expanded (their children would score no higher and be pruned);
     drafting stops early when no beam is left."""
     cands = [_Cands() for _ in reqs]
-    beams = [_expand(r, first_logits[i:i + 1], [(-1, 0.0, 0)], topk, cands[i], sampled(r), to_target)
-             for i, r in enumerate(reqs)]
+    beams = [_expand(r, first_logits[i : i + 1], [(-1, 0.0, 0)], topk, cands[i], sampled(r), to_target) for i, r in enumerate(reqs)]
     hidden = first_hidden
-    row_base = list(range(len(reqs)))     # request i's first row in ``hidden`` (the last step's output)
-    drafted = [[] for _ in reqs]          # per request: draft slots of forwarded beam nodes, in order
-    row_of = [dict() for _ in reqs]       # candidate index → position in drafted[i]
+    row_base = list(range(len(reqs)))  # request i's first row in ``hidden`` (the last step's output)
+    drafted = [[] for _ in reqs]  # per request: draft slots of forwarded beam nodes, in order
+    row_of = [dict() for _ in reqs]  # candidate index → position in drafted[i]
     try:
         for depth in range(1, num_steps):
             beams = [[b for b in bs if b[1] >= score_floor] for bs in beams]
@@ -115,8 +126,7 @@ def beam_search(reqs, first_logits: torch.Tensor, first_hidden: torch.Tensor | N
             off = 0
             for i in live:
                 r, n = reqs[i], len(beams[i])
-                beams[i] = _expand(r, logits[off:off + n], [(c, s, j) for j, (c, s, _) in enumerate(beams[i])],
-                                   topk, cands[i], sampled(r), to_target)
+                beams[i] = _expand(r, logits[off : off + n], [(c, s, j) for j, (c, s, _) in enumerate(beams[i])], topk, cands[i], sampled(r), to_target)
                 row_base[i] = off
                 off += n
     finally:

@@ -20,6 +20,7 @@ a draft that does not pay for itself is switched off. Steps on which no request 
 
 Greedy output does not depend on the sizes chosen: any tree verifies to the same tokens.
 """
+
 from __future__ import annotations
 
 import random
@@ -63,8 +64,7 @@ def accepted_within(cands: DraftCandidates, accepted_tokens: list[int], keep: se
     return n
 
 
-def counterfactual_yields(sizes: list[int], played: int, cands: list[DraftCandidates],
-                          accepted: list[list[int]]) -> dict[int, int]:
+def counterfactual_yields(sizes: list[int], played: int, cands: list[DraftCandidates], accepted: list[list[int]]) -> dict[int, int]:
     """Tokens the step would have emitted at each size <= ``played`` (summed over requests)."""
     out = {}
     for s in sizes:
@@ -80,6 +80,7 @@ def counterfactual_yields(sizes: list[int], played: int, cands: list[DraftCandid
 
 class _Decayed:
     """Decayed mean."""
+
     __slots__ = ("total", "weight")
 
     def __init__(self):
@@ -95,19 +96,27 @@ class _Decayed:
 
 
 class DraftBudget:
-    def __init__(self, num_draft_tokens: int, adaptive: bool = True, warmup: int = 2,
-                 explore: float = 0.1, decay: float = 0.98, cost_decay: float = 0.8, seed: int = 0,
-                 sizes: list[int] | None = None):
+    def __init__(
+        self,
+        num_draft_tokens: int,
+        adaptive: bool = True,
+        warmup: int = 2,
+        explore: float = 0.1,
+        decay: float = 0.98,
+        cost_decay: float = 0.8,
+        seed: int = 0,
+        sizes: list[int] | None = None,
+    ):
         self.max_size = num_draft_tokens
         self.adaptive = adaptive
         self.sizes = sizes or budget_sizes(num_draft_tokens)
         # yields are noisy (0 or 6 accepted) and need a long memory; step costs are steady
         # (hardware, context length) and a short one forgets outliers such as a cold first step
         self.warmup, self.explore, self.decay, self.cost_decay = warmup, explore, decay, cost_decay
-        self.cost: dict[int, dict[int, _Decayed]] = {}    # batch size → {tree size: seconds per step}
+        self.cost: dict[int, dict[int, _Decayed]] = {}  # batch size → {tree size: seconds per step}
         self.yields: dict[int, dict[int, _Decayed]] = {}  # batch size → {tree size: tokens per step}
-        self.played: dict[int, dict[int, int]] = {}       # batch size → {tree size: steps measured}
-        self.chosen: dict[int, int] = {s: 0 for s in self.sizes}   # how often each size was played
+        self.played: dict[int, dict[int, int]] = {}  # batch size → {tree size: steps measured}
+        self.chosen: dict[int, int] = {s: 0 for s in self.sizes}  # how often each size was played
         self._rng = random.Random(seed)
 
     def rates(self, batch: int) -> dict[int, float]:
@@ -128,14 +137,14 @@ class DraftBudget:
         played = self.played.setdefault(batch, {s: 0 for s in self.sizes})
         under = [s for s in self.sizes if played[s] < self.warmup]
         if under:
-            size = under[-1]   # largest first: it measures every size's yield
+            size = under[-1]  # largest first: it measures every size's yield
         else:
             size = self.best(batch)
             u = self._rng.random()
             i = self.sizes.index(size)
             if u < self.explore / 4:
                 size = self.max_size
-            elif u < self.explore / 2 and i > 0:       # refresh a smaller size's cost (yields come free)
+            elif u < self.explore / 2 and i > 0:  # refresh a smaller size's cost (yields come free)
                 size = self.sizes[i - 1]
             elif u < self.explore and i + 1 < len(self.sizes):
                 size = self.sizes[i + 1]

@@ -24,6 +24,7 @@ pruning on, the draft budget only decides whether to draft at all (sizes 1 and
 ``num_draft_tokens``): the tree size is this module's per-step decision. Greedy output never depends on
 any of this: any tree verifies to the same tokens.
 """
+
 from __future__ import annotations
 
 import bisect
@@ -81,7 +82,7 @@ class NodeCost:
     """Marginal seconds per verified node: decayed least squares of step seconds on nodes."""
 
     def __init__(self, decay: float = 0.98, min_spread: float = 0.2, min_steps: float = 3.0):
-        self.decay, self.min_spread, self.min_steps = decay, min_spread, min_steps   # 0.2: a 1-node chain's 0/1 trees fit
+        self.decay, self.min_spread, self.min_steps = decay, min_spread, min_steps  # 0.2: a 1-node chain's 0/1 trees fit
         self.w = self.sx = self.sy = self.sxx = self.sxy = 0.0
 
     def observe(self, nodes: int, seconds: float) -> None:
@@ -109,6 +110,7 @@ class Cut:
     """How one step cuts each request's candidates: below ``threshold`` (acceptance probability),
     or, when ``keep`` is set (exploring steps), to the ``keep`` best. Drafting stops below the
     threshold's score floor either way. The default keeps everything."""
+
     threshold: float = 0.0
     keep: int | None = None
 
@@ -122,7 +124,7 @@ class ConfidencePruning:
         self._rng = random.Random(seed)
         self.pruned_nodes = 0
         self.kept_nodes = 0
-        self.last_threshold: dict[int, float] = {}   # batch size → the threshold of its last pruned step
+        self.last_threshold: dict[int, float] = {}  # batch size → the threshold of its last pruned step
 
     def threshold(self, batch: int, tokens_per_s: float | None) -> float:
         """Minimum acceptance probability for a node to raise tokens/s (0: keep everything)."""
@@ -142,7 +144,7 @@ class ConfidencePruning:
             return Cut()
         threshold = self.threshold(batch, tokens_per_s)
         cost = self.costs.get(batch)
-        if cost is None or cost.slope is None:   # no cost fit yet: trees of every non-empty size
+        if cost is None or cost.slope is None:  # no cost fit yet: trees of every non-empty size
             return Cut(keep=self._rng.randint(min(1, max_nodes), max_nodes))
         if self._rng.random() < self.explore:
             return Cut(threshold=threshold, keep=self._rng.randint(0, max_nodes))
@@ -183,4 +185,3 @@ class ConfidencePruning:
                 self.calibration.observe(s, i in on_path)
         if seconds is not None:
             self.costs.setdefault(batch, NodeCost()).observe(nodes, seconds)
-

@@ -1,5 +1,6 @@
 """The core's built-in tree building and verification, registered as a plugin whose hooks are
 ``trylast``: any algorithm runtime that returns a result from these hooks overrides them."""
+
 from __future__ import annotations
 
 from ..hookspecs import hookimpl

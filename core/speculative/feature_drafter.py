@@ -15,6 +15,7 @@ Subclasses provide the head (``head_forward``), how target features are formed
 (``target_features``), and the vocabulary mapping (``to_target``, a host tensor). Features and the
 head's KV live on the target runner's device; ``head_forward`` gets its batch there.
 """
+
 from __future__ import annotations
 
 import torch
@@ -29,12 +30,12 @@ from .types import DraftCandidates
 
 class _PairState:
     def __init__(self):
-        self.slots = SlotTable()          # head KV of pairs 0..len-1
-        self.pending: list[torch.Tensor] = []   # features of positions len(slots).. (not consumed yet)
+        self.slots = SlotTable()  # head KV of pairs 0..len-1
+        self.pending: list[torch.Tensor] = []  # features of positions len(slots).. (not consumed yet)
 
 
 class FeatureDrafter:
-    to_target: torch.Tensor | None = None   # draft-vocab index → target id (None = same vocab)
+    to_target: torch.Tensor | None = None  # draft-vocab index → target id (None = same vocab)
 
     def __init__(self, ctx, layer, num_slots: int):
         self.ctx = ctx
@@ -48,8 +49,7 @@ class FeatureDrafter:
     def target_features(self, hidden: torch.Tensor, aux: list[torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
 
-    def head_forward(self, tokens: torch.Tensor, features: torch.Tensor, fb: ForwardBatch,
-                     from_target: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    def head_forward(self, tokens: torch.Tensor, features: torch.Tensor, fb: ForwardBatch, from_target: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """One head forward over pairs → (draft logits [T, V_draft], output hidden [T, H])."""
         raise NotImplementedError
 
@@ -99,10 +99,10 @@ class FeatureDrafter:
             st = self.states[r.rid]
             d = len(st.slots)
             pending = torch.cat(st.pending) if len(st.pending) > 1 else st.pending[0]
-            m = r.seq_len - 1 - d                       # pairs d .. seq_len-2 (the last pairs the root)
+            m = r.seq_len - 1 - d  # pairs d .. seq_len-2 (the last pairs the root)
             f = pending[:m]
-            st.pending = [pending[m:]] if pending.shape[0] > m else []   # at prefill: the last prompt position's
-            tokens = torch.tensor(r.seq_ids[d + 1:d + 1 + m], dtype=torch.long)
+            st.pending = [pending[m:]] if pending.shape[0] > m else []  # at prefill: the last prompt position's
+            tokens = torch.tensor(r.seq_ids[d + 1 : d + 1 + m], dtype=torch.long)
             slots = self.kv.allocator.alloc(m)
             chunks.append((tokens, torch.arange(d, d + m), slots, st.slots.slots(), None))
             st.slots.append(slots)
@@ -118,7 +118,16 @@ class FeatureDrafter:
             sfb = build_forward_batch(step_chunks).to(self.device)
             return self.head_forward(sfb.input_ids, parent_hidden, sfb, from_target=False)
 
-        return beam_search(reqs, logits, last_hidden, self.shape.topk, plan.depth,
-                           lambda r: self.states[r.rid].slots.slots(), self.kv.allocator, step,
-                           to_target=self.to_target, root_position=lambda r: r.seq_len - 2,
-                           score_floor=plan.score_floor)
+        return beam_search(
+            reqs,
+            logits,
+            last_hidden,
+            self.shape.topk,
+            plan.depth,
+            lambda r: self.states[r.rid].slots.slots(),
+            self.kv.allocator,
+            step,
+            to_target=self.to_target,
+            root_position=lambda r: r.seq_len - 2,
+            score_floor=plan.score_floor,
+        )

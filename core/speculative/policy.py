@@ -19,6 +19,7 @@ the tokens those steps produced (a switching cost, not what a drafted step costs
 timed, and the next step replays its size to be timed; otherwise a budget that left drafting
 would never see its cost again.
 """
+
 from __future__ import annotations
 
 from .budget import DraftBudget, counterfactual_yields
@@ -34,10 +35,11 @@ class DraftPolicy:
         # with pruning, the tree size is decided per step from the draft's confidence; the budget
         # only decides whether drafting pays at all (a pruned step's cost varies with the text
         # like its yield does: average both alike)
-        self.budget = DraftBudget(shape.num_draft_tokens, adaptive=adaptive,
-                                  **(dict(sizes=[1, shape.num_draft_tokens], cost_decay=0.95) if self.pruning.enabled else {}))
-        self._retime = 0             # size the next step must play (to time it), 0 = the budget's choice
-        self._plain_before = False   # the last decode step did not draft
+        self.budget = DraftBudget(
+            shape.num_draft_tokens, adaptive=adaptive, **(dict(sizes=[1, shape.num_draft_tokens], cost_decay=0.95) if self.pruning.enabled else {})
+        )
+        self._retime = 0  # size the next step must play (to time it), 0 = the budget's choice
+        self._plain_before = False  # the last decode step did not draft
 
     @property
     def adaptive(self) -> bool:
@@ -59,8 +61,7 @@ class DraftPolicy:
             return DraftCandidates.empty()
         return self.pruning.prune(cands.best(plan.size - 1), plan.cut or Cut())
 
-    def observe(self, batch: int, plan: StepPlan, drafted: bool, verified: list[DraftCandidates],
-                accepted: list[list[int]], seconds: float) -> None:
+    def observe(self, batch: int, plan: StepPlan, drafted: bool, verified: list[DraftCandidates], accepted: list[list[int]], seconds: float) -> None:
         """One decode step played ``plan`` in ``seconds``; ``drafted``: the drafter proposed
         anything; ``verified``: the candidates each request's tree held; ``accepted``: the draft
         tokens the target accepted per request (root's child first)."""

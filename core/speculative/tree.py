@@ -1,4 +1,5 @@
 """Default tree building: rerank candidates, keep an ancestor-closed set, derive tree tensors."""
+
 from __future__ import annotations
 
 import torch
@@ -46,5 +47,4 @@ def build_tree(root_token: int, cands: DraftCandidates, size: int) -> DraftTree:
             next_sibling[last_child[p]] = i
         last_child[p] = i
     probs = cands.draft_probs[keep] if cands.draft_probs is not None and keep else None
-    return DraftTree(tokens, torch.tensor(parents), torch.tensor(depth), mask,
-                     torch.tensor(next_token), torch.tensor(next_sibling), probs)
+    return DraftTree(tokens, torch.tensor(parents), torch.tensor(depth), mask, torch.tensor(next_token), torch.tensor(next_sibling), probs)

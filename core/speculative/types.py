@@ -1,4 +1,5 @@
 """Typed objects passed between the speculative stages (draft → tree → verify → commit)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -10,7 +11,7 @@ import torch
 from ..step import StepResult, VerifyResult  # noqa: F401  (re-exported: the verify hook's result type)
 from .config import SpecAlgoConfig, TreeShape
 
-if TYPE_CHECKING:   # annotations only: the context is built by the core, read by plugins
+if TYPE_CHECKING:  # annotations only: the context is built by the core, read by plugins
     from transformers import PreTrainedTokenizerBase
 
     from ..config import EngineConfig
@@ -22,14 +23,15 @@ if TYPE_CHECKING:   # annotations only: the context is built by the core, read b
 class SpecContext:
     """Engine-wide state shared by the hooks of one engine; it does not change from step to step
     (a step's own inputs come as arguments: the batch's requests, the :class:`StepPlan`)."""
-    config: SpecAlgoConfig           # the algorithm's validated config (the plugin's own dataclass)
-    shape: TreeShape                 # num_steps, topk, num_draft_tokens after the auto / validation rules
-    runner: "ModelRunner"            # the target: model, hf_config, device, kv pool, allocator, backend
+
+    config: SpecAlgoConfig  # the algorithm's validated config (the plugin's own dataclass)
+    shape: TreeShape  # num_steps, topk, num_draft_tokens after the auto / validation rules
+    runner: "ModelRunner"  # the target: model, hf_config, device, kv pool, allocator, backend
     tokenizer: "PreTrainedTokenizerBase"
-    engine_config: "EngineConfig"    # the engine.* keys
-    stats: "EngineStats"             # counters (read-only for plugins)
+    engine_config: "EngineConfig"  # the engine.* keys
+    stats: "EngineStats"  # counters (read-only for plugins)
     target_path: Path | None = None  # the target's resolved checkpoint directory (MTP reads its NextN layers)
-    capture_layers: tuple[int, ...] = ()   # target layers whose input hidden states the drafter needs
+    capture_layers: tuple[int, ...] = ()  # target layers whose input hidden states the drafter needs
     force_greedy: bool = False
 
 
@@ -42,10 +44,11 @@ class StepPlan:
     (``specfw_draft`` is not called). ``depth``: the useful draft depth,
     ``min(num_steps, size - 1)``. ``score_floor``: candidates scoring below it are pruned this
     step (confidence pruning), so beams below it need not be expanded (-inf: none are)."""
+
     size: int
     depth: int
     score_floor: float = float("-inf")
-    cut: Any = None   # the policy's own cut of the candidates (speculative/confidence.py Cut)
+    cut: Any = None  # the policy's own cut of the candidates (speculative/confidence.py Cut)
 
     @property
     def drafts(self) -> bool:
@@ -62,6 +65,7 @@ class DraftCandidates:
     ``draft_probs`` (optional, ``[n, vocab]``) is the draft distribution candidate i was
     sampled from; with a chain it enables lossless rejection sampling for sampled requests.
     """
+
     tokens: torch.Tensor
     parents: torch.Tensor
     scores: torch.Tensor
@@ -75,8 +79,7 @@ class DraftCandidates:
     @classmethod
     def chain(cls, tokens: list[int], draft_probs: torch.Tensor | None = None) -> "DraftCandidates":
         n = len(tokens)
-        return cls(torch.tensor(tokens, dtype=torch.long), torch.arange(-1, n - 1, dtype=torch.long),
-                   -torch.arange(n, dtype=torch.float32), draft_probs)
+        return cls(torch.tensor(tokens, dtype=torch.long), torch.arange(-1, n - 1, dtype=torch.long), -torch.arange(n, dtype=torch.float32), draft_probs)
 
     def __len__(self) -> int:
         return int(self.tokens.numel())
@@ -86,13 +89,15 @@ class DraftCandidates:
         if len(self) <= n:
             return self
         from .tree import select_candidates
+
         keep = select_candidates(self, n)
         remap = {old: new for new, old in enumerate(keep)}
         old_parents = self.parents.tolist()
         parents = [remap[old_parents[i]] if old_parents[i] >= 0 else -1 for i in keep]
         idx = torch.tensor(keep, dtype=torch.long)
-        return DraftCandidates(self.tokens[idx], torch.tensor(parents, dtype=torch.long), self.scores[idx],
-                               None if self.draft_probs is None else self.draft_probs[idx])
+        return DraftCandidates(
+            self.tokens[idx], torch.tensor(parents, dtype=torch.long), self.scores[idx], None if self.draft_probs is None else self.draft_probs[idx]
+        )
 
 
 @dataclass
@@ -103,11 +108,12 @@ class DraftTree:
     ``retrieve_next_token[i]`` is i's first child, ``retrieve_next_sibling[i]`` its next sibling
     (-1 when none): walking them visits children in candidate (score) order.
     """
-    tokens: torch.Tensor                 # [N]
-    parents: torch.Tensor                # [N], -1 for the root
-    depth: torch.Tensor                  # [N]
-    mask: torch.Tensor                   # [N, N] bool
-    retrieve_next_token: torch.Tensor    # [N]
+
+    tokens: torch.Tensor  # [N]
+    parents: torch.Tensor  # [N], -1 for the root
+    depth: torch.Tensor  # [N]
+    mask: torch.Tensor  # [N, N] bool
+    retrieve_next_token: torch.Tensor  # [N]
     retrieve_next_sibling: torch.Tensor  # [N]
     draft_probs: torch.Tensor | None = None  # [N-1, V], node i+1's draft distribution
 

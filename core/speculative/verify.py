@@ -1,5 +1,6 @@
 """Default verification: greedy tree walk, stochastic tree sampling with acceptance thresholds
 (target-only; thresholds of 1.0 are lossless), and chain rejection sampling with draft probs."""
+
 from __future__ import annotations
 
 import torch
@@ -22,7 +23,7 @@ def processed_logits(req: Request, tree: DraftTree, logits: torch.Tensor) -> tor
         while n > 0:
             path.append(toks[n])
             n = parents[n]
-        out[i] = apply_penalties(logits[i:i + 1], p, req.prompt_ids, req.output_ids + path[::-1])[0]
+        out[i] = apply_penalties(logits[i : i + 1], p, req.prompt_ids, req.output_ids + path[::-1])[0]
     return out
 
 
@@ -40,8 +41,7 @@ def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> VerifyResult:
     return VerifyResult(path, [toks[n] for n in path[1:]] + [best[node]], len(tree) - 1)
 
 
-def verify_tree_sampling(req: Request, tree: DraftTree, logits: torch.Tensor,
-                         threshold_single: float, threshold_acc: float) -> VerifyResult:
+def verify_tree_sampling(req: Request, tree: DraftTree, logits: torch.Tensor, threshold_single: float, threshold_acc: float) -> VerifyResult:
     """Target-only tree sampling. At each node one uniform coin walks the children in order
     against the accumulated target probability (inverse-CDF over the siblings): with both
     thresholds at 1.0 the emitted token is an exact sample of the target distribution. A
@@ -50,7 +50,7 @@ def verify_tree_sampling(req: Request, tree: DraftTree, logits: torch.Tensor,
     node, path = 0, [0]
     gen = req.generator
     while True:
-        probs = target_probs(logits[node:node + 1], req.params)[0]
+        probs = target_probs(logits[node : node + 1], req.params)[0]
         coin = float(torch.rand((), generator=gen))
         acc, accepted = 0.0, None
         residual = probs.clone()
@@ -77,7 +77,7 @@ def verify_chain_rejection(req: Request, tree: DraftTree, logits: torch.Tensor) 
     gen = req.generator
     path = [0]
     for d in range(1, len(tree)):
-        p = target_probs(logits[d - 1:d], req.params)[0]
+        p = target_probs(logits[d - 1 : d], req.params)[0]
         q = tree.draft_probs[d - 1].float()
         x = toks[d]
         if float(torch.rand((), generator=gen)) * float(q[x]) <= float(p[x]):
@@ -85,14 +85,14 @@ def verify_chain_rejection(req: Request, tree: DraftTree, logits: torch.Tensor) 
             continue
         resid = (p - q).clamp_min(0)
         dist = resid / resid.sum() if float(resid.sum()) > 0 else p
-        return VerifyResult(path, [toks[n] for n in path[1:]] + [int(torch.multinomial(dist, 1, generator=gen))],
-                            len(tree) - 1)
-    p = target_probs(logits[len(tree) - 1:], req.params)[0]
+        return VerifyResult(path, [toks[n] for n in path[1:]] + [int(torch.multinomial(dist, 1, generator=gen))], len(tree) - 1)
+    p = target_probs(logits[len(tree) - 1 :], req.params)[0]
     return VerifyResult(path, toks[1:] + [int(torch.multinomial(p, 1, generator=gen))], len(tree) - 1)
 
 
-def verify(req: Request, tree: DraftTree, logits: torch.Tensor, threshold_single: float = 1.0,
-           threshold_acc: float = 1.0, force_greedy: bool = False) -> VerifyResult:
+def verify(
+    req: Request, tree: DraftTree, logits: torch.Tensor, threshold_single: float = 1.0, threshold_acc: float = 1.0, force_greedy: bool = False
+) -> VerifyResult:
     """``logits`` [len(tree), V] on any device: greedy walks read one argmax per node from it;
     penalties and sampling run on a host copy (the request's generator is a host generator)."""
     if req.params.has_penalties or not (req.params.greedy or force_greedy):

@@ -7,6 +7,7 @@ draft policy is off and the tree flags mean what they say. Where it grows (CPUs)
 it decides per step whether to draft and how large a tree to verify, from measured tokens/s, and
 the tree flags are upper bounds.
 """
+
 from __future__ import annotations
 
 import logging
@@ -19,8 +20,8 @@ from ..model_runner import build_forward_batch
 
 logger = logging.getLogger(__name__)
 
-PREFIX = 128            # tokens of context the probe's rows attend to
-GROWS_ABOVE = 1.15      # verify cost / one-row cost above which the adaptive policy is worth running
+PREFIX = 128  # tokens of context the probe's rows attend to
+GROWS_ABOVE = 1.15  # verify cost / one-row cost above which the adaptive policy is worth running
 
 MODES = ("auto", "true", "false")
 
@@ -36,9 +37,10 @@ def verify_cost_ratio(runner, rows: int, reps: int = 3) -> float:
     those of one row; the best of ``reps`` each, after a warm-up. KV slots are borrowed and freed."""
     alloc = runner.allocator
     if runner.device.type == "meta" or not alloc.can_alloc(PREFIX + rows + 1):
-        return float("inf")   # nothing to time (meta tensors) or no room: keep the policy on
+        return float("inf")  # nothing to time (meta tensors) or no room: keep the policy on
     prefix = alloc.alloc(PREFIX)
     try:
+
         def timed(n: int) -> float:
             slots = alloc.alloc(n)
             try:
@@ -54,6 +56,7 @@ def verify_cost_ratio(runner, rows: int, reps: int = 3) -> float:
                 return best
             finally:
                 alloc.free(slots)
+
         one = timed(1)
         return timed(rows) / one
     finally:
@@ -69,11 +72,18 @@ def resolve_adaptive(value, runner, num_draft_tokens: int) -> bool:
     ratio = verify_cost_ratio(runner, num_draft_tokens)
     on = ratio > GROWS_ABOVE
     if on:
-        logger.info("speculative.adaptive_draft=auto: on -- verifying %d rows costs %.2fx one row on this device, so "
-                    "each step drafts only when it pays and verifies the tree size that pays best (the tree flags "
-                    "are upper bounds); speculative.adaptive_draft=false verifies num_draft_tokens every step, as SGLang",
-                    num_draft_tokens, ratio)
+        logger.info(
+            "speculative.adaptive_draft=auto: on -- verifying %d rows costs %.2fx one row on this device, so "
+            "each step drafts only when it pays and verifies the tree size that pays best (the tree flags "
+            "are upper bounds); speculative.adaptive_draft=false verifies num_draft_tokens every step, as SGLang",
+            num_draft_tokens,
+            ratio,
+        )
     else:
-        logger.info("speculative.adaptive_draft=auto: off -- verifying %d rows costs %.2fx one row on this device "
-                    "(flat), so every step drafts and verifies the configured tree, as SGLang", num_draft_tokens, ratio)
+        logger.info(
+            "speculative.adaptive_draft=auto: off -- verifying %d rows costs %.2fx one row on this device "
+            "(flat), so every step drafts and verifies the configured tree, as SGLang",
+            num_draft_tokens,
+            ratio,
+        )
     return on

@@ -10,6 +10,7 @@
 and returns the results (``VerifyResult``: a ``StepResult`` keeping the accepted path's KV); the
 scheduler applies them.
 """
+
 from __future__ import annotations
 
 import logging
@@ -44,13 +45,22 @@ class SpeculativeWorker:
 
     def __init__(self, runner, algorithm, registry, *, engine_config, tokenizer, stats, target_path, hf_config, shape=None):
         from ..config import speculative_config
+
         cfg = speculative_config(engine_config)
         shape = shape or resolve_tree_shape(cfg, hf_config)
         self.runner = runner
-        self.ctx = SpecContext(config=cfg, shape=shape, runner=runner, tokenizer=tokenizer,
-                               engine_config=engine_config, stats=stats, target_path=target_path,
-                               force_greedy=cfg.force_greedy_verify or _env_flag("SPECFW_FORCE_GREEDY_VERIFY")
-                               or (algorithm.name == "ngram" and _env_flag("SGLANG_NGRAM_FORCE_GREEDY_VERIFY")))
+        self.ctx = SpecContext(
+            config=cfg,
+            shape=shape,
+            runner=runner,
+            tokenizer=tokenizer,
+            engine_config=engine_config,
+            stats=stats,
+            target_path=target_path,
+            force_greedy=cfg.force_greedy_verify
+            or _env_flag("SPECFW_FORCE_GREEDY_VERIFY")
+            or (algorithm.name == "ngram" and _env_flag("SGLANG_NGRAM_FORCE_GREEDY_VERIFY")),
+        )
         if _env_flag("SGLANG_ENABLE_SPEC_V2"):
             logger.warning("SGLANG_ENABLE_SPEC_V2 is set but not honoured: specfw has no overlap scheduler yet")
         # per-engine hook relay: core defaults + the active algorithm's runtime + observers
@@ -68,8 +78,7 @@ class SpeculativeWorker:
         self.slots_per_decode = shape.num_draft_tokens
         adaptive = resolve_adaptive(cfg.adaptive_draft, runner, shape.num_draft_tokens)
         self.policy = DraftPolicy(shape, adaptive=adaptive, confidence_pruning=getattr(cfg, "confidence_pruning", True))
-        logger.info("speculative decoding: %s num_steps=%d topk=%d num_draft_tokens=%d", algorithm.name,
-                    shape.num_steps, shape.topk, shape.num_draft_tokens)
+        logger.info("speculative decoding: %s num_steps=%d topk=%d num_draft_tokens=%d", algorithm.name, shape.num_steps, shape.topk, shape.num_draft_tokens)
 
     @property
     def budget(self):
@@ -102,14 +111,14 @@ class SpeculativeWorker:
         plan = self.policy.plan(len(reqs))
         drafted, candidates = self._draft(reqs, plan)
         results = self._verify(batch, plan, candidates)
-        accepted = [r.tokens[:r.num_accepted] for r in results]
+        accepted = [r.tokens[: r.num_accepted] for r in results]
         self.policy.observe(len(reqs), plan, drafted, candidates, accepted, time.perf_counter() - t0)
         return results
 
     def _draft(self, reqs: list[Request], plan: StepPlan) -> tuple[bool, list[DraftCandidates]]:
         """The candidates to verify (the policy's one cut of what the drafter proposed), and
         whether the drafter proposed anything."""
-        if not plan.drafts:   # the policy says drafting does not pay right now: a plain step
+        if not plan.drafts:  # the policy says drafting does not pay right now: a plain step
             return False, [DraftCandidates.empty() for _ in reqs]
         candidates = self.hook.specfw_draft(ctx=self.ctx, reqs=reqs, plan=plan)
         if candidates is None or len(candidates) != len(reqs):
@@ -124,12 +133,12 @@ class SpeculativeWorker:
         for r, t, slots in zip(reqs, trees, batch.new_slots):
             if len(t) > slots.numel():
                 raise RuntimeError(f"algorithm '{self.algorithm}': a tree of {len(t)} nodes exceeds num_draft_tokens={slots.numel()}")
-            chunks.append((t.tokens, r.seq_len - 1 + t.depth, slots[:len(t)], r.slots.slots(), t.mask if len(t) > 1 else None))
+            chunks.append((t.tokens, r.seq_len - 1 + t.depth, slots[: len(t)], r.slots.slots(), t.mask if len(t) > 1 else None))
         out = self.runner.forward(build_forward_batch(chunks, capture_layers=self.ctx.capture_layers))
         results, offset = [], 0
         for r, t in zip(reqs, trees):
             n = len(t)
-            logits = out.logits[offset:offset + n]
+            logits = out.logits[offset : offset + n]
             res: VerifyResult = self.hook.specfw_verify(ctx=self.ctx, req=r, tree=t, logits=logits)
             keep = torch.tensor(res.accepted_nodes, dtype=torch.long)
             res.node_rows = offset + keep
@@ -139,8 +148,7 @@ class SpeculativeWorker:
             offset += n
         self.hook.specfw_on_accept(ctx=self.ctx, reqs=reqs, results=results, hidden=out.hidden, aux_hidden=out.aux_hidden)
         self.hook.specfw_observe_step(ctx=self.ctx, reqs=reqs, results=results)
-        self.ctx.stats.record_positions([(res.num_accepted, int(t.depth.max())) for res, t in zip(results, trees)
-                                         if res.num_draft])
+        self.ctx.stats.record_positions([(res.num_accepted, int(t.depth.max())) for res, t in zip(results, trees) if res.num_draft])
         return results
 
     @staticmethod

@@ -1,5 +1,6 @@
 """What every draft trainer shares: the trained module's parameters and state, and loading a
 published draft into it (``init_draft``)."""
+
 from __future__ import annotations
 
 import torch
@@ -11,18 +12,19 @@ def load_matching(module: torch.nn.Module, sd: dict) -> None:
     """Load ``sd`` into ``module`` (cast to each parameter's dtype); every tensor must be present with
     its shape, else a ConfigError naming ``init_draft`` and the first mismatch."""
     from ..config import ConfigError
+
     own = module.state_dict()
     for k, v in own.items():
         if k not in sd:
             raise ConfigError("init_draft", f"the draft has no tensor '{k}' (is it a draft of this kind?)")
         if tuple(sd[k].shape) != tuple(v.shape):
-            raise ConfigError("init_draft", f"tensor '{k}' has shape {tuple(sd[k].shape)}, this draft config "
-                                            f"needs {tuple(v.shape)}")
+            raise ConfigError("init_draft", f"tensor '{k}' has shape {tuple(sd[k].shape)}, this draft config needs {tuple(v.shape)}")
     module.load_state_dict({k: sd[k].to(v.dtype) for k, v in own.items()})
 
 
 class ModuleTrainer:
     """Base of the draft trainers: ``self.module`` is what the optimizer trains and checkpoints hold."""
+
     module: torch.nn.Module
 
     def parameters(self):
@@ -48,12 +50,11 @@ def _ttt_attention(layer, q, ks, vs):
     w = torch.softmax(torch.cat([s0] + diag, -1), -1)
     out = w[..., :S0] @ v0
     for j, v in enumerate(vs[1:]):
-        out = out + w[..., S0 + j:S0 + j + 1] * v[:, :, :n].repeat_interleave(rep, 1)
+        out = out + w[..., S0 + j : S0 + j + 1] * v[:, :, :n].repeat_interleave(rep, 1)
     return out
 
 
-def unrolled_layer_step(layer, attn_in: torch.Tensor, residual: torch.Tensor, j: int, ks: list, vs: list,
-                        rotary: Rotary) -> torch.Tensor:
+def unrolled_layer_step(layer, attn_in: torch.Tensor, residual: torch.Tensor, j: int, ks: list, vs: list, rotary: Rotary) -> torch.Tensor:
     """Unroll step ``j`` of training-time test through a DraftDecoderLayer: ``attn_in`` [B, n, *] at
     rope positions j..j+n-1 attends to the real pairs of origins <= i and to its own earlier steps
     (``ks``/``vs`` grow by this step's keys), exactly what a depth-j draft node sees at inference."""
@@ -81,7 +82,7 @@ def unroll(first_hidden: torch.Tensor, steps: int, decay: float, step) -> tuple[
         if n <= 0:
             break
         hid, lj, acc = step(j, n, hid[:, :n])
-        total = total + (decay ** j) * lj
+        total = total + (decay**j) * lj
         metrics[f"acc{j}"] = acc
     metrics["loss"] = float(total.detach())
     return total, metrics

@@ -8,6 +8,7 @@ the draft will see at inference; greedy, batched through specfw's engine, cached
 restart resumes) or taken from the data (``responses=data``). Each example is the chat-templated
 token sequence with a mask marking response tokens (the positions the draft is trained on).
 """
+
 from __future__ import annotations
 
 import json
@@ -25,7 +26,7 @@ logger = logging.getLogger(__name__)
 @dataclass
 class Example:
     input_ids: list[int]
-    loss_mask: list[int]     # 1 on response tokens
+    loss_mask: list[int]  # 1 on response tokens
 
 
 def prompt_key(messages: list[dict]) -> str:
@@ -35,7 +36,7 @@ def prompt_key(messages: list[dict]) -> str:
     return json.dumps(messages, ensure_ascii=False)
 
 
-CONTEXT_CHARS = 2048   # earlier turns kept before a later user turn (the prompt is cut to max_len // 2 tokens anyway)
+CONTEXT_CHARS = 2048  # earlier turns kept before a later user turn (the prompt is cut to max_len // 2 tokens anyway)
 
 
 def conversation_prompts(conv: list[dict], turns: str) -> list[dict]:
@@ -53,9 +54,9 @@ def conversation_prompts(conv: list[dict], turns: str) -> list[dict]:
             break
         context, size = [], 0
         for prev in reversed(conv[:i]):
-            if size + len(prev["content"]) > CONTEXT_CHARS:     # the oldest kept turn: its tail only
+            if size + len(prev["content"]) > CONTEXT_CHARS:  # the oldest kept turn: its tail only
                 if CONTEXT_CHARS - size > 0:
-                    context.insert(0, {**prev, "content": prev["content"][size - CONTEXT_CHARS:]})
+                    context.insert(0, {**prev, "content": prev["content"][size - CONTEXT_CHARS :]})
                 break
             context.insert(0, prev)
             size += len(prev["content"])
@@ -68,6 +69,7 @@ def conversation_prompts(conv: list[dict], turns: str) -> list[dict]:
 def load_prompts(source: str, jsonl: str | None, limit: int, seed: int, turns: str = "first") -> list[dict]:
     """List of ``{"messages": [...], "prompt": key, "response": str | None}``, shuffled with ``seed``."""
     from ..datasets import jsonl_messages, sharegpt_conversations
+
     items = []
     if source in ("sharegpt", "both"):
         for conv in sharegpt_conversations():
@@ -82,25 +84,25 @@ def load_prompts(source: str, jsonl: str | None, limit: int, seed: int, turns: s
     return items[:limit]
 
 
-def regenerate(engine, items: list[dict], cache: Path, max_new_tokens: int, max_prompt_tokens: int,
-               batch: int = 16) -> list[dict]:
+def regenerate(engine, items: list[dict], cache: Path, max_new_tokens: int, max_prompt_tokens: int, batch: int = 16) -> list[dict]:
     """Greedy target responses for ``items`` (resumes from ``cache``)."""
     from ..sampling import SamplingParams
+
     done = {}
     if cache.exists():
         for line in cache.read_text().splitlines():
             try:
                 rec = json.loads(line)
-            except json.JSONDecodeError:      # a line cut off by a killed run: regenerate that one
+            except json.JSONDecodeError:  # a line cut off by a killed run: regenerate that one
                 continue
             done[rec["prompt"]] = rec
     todo = [it for it in items if it["prompt"] not in done]
-    todo.sort(key=lambda it: len(it["prompt"]))   # similar lengths batch together (less padding on a GPU)
+    todo.sort(key=lambda it: len(it["prompt"]))  # similar lengths batch together (less padding on a GPU)
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=0)
     cache.parent.mkdir(parents=True, exist_ok=True)
     with cache.open("a") as f, tqdm(total=len(items), initial=len(items) - len(todo), desc="regenerating responses") as bar:
         for i in range(0, len(todo), batch):
-            chunk = todo[i:i + batch]
+            chunk = todo[i : i + batch]
             ids = [engine.tokenize_chat(it["messages"])[-max_prompt_tokens:] for it in chunk]
             outs = engine.generate(ids, params)
             for it, p, o in zip(chunk, ids, outs):
@@ -112,14 +114,22 @@ def regenerate(engine, items: list[dict], cache: Path, max_new_tokens: int, max_
     return [done[it["prompt"]] for it in items]
 
 
-def build_examples(tokenizer, items: list[dict], responses: str, engine=None, cache: Path | None = None,
-                   max_len: int = 512, max_new_tokens: int = 256, num_onpolicy: int = 0,
-                   regen_batch: int = 16) -> list[Example]:
+def build_examples(
+    tokenizer,
+    items: list[dict],
+    responses: str,
+    engine=None,
+    cache: Path | None = None,
+    max_len: int = 512,
+    max_new_tokens: int = 256,
+    num_onpolicy: int = 0,
+    regen_batch: int = 16,
+) -> list[Example]:
     out = []
     if responses == "mixed":
-        return (build_examples(tokenizer, items[:num_onpolicy], "target", engine, cache, max_len, max_new_tokens,
-                               regen_batch=regen_batch)
-                + build_examples(tokenizer, items[num_onpolicy:], "data", None, None, max_len, max_new_tokens))
+        return build_examples(tokenizer, items[:num_onpolicy], "target", engine, cache, max_len, max_new_tokens, regen_batch=regen_batch) + build_examples(
+            tokenizer, items[num_onpolicy:], "data", None, None, max_len, max_new_tokens
+        )
     if responses == "target":
         recs = regenerate(engine, items, cache, max_new_tokens, max_prompt_tokens=max_len // 2, batch=regen_batch)
         for r in recs:
@@ -131,7 +141,7 @@ def build_examples(tokenizer, items: list[dict], responses: str, engine=None, ca
         if it["response"] is None:
             continue
         p = tokenizer.apply_chat_template(it["messages"], add_generation_prompt=True, tokenize=True)
-        p = list(p["input_ids"] if hasattr(p, "keys") else p)[-(max_len // 2):]
+        p = list(p["input_ids"] if hasattr(p, "keys") else p)[-(max_len // 2) :]
         r = tokenizer(it["response"])["input_ids"] + [tokenizer.eos_token_id]
         ids = (p + r)[:max_len]
         out.append(Example(ids, ([0] * len(p) + [1] * len(r))[:max_len]))

@@ -4,6 +4,7 @@ specfw's own engine is the CPU path; on a CUDA device ``specfw train`` regenerat
 responses with this instead (left-padded batches, greedy, stop at eos). It offers the two methods
 ``data.regenerate`` uses: ``tokenize_chat`` and ``generate``.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -19,6 +20,7 @@ class Generated:
 class HFGenerator:
     def __init__(self, model_dir, dtype: torch.dtype, device: torch.device):
         from transformers import AutoModelForCausalLM, AutoTokenizer
+
         self.tok = AutoTokenizer.from_pretrained(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
         self.device = device
@@ -34,15 +36,20 @@ class HFGenerator:
         S = max(len(p) for p in prompts)
         ids = torch.full((len(prompts), S), self.pad, dtype=torch.long)
         attn = torch.zeros(len(prompts), S, dtype=torch.long)
-        for i, p in enumerate(prompts):             # left padding: every prompt ends at column S-1
-            ids[i, S - len(p):] = torch.tensor(p)
-            attn[i, S - len(p):] = 1
-        out = self.model.generate(input_ids=ids.to(self.device), attention_mask=attn.to(self.device),
-                                  max_new_tokens=params.max_new_tokens, do_sample=False,
-                                  eos_token_id=self.eos, pad_token_id=self.pad)
+        for i, p in enumerate(prompts):  # left padding: every prompt ends at column S-1
+            ids[i, S - len(p) :] = torch.tensor(p)
+            attn[i, S - len(p) :] = 1
+        out = self.model.generate(
+            input_ids=ids.to(self.device),
+            attention_mask=attn.to(self.device),
+            max_new_tokens=params.max_new_tokens,
+            do_sample=False,
+            eos_token_id=self.eos,
+            pad_token_id=self.pad,
+        )
         results = []
         for row in out[:, S:].tolist():
             if self.eos in row:
-                row = row[: row.index(self.eos) + 1]    # keep the eos, as the engine does
+                row = row[: row.index(self.eos) + 1]  # keep the eos, as the engine does
             results.append(Generated(row))
         return results

@@ -1,5 +1,6 @@
 """The training loop shared by every draft kind: AdamW with warmup + cosine decay, gradient
 clipping, progress bar, resumable checkpoints, export in the published layout, and a loss plot."""
+
 from __future__ import annotations
 
 import json
@@ -73,8 +74,10 @@ def plot_history(history: list[dict], path: Path, title: str) -> None:
     if not history:
         return
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     steps = [h["step"] for h in history]
     fig, ax = plt.subplots(1, 2, figsize=(10, 3.5))
     ax[0].plot(steps, [h["loss"] for h in history], lw=0.8)

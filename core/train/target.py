@@ -1,4 +1,5 @@
 """Teacher-forced target forward for training: hidden states (layer inputs) and logits."""
+
 from __future__ import annotations
 
 import torch
@@ -7,6 +8,7 @@ import torch
 class TargetTeacher:
     def __init__(self, model_dir, dtype: torch.dtype, device: torch.device | str = "cpu"):
         from transformers import AutoModelForCausalLM
+
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).to(device).eval()
         self.model.requires_grad_(False)
         self.device = torch.device(device)

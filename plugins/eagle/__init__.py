@@ -1,6 +1,7 @@
 """EAGLE-1/2 speculative decoding: a one-layer feature head with the target's embeddings and
 lm_head; EAGLE-2 dynamic trees; FR-Spec token map. Registered through the ``specfw``
 entry-point group."""
+
 from __future__ import annotations
 
 from specfw.sdk import hookimpl
@@ -15,7 +16,8 @@ def specfw_register_algorithms(register):
 
 
 def _make_trainer(cfg, teacher, examples):
-    from .trainer import EagleTrainer   # torch-heavy: imported only by `specfw train`
+    from .trainer import EagleTrainer  # torch-heavy: imported only by `specfw train`
+
     return EagleTrainer(cfg, teacher, examples)
 
 

@@ -1,4 +1,5 @@
 """The eagle (EAGLE-1/2) algorithm runtime, with optional FR-Spec token map."""
+
 from __future__ import annotations
 
 import logging
@@ -27,14 +28,12 @@ class EagleDrafter(FeatureDrafter):
         self.head = place_on_target(ctx, load_eagle(Path(path), ctx.runner.hf_config, target_dtype(ctx)))
         self.target = target
         self.rotary = Rotary(self.head.config, ctx.runner.max_context, target_dtype(ctx)).to(target_device(ctx))
-        self.lm_head = target.lm_head   # shared with the target
-        if cfg.token_map:   # FR-Spec: score only the frequent tokens
+        self.lm_head = target.lm_head  # shared with the target
+        if cfg.token_map:  # FR-Spec: score only the frequent tokens
             self.to_target = load_token_map(cfg.token_map, ctx.runner.vocab_size)
             weight = target.lm_head.weight
-            self.lm_head = torch.nn.Linear(self.head.config.hidden_size, len(self.to_target), bias=False,
-                                           dtype=target_dtype(ctx), device=weight.device)
-            self.lm_head.weight = torch.nn.Parameter(weight.index_select(0, self.to_target.to(weight.device)),
-                                                     requires_grad=False)
+            self.lm_head = torch.nn.Linear(self.head.config.hidden_size, len(self.to_target), bias=False, dtype=target_dtype(ctx), device=weight.device)
+            self.lm_head.weight = torch.nn.Parameter(weight.index_select(0, self.to_target.to(weight.device)), requires_grad=False)
             self.lm_head = place_on_target(ctx, self.lm_head)
         super().__init__(ctx, self.head.layers[0], draft_kv_slots(ctx, cfg))
         logger.info("eagle draft %s%s", path, f", FR-Spec token map of {len(self.to_target)} ids" if cfg.token_map else "")

@@ -2,6 +2,7 @@
 applied to cat(embed(token), feature), then ``layers.0`` — a Llama decoder layer without
 ``input_layernorm``. Embeddings and lm_head are the target's; features are the target's
 final (post-norm) hidden states. Names may carry a ``model.`` prefix."""
+
 from __future__ import annotations
 
 import json
@@ -25,17 +26,16 @@ class EagleHead(nn.Module):
 def load_eagle(path: Path, target_cfg, dtype: torch.dtype) -> EagleHead:
     from transformers import LlamaConfig
     from specfw.sdk import load_state_dict
+
     raw = json.loads((path / "config.json").read_text())
     cfg = LlamaConfig(**{k: v for k, v in raw.items() if k not in ("architectures", "model_type")})
     if cfg.hidden_size != target_cfg.hidden_size:
-        raise ConfigError("speculative.draft_model_path",
-                          f"EAGLE draft hidden_size {cfg.hidden_size} != target hidden_size {target_cfg.hidden_size}")
+        raise ConfigError("speculative.draft_model_path", f"EAGLE draft hidden_size {cfg.hidden_size} != target hidden_size {target_cfg.hidden_size}")
     if cfg.vocab_size != target_cfg.vocab_size:
-        raise ConfigError("speculative.draft_model_path",
-                          f"EAGLE draft vocab_size {cfg.vocab_size} != target vocab_size {target_cfg.vocab_size}")
+        raise ConfigError("speculative.draft_model_path", f"EAGLE draft vocab_size {cfg.vocab_size} != target vocab_size {target_cfg.vocab_size}")
     state = {k.removeprefix("model."): v for k, v in load_state_dict(path).items()}
     for k in [k for k in state if k.startswith(("embed_tokens.", "lm_head.", "norm.")) or ".input_layernorm." in k]:
-        state.pop(k)   # the target's embeddings/head are used; EAGLE's layer has no input norm
+        state.pop(k)  # the target's embeddings/head are used; EAGLE's layer has no input norm
     if "fc.weight" not in state or state["fc.weight"].shape != (cfg.hidden_size, 2 * cfg.hidden_size):
         raise ConfigError("speculative.draft_model_path", f"{path}: not an EAGLE checkpoint (fc.weight [H, 2H] missing)")
     head = EagleHead(cfg, bias="fc.bias" in state)

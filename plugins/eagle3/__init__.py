@@ -1,5 +1,6 @@
 """EAGLE-3 speculative decoding: a one-layer head over fused low/mid/high target features with a
 reduced draft vocabulary (``d2t``). Registered through the ``specfw`` entry-point group."""
+
 from __future__ import annotations
 
 from specfw.sdk import hookimpl
@@ -14,7 +15,8 @@ def specfw_register_algorithms(register):
 
 
 def _make_trainer(cfg, teacher, examples):
-    from .trainer import Eagle3Trainer   # torch-heavy: imported only by `specfw train`
+    from .trainer import Eagle3Trainer  # torch-heavy: imported only by `specfw train`
+
     return Eagle3Trainer(cfg, teacher, examples)
 
 

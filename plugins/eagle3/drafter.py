@@ -1,4 +1,5 @@
 """The eagle3 algorithm runtime."""
+
 from __future__ import annotations
 
 import logging
@@ -29,7 +30,7 @@ class Eagle3Drafter(FeatureDrafter):
         path = resolve_model_path(cfg.draft_model_path or default_draft_path(ctx), cfg.draft_model_revision)
         target = ctx.runner.model
         head = load_eagle3(Path(path), ctx.runner.hf_config, target_dtype(ctx))
-        self.to_target = head.to_target_ids()   # host map, read per drafted token
+        self.to_target = head.to_target_ids()  # host map, read per drafted token
         self.head = place_on_target(ctx, head)
         self.embed = target.embed_tokens
         self.rotary = Rotary(self.head.config, ctx.runner.max_context, target_dtype(ctx)).to(target_device(ctx))

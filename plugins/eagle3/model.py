@@ -5,6 +5,7 @@ self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj}`` (q/k/v take 2H: cat(input_l
 hidden_norm(h))); ``norm.weight``; ``lm_head.weight`` [draft_vocab, H]; ``d2t`` [draft_vocab]
 (target id = i + d2t[i]); ``t2d`` [vocab] bool. Embeddings are the target's.
 """
+
 from __future__ import annotations
 
 import json
@@ -50,7 +51,7 @@ def aux_layer_ids(draft_cfg, num_target_layers: int, override: list[int] | None)
         return tuple(override)
     ids = (getattr(draft_cfg, "eagle_config", None) or {}).get("eagle_aux_hidden_state_layer_ids")
     if ids:
-        return tuple(i + 1 for i in ids)          # published ids name the layer whose *output* is tapped
+        return tuple(i + 1 for i in ids)  # published ids name the layer whose *output* is tapped
     L = num_target_layers
     return (2, L // 2, L - 3)
 
@@ -58,21 +59,21 @@ def aux_layer_ids(draft_cfg, num_target_layers: int, override: list[int] | None)
 def load_eagle3(path: Path, target_cfg, dtype: torch.dtype) -> Eagle3Head:
     from transformers import LlamaConfig
     from specfw.sdk import load_state_dict
+
     raw = json.loads((path / "config.json").read_text())
     cfg = LlamaConfig(**{k: v for k, v in raw.items() if k not in ("architectures", "model_type")})
     cfg.eagle_config = raw.get("eagle_config")
     cfg.draft_vocab_size = raw.get("draft_vocab_size")
     target_h = raw.get("target_hidden_size") or target_cfg.hidden_size
     if target_h != target_cfg.hidden_size:
-        raise ConfigError("speculative.draft_model_path",
-                          f"EAGLE-3 draft expects target hidden size {target_h}, the target has {target_cfg.hidden_size}")
+        raise ConfigError("speculative.draft_model_path", f"EAGLE-3 draft expects target hidden size {target_h}, the target has {target_cfg.hidden_size}")
     if cfg.vocab_size != target_cfg.vocab_size:
-        raise ConfigError("speculative.draft_model_path",
-                          f"EAGLE-3 draft vocab_size {cfg.vocab_size} != target vocab_size {target_cfg.vocab_size}")
+        raise ConfigError("speculative.draft_model_path", f"EAGLE-3 draft vocab_size {cfg.vocab_size} != target vocab_size {target_cfg.vocab_size}")
     if cfg.hidden_size != target_cfg.hidden_size:
-        raise ConfigError("speculative.draft_model_path",
-                          f"EAGLE-3 draft hidden_size {cfg.hidden_size} != target hidden_size {target_cfg.hidden_size} "
-                          "(the head embeds tokens with the target's embeddings)")
+        raise ConfigError(
+            "speculative.draft_model_path",
+            f"EAGLE-3 draft hidden_size {cfg.hidden_size} != target hidden_size {target_cfg.hidden_size} (the head embeds tokens with the target's embeddings)",
+        )
     state = {k.removeprefix("model."): v for k, v in load_state_dict(path).items()}
     state.pop("embed_tokens.weight", None)
     head = Eagle3Head(cfg, target_h, target_cfg.vocab_size)
@@ -82,9 +83,10 @@ def load_eagle3(path: Path, target_cfg, dtype: torch.dtype) -> Eagle3Head:
         state["d2t"] = torch.zeros(head.draft_vocab, dtype=torch.long)
     state.setdefault("t2d", torch.ones(target_cfg.vocab_size, dtype=torch.bool))
     if state["lm_head.weight"].shape[0] != head.draft_vocab or state["d2t"].shape[0] != head.draft_vocab:
-        raise ConfigError("speculative.draft_model_path",
-                          f"EAGLE-3 lm_head/d2t size {state['lm_head.weight'].shape[0]}/{state['d2t'].shape[0]} "
-                          f"!= draft_vocab_size {head.draft_vocab}")
+        raise ConfigError(
+            "speculative.draft_model_path",
+            f"EAGLE-3 lm_head/d2t size {state['lm_head.weight'].shape[0]}/{state['d2t'].shape[0]} != draft_vocab_size {head.draft_vocab}",
+        )
     missing, unexpected = head.load_state_dict(state, strict=False)
     if missing:
         raise ConfigError("speculative.draft_model_path", f"EAGLE-3 checkpoint {path} lacks tensors: {missing[:6]}")

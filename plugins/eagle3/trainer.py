@@ -7,6 +7,7 @@ Pair i = (token t_{i+1}, feature f_i) at position i predicts t_{i+2} (the infere
 head's own output hidden of step j-1; it attends to the real pairs of origins <= i and to its own
 earlier unroll steps (the diagonal), exactly what a depth-j draft node sees at inference.
 """
+
 from __future__ import annotations
 
 import json
@@ -28,12 +29,20 @@ def draft_vocab_by_frequency(examples, vocab_size: int, k: int) -> torch.Tensor:
 
 def head_config(tcfg, draft_vocab: int, aux_layers, max_pos: int):
     from transformers import LlamaConfig
-    cfg = LlamaConfig(hidden_size=tcfg.hidden_size, intermediate_size=tcfg.intermediate_size,
-                      num_attention_heads=tcfg.num_attention_heads, num_key_value_heads=tcfg.num_key_value_heads,
-                      head_dim=getattr(tcfg, "head_dim", None) or tcfg.hidden_size // tcfg.num_attention_heads,
-                      rms_norm_eps=tcfg.rms_norm_eps, vocab_size=tcfg.vocab_size, num_hidden_layers=1,
-                      max_position_embeddings=max(max_pos, tcfg.max_position_embeddings),
-                      rope_parameters=dict(tcfg.rope_parameters), tie_word_embeddings=False)
+
+    cfg = LlamaConfig(
+        hidden_size=tcfg.hidden_size,
+        intermediate_size=tcfg.intermediate_size,
+        num_attention_heads=tcfg.num_attention_heads,
+        num_key_value_heads=tcfg.num_key_value_heads,
+        head_dim=getattr(tcfg, "head_dim", None) or tcfg.hidden_size // tcfg.num_attention_heads,
+        rms_norm_eps=tcfg.rms_norm_eps,
+        vocab_size=tcfg.vocab_size,
+        num_hidden_layers=1,
+        max_position_embeddings=max(max_pos, tcfg.max_position_embeddings),
+        rope_parameters=dict(tcfg.rope_parameters),
+        tie_word_embeddings=False,
+    )
     cfg.draft_vocab_size = draft_vocab
     cfg.target_hidden_size = tcfg.hidden_size
     cfg.eagle_config = {"eagle_aux_hidden_state_layer_ids": [a - 1 for a in aux_layers]}
@@ -43,13 +52,14 @@ def head_config(tcfg, draft_vocab: int, aux_layers, max_pos: int):
 class Eagle3Trainer(ModuleTrainer):
     def __init__(self, cfg, teacher, examples):
         from .model import Eagle3Head
+
         tcfg = teacher.config
         L = tcfg.num_hidden_layers
         self.aux_layers = tuple(cfg.draft.aux_layers or (2, L // 2, L - 3))
         self.draft_ids = draft_vocab_by_frequency(examples, tcfg.vocab_size, cfg.draft.draft_vocab_size)
         self.hcfg = head_config(tcfg, len(self.draft_ids), self.aux_layers, cfg.data.max_len + cfg.draft.ttt_steps + 8)
         self.head = Eagle3Head(self.hcfg, tcfg.hidden_size, tcfg.vocab_size).float()
-        with torch.no_grad():   # start from the target's own head restricted to the draft vocabulary
+        with torch.no_grad():  # start from the target's own head restricted to the draft vocabulary
             self.head.lm_head.weight.copy_(teacher.lm_head.weight[self.draft_ids].float())
             self.head.norm.weight.copy_(teacher.norm.weight.float())
             self.head.d2t.copy_(self.draft_ids - torch.arange(len(self.draft_ids)))
@@ -68,10 +78,10 @@ class Eagle3Trainer(ModuleTrainer):
     def init_from(self, sd: dict) -> None:
         """Start from a published EAGLE-3 draft: its weights and its draft vocabulary (``d2t``)."""
         from specfw.sdk import ConfigError
+
         d2t = sd["d2t"].long()
         if len(d2t) != len(self.draft_ids):
-            raise ConfigError("draft.draft_vocab_size", f"init_draft has a {len(d2t)}-token draft vocabulary; "
-                                                        f"set draft.draft_vocab_size={len(d2t)}")
+            raise ConfigError("draft.draft_vocab_size", f"init_draft has a {len(d2t)}-token draft vocabulary; set draft.draft_vocab_size={len(d2t)}")
         self.draft_ids = (d2t + torch.arange(len(d2t))).to(self.draft_ids.device)
         load_matching(self.head, sd)
 
@@ -86,12 +96,12 @@ class Eagle3Trainer(ModuleTrainer):
         S = ids.shape[1]
 
         def step(j, n, hid):
-            x = layer.attn_input(embeds[:, 1 + j:1 + j + n], hid)
+            x = layer.attn_input(embeds[:, 1 + j : 1 + j + n], hid)
             h = unrolled_layer_step(layer, x, hid, j, ks, vs, self.rotary)
             logp = torch.log_softmax(head.lm_head(head.norm(h)), -1)
-            m = mask[:, 2 + j:2 + j + n] * valid[:, 2 + j:2 + j + n]
-            lj = (-(tgt[:, 1 + j:1 + j + n] * logp).sum(-1) * m).sum() / m.sum().clamp_min(1)
-            agree = (self.draft_ids[logp.argmax(-1)] == tgt_top[:, 1 + j:1 + j + n]) & in_vocab[:, 1 + j:1 + j + n]
+            m = mask[:, 2 + j : 2 + j + n] * valid[:, 2 + j : 2 + j + n]
+            lj = (-(tgt[:, 1 + j : 1 + j + n] * logp).sum(-1) * m).sum() / m.sum().clamp_min(1)
+            agree = (self.draft_ids[logp.argmax(-1)] == tgt_top[:, 1 + j : 1 + j + n]) & in_vocab[:, 1 + j : 1 + j + n]
             return h, lj, float((agree.float() * m).sum() / m.sum().clamp_min(1))
 
         ks, vs = [], []
@@ -99,12 +109,18 @@ class Eagle3Trainer(ModuleTrainer):
 
     def export(self, out: Path, dtype: torch.dtype) -> Path:
         from safetensors.torch import save_file
+
         out.mkdir(parents=True, exist_ok=True)
         sd = {k: (v.to(dtype) if v.is_floating_point() else v).contiguous() for k, v in self.head.state_dict().items()}
         save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})
         cfg = self.hcfg.to_dict()
-        cfg.update(architectures=["LlamaForCausalLMEagle3"], model_type="llama",
-                   draft_vocab_size=len(self.draft_ids), target_hidden_size=self.hcfg.target_hidden_size,
-                   eagle_config=self.hcfg.eagle_config, torch_dtype=str(dtype).removeprefix("torch."))
+        cfg.update(
+            architectures=["LlamaForCausalLMEagle3"],
+            model_type="llama",
+            draft_vocab_size=len(self.draft_ids),
+            target_hidden_size=self.hcfg.target_hidden_size,
+            eagle_config=self.hcfg.eagle_config,
+            torch_dtype=str(dtype).removeprefix("torch."),
+        )
         (out / "config.json").write_text(json.dumps(cfg, indent=2, default=str))
         return out

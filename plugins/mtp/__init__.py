@@ -1,6 +1,7 @@
 """MTP / NextN speculative decoding: the target checkpoint's built-in multi-token-prediction
 layers (DeepSeek-V3 ``eh_proj`` or MiMo ``mtp_layers`` layout) draft for it; no separate draft
 model. Registered through the ``specfw`` entry-point group."""
+
 from __future__ import annotations
 
 from specfw.sdk import hookimpl
@@ -15,7 +16,8 @@ def specfw_register_algorithms(register):
 
 
 def _make_trainer(cfg, teacher, examples):
-    from .trainer import MtpTrainer   # torch-heavy: imported only by `specfw train`
+    from .trainer import MtpTrainer  # torch-heavy: imported only by `specfw train`
+
     return MtpTrainer(cfg, teacher, examples)
 
 

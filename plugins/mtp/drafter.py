@@ -5,6 +5,7 @@ the target's lm_head (or the layer's own ``shared_head.head``) predict t_{i+2}; 
 the layer's own output hidden back, reusing the one layer (SGLang does the same with DeepSeek's
 single NextN layer). Drafting, the KV of the layer and tree search are the shared
 ``FeatureDrafter``'s."""
+
 from __future__ import annotations
 
 import logging
@@ -22,8 +23,7 @@ logger = logging.getLogger(__name__)
 class MtpDrafter(FeatureDrafter):
     def __init__(self, ctx):
         cfg = ctx.config
-        path = Path(resolve_model_path(cfg.draft_model_path, cfg.draft_model_revision) if cfg.draft_model_path
-                    else ctx.target_path)
+        path = Path(resolve_model_path(cfg.draft_model_path, cfg.draft_model_revision) if cfg.draft_model_path else ctx.target_path)
         target = ctx.runner.model
         # on the target's device, with the CPU's faster linears (the NextN lm_head included)
         self.head = place_on_target(ctx, load_mtp(path, ctx.runner.hf_config, target_dtype(ctx), cfg.mtp_layer))

@@ -11,6 +11,7 @@
 The hidden fed in is the target's final (post-norm) hidden state, then the layer's own output.
 Only the NextN tensors are read (safetensors are opened lazily), never the whole target again.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,12 +32,12 @@ class MtpHead(nn.Module):
         super().__init__()
         h, eps = cfg.hidden_size, cfg.rms_norm_eps
         self.config, self.layout = cfg, layout
-        self.embed_norm = RMSNorm(h, eps)       # enorm | token_layernorm
-        self.hidden_norm = RMSNorm(h, eps)      # hnorm | hidden_layernorm
-        self.proj = nn.Linear(2 * h, h, bias=False)   # eh_proj | input_proj
+        self.embed_norm = RMSNorm(h, eps)  # enorm | token_layernorm
+        self.hidden_norm = RMSNorm(h, eps)  # hnorm | hidden_layernorm
+        self.proj = nn.Linear(2 * h, h, bias=False)  # eh_proj | input_proj
         self.input_layernorm = RMSNorm(h, eps)
         self.layer = DraftDecoderLayer(cfg, attn_bias=attn_bias)
-        self.final_norm = RMSNorm(h, eps)       # shared_head.norm | final_layernorm
+        self.final_norm = RMSNorm(h, eps)  # shared_head.norm | final_layernorm
         self.head = nn.Linear(h, cfg.vocab_size, bias=False) if has_head else None
 
     def fuse(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -46,18 +47,35 @@ class MtpHead(nn.Module):
 
 def _names(layout: str, prefix: str, attn_bias: bool) -> dict[str, str]:
     """Checkpoint name of each MtpHead tensor."""
-    layer = ["self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight", "self_attn.o_proj.weight",
-             "mlp.gate_proj.weight", "mlp.up_proj.weight", "mlp.down_proj.weight", "post_attention_layernorm.weight"]
+    layer = [
+        "self_attn.q_proj.weight",
+        "self_attn.k_proj.weight",
+        "self_attn.v_proj.weight",
+        "self_attn.o_proj.weight",
+        "mlp.gate_proj.weight",
+        "mlp.up_proj.weight",
+        "mlp.down_proj.weight",
+        "post_attention_layernorm.weight",
+    ]
     if attn_bias:
         layer += ["self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias"]
     common = {f"layer.{k}": k for k in layer}
     common["input_layernorm.weight"] = "input_layernorm.weight"
     if layout == DEEPSEEK:
-        own = {"embed_norm.weight": "enorm.weight", "hidden_norm.weight": "hnorm.weight", "proj.weight": "eh_proj.weight",
-               "final_norm.weight": "shared_head.norm.weight", "head.weight": "shared_head.head.weight"}
+        own = {
+            "embed_norm.weight": "enorm.weight",
+            "hidden_norm.weight": "hnorm.weight",
+            "proj.weight": "eh_proj.weight",
+            "final_norm.weight": "shared_head.norm.weight",
+            "head.weight": "shared_head.head.weight",
+        }
     else:
-        own = {"embed_norm.weight": "token_layernorm.weight", "hidden_norm.weight": "hidden_layernorm.weight",
-               "proj.weight": "input_proj.weight", "final_norm.weight": "final_layernorm.weight"}
+        own = {
+            "embed_norm.weight": "token_layernorm.weight",
+            "hidden_norm.weight": "hidden_layernorm.weight",
+            "proj.weight": "input_proj.weight",
+            "final_norm.weight": "final_layernorm.weight",
+        }
     return {k: prefix + v for k, v in {**common, **own}.items()}
 
 
@@ -76,6 +94,7 @@ def find_mtp_layers(keys, num_hidden_layers: int) -> dict[int, tuple[str, str]]:
 
 def _open_tensors(path: Path):
     from safetensors import safe_open
+
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise ConfigError(KEY, f"{path}: no .safetensors files to read MTP layers from")
@@ -91,6 +110,7 @@ def load_mtp(path: Path, target_cfg, dtype: torch.dtype, index: int = 0) -> MtpH
     """The ``index``-th NextN layer of the checkpoint at ``path`` as an MtpHead."""
     from safetensors import safe_open
     from transformers import LlamaConfig
+
     raw = json.loads((path / "config.json").read_text()) if (path / "config.json").exists() else {}
     hidden = raw.get("hidden_size", target_cfg.hidden_size)
     if hidden != target_cfg.hidden_size:
@@ -100,8 +120,11 @@ def load_mtp(path: Path, target_cfg, dtype: torch.dtype, index: int = 0) -> MtpH
     where = _open_tensors(path)
     layers = find_mtp_layers(where, raw.get("num_hidden_layers", target_cfg.num_hidden_layers))
     if not layers:
-        raise ConfigError(KEY, f"{path} has no MTP/NextN layers (looked for model.layers.{{>=num_hidden_layers}}.eh_proj "
-                               "and model.mtp_layers.{i}.input_proj); give a checkpoint with them or pick another algorithm")
+        raise ConfigError(
+            KEY,
+            f"{path} has no MTP/NextN layers (looked for model.layers.{{>=num_hidden_layers}}.eh_proj "
+            "and model.mtp_layers.{i}.input_proj); give a checkpoint with them or pick another algorithm",
+        )
     if index not in layers:
         raise ConfigError("speculative.mtp_layer", f"{index} is not one of the checkpoint's MTP layers {sorted(layers)}")
     layout, prefix = layers[index]
@@ -115,8 +138,17 @@ def load_mtp(path: Path, target_cfg, dtype: torch.dtype, index: int = 0) -> MtpH
             raise ConfigError(KEY, f"MTP layer {prefix}* in {path} lacks tensor '{name}'")
         with safe_open(str(where[name]), framework="pt") as fh:
             tensors[own] = fh.get_tensor(name)
-    keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps",
-            "vocab_size", "rope_parameters", "max_position_embeddings")
+    keys = (
+        "hidden_size",
+        "intermediate_size",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "head_dim",
+        "rms_norm_eps",
+        "vocab_size",
+        "rope_parameters",
+        "max_position_embeddings",
+    )
     cfg = LlamaConfig(**{k: getattr(target_cfg, k) for k in keys if getattr(target_cfg, k, None) is not None})
     head = MtpHead(cfg, layout, "head.weight" in tensors, attn_bias)
     own = head.state_dict()

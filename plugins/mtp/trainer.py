@@ -9,6 +9,7 @@ layer and the output norm as the target's final norm. The export is a NextN-only
 the layer's tensors under ``model.layers.{num_hidden_layers}.`` plus the target's config with
 ``num_nextn_predict_layers: 1`` (the layout SGLang reads for DeepSeek NextN drafts), which
 ``speculative=mtp speculative.draft_model_path=DIR`` loads."""
+
 from __future__ import annotations
 
 import json
@@ -23,11 +24,12 @@ class MtpTrainer(ModuleTrainer):
     def __init__(self, cfg, teacher, examples):
         from transformers import LlamaConfig
         from .model import DEEPSEEK, MtpHead
+
         t = teacher.config
-        keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim",
-                "rms_norm_eps", "vocab_size", "rope_parameters")
-        self.hcfg = LlamaConfig(**{k: getattr(t, k) for k in keys if getattr(t, k, None) is not None},
-                                max_position_embeddings=max(cfg.data.max_len + 8, t.max_position_embeddings))
+        keys = ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim", "rms_norm_eps", "vocab_size", "rope_parameters")
+        self.hcfg = LlamaConfig(
+            **{k: getattr(t, k) for k in keys if getattr(t, k, None) is not None}, max_position_embeddings=max(cfg.data.max_len + 8, t.max_position_embeddings)
+        )
         bias = bool(getattr(t, "attention_bias", False)) or getattr(t, "model_type", "") == "qwen2"
         self.head = MtpHead(self.hcfg, DEEPSEEK, has_head=False, attn_bias=bias).float()
         last = teacher.model.model.layers[-1]
@@ -50,9 +52,11 @@ class MtpTrainer(ModuleTrainer):
     def init_from(self, sd: dict) -> None:
         """Start from a NextN checkpoint of this layout (as exported below)."""
         from .model import _names, find_mtp_layers
+
         layers = find_mtp_layers(sd, self.num_layers)
         if not layers:
             from specfw.sdk import ConfigError
+
             raise ConfigError("init_draft", "the checkpoint has no NextN layer (model.layers.{num_hidden_layers}.eh_proj)")
         layout, prefix = layers[min(layers)]
         names = _names(layout, prefix, self.head.layer.self_attn.q_proj.bias is not None)
@@ -62,7 +66,7 @@ class MtpTrainer(ModuleTrainer):
         """Unroll step j feeds, for origin i, token t_{i+1+j} with the layer's own output of step j-1
         (the target's feature at j = 0) and predicts t_{i+2+j}: what a depth-j chain node sees."""
         hs, logits = self.teacher(ids, valid)
-        feat = hs[-1].float()                          # final post-norm hidden states
+        feat = hs[-1].float()  # final post-norm hidden states
         embeds = self.teacher.embed(ids).float()
         tgt = torch.softmax(logits.float(), -1)
         tgt_top = logits.argmax(-1)
@@ -70,13 +74,13 @@ class MtpTrainer(ModuleTrainer):
         S = ids.shape[1]
 
         def step(j, n, hid):
-            x = self.head.fuse(embeds[:, 1 + j:1 + j + n], hid)
+            x = self.head.fuse(embeds[:, 1 + j : 1 + j + n], hid)
             h = unrolled_layer_step(self.head.layer, self.head.input_layernorm(x), x, j, ks, vs, self.rotary)
             logp = torch.log_softmax((self.head.final_norm(h).to(w.dtype) @ w.T).float(), -1)
-            m = mask[:, 2 + j:2 + j + n] * valid[:, 2 + j:2 + j + n]
+            m = mask[:, 2 + j : 2 + j + n] * valid[:, 2 + j : 2 + j + n]
             denom = m.sum().clamp_min(1)
-            lj = (-(tgt[:, 1 + j:1 + j + n] * logp).sum(-1) * m).sum() / denom
-            agree = (logp.argmax(-1) == tgt_top[:, 1 + j:1 + j + n]).float()
+            lj = (-(tgt[:, 1 + j : 1 + j + n] * logp).sum(-1) * m).sum() / denom
+            agree = (logp.argmax(-1) == tgt_top[:, 1 + j : 1 + j + n]).float()
             return h, lj, float((agree * m).sum() / denom)
 
         ks, vs = [], []
@@ -85,6 +89,7 @@ class MtpTrainer(ModuleTrainer):
     def export(self, out: Path, dtype: torch.dtype) -> Path:
         from safetensors.torch import save_file
         from .model import DEEPSEEK, _names
+
         out.mkdir(parents=True, exist_ok=True)
         names = _names(DEEPSEEK, f"model.layers.{self.num_layers}.", self.head.layer.self_attn.q_proj.bias is not None)
         sd = {names[k]: v.to(dtype).contiguous() for k, v in self.head.state_dict().items()}

@@ -2,6 +2,7 @@
 
 Registered through the ``specfw`` entry-point group like any third-party plugin.
 """
+
 from __future__ import annotations
 
 from specfw.sdk import hookimpl
@@ -12,5 +13,4 @@ from .drafter import NgramDrafter
 
 @hookimpl
 def specfw_register_algorithms(register):
-    register("ngram", NgramConfig, NgramDrafter,
-             "n-gram cache drafting (no draft model); SGLang's NGRAM, on CPU too")
+    register("ngram", NgramConfig, NgramDrafter, "n-gram cache drafting (no draft model); SGLang's NGRAM, on CPU too")

@@ -1,4 +1,5 @@
 """The ngram algorithm runtime: keeps the trie in step with every request and drafts from it."""
+
 from __future__ import annotations
 
 from specfw.sdk import DraftCandidates, hookimpl
@@ -14,7 +15,7 @@ class NgramDrafter:
         cfg = ctx.config
         self.cfg = cfg
         self.trie = NgramTrie(cfg.branch_length, cfg.capacity)
-        self.open: dict[str, tuple[int, list]] = {}   # rid → (tokens inserted, open trie paths)
+        self.open: dict[str, tuple[int, list]] = {}  # rid → (tokens inserted, open trie paths)
 
     def _sync(self, req) -> None:
         """Insert the request's tokens not yet in the trie (prompt at first, then outputs)."""
@@ -40,8 +41,7 @@ class NgramDrafter:
             tokens, parents, scores = self.trie.draft_prob(node, budget)
         else:
             tokens, parents, scores = self.trie.draft_bfs(node, budget, self._breadth(window))
-        return DraftCandidates(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long),
-                               torch.tensor(scores, dtype=torch.float32))
+        return DraftCandidates(torch.tensor(tokens, dtype=torch.long), torch.tensor(parents, dtype=torch.long), torch.tensor(scores, dtype=torch.float32))
 
     @hookimpl
     def specfw_draft(self, ctx, reqs):

@@ -5,6 +5,7 @@ Insertion is incremental: each request keeps the open paths that end at its last
 extends them with each new token. Matching walks a suffix of the context from the root; the
 node reached holds the continuations observed after that suffix.
 """
+
 from __future__ import annotations
 
 import heapq
@@ -31,7 +32,7 @@ class NgramTrie:
         self.branch_length = branch_length
         self.capacity = capacity
         self.root = Node(-1, None)
-        self.lru: OrderedDict[int, Node] = OrderedDict()   # uid → node, least recently used first
+        self.lru: OrderedDict[int, Node] = OrderedDict()  # uid → node, least recently used first
 
     def __len__(self) -> int:
         return len(self.lru)

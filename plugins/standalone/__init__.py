@@ -2,6 +2,7 @@
 
 Registered through the ``specfw`` entry-point group like any third-party plugin.
 """
+
 from __future__ import annotations
 
 from specfw.sdk import hookimpl
@@ -12,16 +13,15 @@ from .drafter import DEMO_DRAFT, StandaloneDrafter
 
 @hookimpl
 def specfw_register_algorithms(register):
-    register("standalone", StandaloneConfig, StandaloneDrafter,
-             "small draft LLM (same tokenizer), drafting num_steps deep with topk branching")
+    register("standalone", StandaloneConfig, StandaloneDrafter, "small draft LLM (same tokenizer), drafting num_steps deep with topk branching")
 
 
 def _make_trainer(cfg, teacher, examples):
-    from .trainer import StandaloneTrainer   # torch-heavy: imported only by `specfw train`
+    from .trainer import StandaloneTrainer  # torch-heavy: imported only by `specfw train`
+
     return StandaloneTrainer(cfg, teacher, examples)
 
 
 @hookimpl
 def specfw_register_trainers(register):
-    register("standalone", StandaloneTrainConfig, _make_trainer, "small Llama draft distilled from the target",
-             demo_draft=DEMO_DRAFT, copy_tokenizer=True)
+    register("standalone", StandaloneTrainConfig, _make_trainer, "small Llama draft distilled from the target", demo_draft=DEMO_DRAFT, copy_tokenizer=True)

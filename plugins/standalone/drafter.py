@@ -6,6 +6,7 @@ tokens + root); its last logits start the EAGLE-2 style beam
 search of ``specfw.speculative.beam`` (``num_steps`` deep, ``topk`` wide); drafted nodes' KV is dropped
 afterwards, the committed prefix stays cached.
 """
+
 from __future__ import annotations
 
 import logging
@@ -13,17 +14,30 @@ from pathlib import Path
 
 import torch
 
-from specfw.sdk import (ConfigError, DraftCandidates, ModelRunner, SlotTable, beam_search,
-                        build_forward_batch, draft_kv_slots, hookimpl, load_model, target_device, target_dtype)
+from specfw.sdk import (
+    ConfigError,
+    DraftCandidates,
+    ModelRunner,
+    SlotTable,
+    beam_search,
+    build_forward_batch,
+    draft_kv_slots,
+    hookimpl,
+    load_model,
+    target_device,
+    target_dtype,
+)
 
 logger = logging.getLogger(__name__)
 
 
 def check_same_tokenizer(target_tok, draft_tok, draft_path) -> None:
     if target_tok.get_vocab() != draft_tok.get_vocab():
-        raise ConfigError("speculative.draft_model_path",
-                          f"draft model {draft_path} does not share the target's tokenizer "
-                          f"(vocab sizes {len(draft_tok.get_vocab())} vs {len(target_tok.get_vocab())} or differing ids)")
+        raise ConfigError(
+            "speculative.draft_model_path",
+            f"draft model {draft_path} does not share the target's tokenizer "
+            f"(vocab sizes {len(draft_tok.get_vocab())} vs {len(target_tok.get_vocab())} or differing ids)",
+        )
 
 
 DEMO_DRAFT = Path(__file__).parent / "demo_draft"
@@ -33,14 +47,17 @@ def default_draft(ctx) -> str:
     """The committed demo draft (trained by `specfw train draft=standalone`) serves the demo target."""
     if (DEMO_DRAFT / "config.json").exists() and ctx.engine_config.model.path in (None, "", "demo"):
         return str(DEMO_DRAFT)
-    raise ConfigError("speculative.draft_model_path", "standalone needs a draft model (HF directory or hub id) for this "
-                      "target, e.g. one from `specfw train draft=standalone` or "
-                      "`python -m specfw_plugins.standalone.make_draft OUT --layers 4`")
+    raise ConfigError(
+        "speculative.draft_model_path",
+        "standalone needs a draft model (HF directory or hub id) for this "
+        "target, e.g. one from `specfw train draft=standalone` or "
+        "`python -m specfw_plugins.standalone.make_draft OUT --layers 4`",
+    )
 
 
 class _DraftState:
     def __init__(self):
-        self.slots = SlotTable()   # draft KV of seq_ids[:len(slots)]
+        self.slots = SlotTable()  # draft KV of seq_ids[:len(slots)]
 
 
 class StandaloneDrafter:
@@ -50,15 +67,12 @@ class StandaloneDrafter:
         ref = cfg.draft_model_path or default_draft(ctx)
         dtype = str(getattr(ctx.engine_config.model.dtype, "value", ctx.engine_config.model.dtype))
         revision = (cfg.draft_model_revision or "main") if cfg.draft_model_path and not Path(ref).exists() else None
-        loaded = load_model(ref, dtype=dtype, revision=revision, max_positions=ctx.runner.max_context,
-                            device=target_device(ctx))
+        loaded = load_model(ref, dtype=dtype, revision=revision, max_positions=ctx.runner.max_context, device=target_device(ctx))
         check_same_tokenizer(ctx.tokenizer, loaded.tokenizer, ref)
         if loaded.hf_config.vocab_size != ctx.runner.vocab_size:
-            raise ConfigError("speculative.draft_model_path",
-                              f"draft vocab_size {loaded.hf_config.vocab_size} != target vocab_size {ctx.runner.vocab_size}")
+            raise ConfigError("speculative.draft_model_path", f"draft vocab_size {loaded.hf_config.vocab_size} != target vocab_size {ctx.runner.vocab_size}")
         slots = draft_kv_slots(ctx, cfg)
-        self.draft = ModelRunner(loaded.model, loaded.hf_config, slots, target_dtype(ctx),
-                                 backend=ctx.runner.backend.for_drafting())
+        self.draft = ModelRunner(loaded.model, loaded.hf_config, slots, target_dtype(ctx), backend=ctx.runner.backend.for_drafting())
         self.shape = ctx.shape
         self.sample_draft = cfg.sample_draft and not ctx.force_greedy
         self.states: dict[str, _DraftState] = {}
@@ -119,11 +133,20 @@ class StandaloneDrafter:
         return self.draft.forward(build_forward_batch(chunks, last_only=True)).logits
 
     def _draft(self, reqs, plan):
-        logits = self._extend(reqs)   # up to the root token; its logits start the beams
+        logits = self._extend(reqs)  # up to the root token; its logits start the beams
 
         def step(step_chunks, _parent_hidden):
             return self.draft.forward(build_forward_batch(step_chunks)).logits, None
 
-        return beam_search(reqs, logits, None, self.shape.topk, plan.depth,
-                           lambda r: self._state(r).slots.slots(), self.draft.allocator, step, self._sampled,
-                           score_floor=plan.score_floor)
+        return beam_search(
+            reqs,
+            logits,
+            None,
+            self.shape.topk,
+            plan.depth,
+            lambda r: self._state(r).slots.slots(),
+            self.draft.allocator,
+            step,
+            self._sampled,
+            score_floor=plan.score_floor,
+        )

@@ -4,6 +4,7 @@ distils a much better one).
 
     python -m specfw_plugins.standalone.make_draft OUT_DIR [--layers 4] [--model PATH]
 """
+
 from __future__ import annotations
 
 import argparse
@@ -15,12 +16,12 @@ from pathlib import Path
 def truncate_model(src: Path, out: Path, layers: int) -> Path:
     from safetensors.torch import save_file
     from specfw.sdk import load_state_dict
+
     cfg = json.loads((src / "config.json").read_text())
     if not 1 <= layers <= cfg["num_hidden_layers"]:
         raise ValueError(f"--layers must be in 1..{cfg['num_hidden_layers']}, got {layers}")
     state = load_state_dict(src)
-    keep = {k: v for k, v in state.items()
-            if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
+    keep = {k: v for k, v in state.items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
     out.mkdir(parents=True, exist_ok=True)
     save_file({k: v.contiguous() for k, v in keep.items()}, str(out / "model.safetensors"), metadata={"format": "pt"})
     cfg["num_hidden_layers"] = layers
@@ -33,6 +34,7 @@ def truncate_model(src: Path, out: Path, layers: int) -> Path:
 
 def main():
     from specfw.sdk import resolve_model_path
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out", type=Path)
     ap.add_argument("--layers", type=int, default=4)

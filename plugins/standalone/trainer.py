@@ -2,6 +2,7 @@
 on every response position. Embeddings start from the target's, projected onto their top
 principal directions (tied lm_head), so the narrow model starts with the target's vocabulary
 geometry."""
+
 from __future__ import annotations
 
 import json
@@ -15,12 +16,23 @@ from specfw.sdk import ModuleTrainer, load_matching
 class StandaloneTrainer(ModuleTrainer):
     def __init__(self, cfg, teacher, examples):
         from transformers import LlamaConfig, LlamaForCausalLM
+
         t, d = teacher.config, cfg.draft
-        self.cfg = LlamaConfig(vocab_size=t.vocab_size, hidden_size=d.hidden_size, intermediate_size=d.intermediate_size,
-                               num_hidden_layers=d.num_layers, num_attention_heads=d.num_attention_heads,
-                               num_key_value_heads=d.num_key_value_heads, max_position_embeddings=t.max_position_embeddings,
-                               rms_norm_eps=t.rms_norm_eps, rope_parameters=dict(t.rope_parameters), tie_word_embeddings=True,
-                               bos_token_id=t.bos_token_id, eos_token_id=t.eos_token_id, pad_token_id=t.pad_token_id)
+        self.cfg = LlamaConfig(
+            vocab_size=t.vocab_size,
+            hidden_size=d.hidden_size,
+            intermediate_size=d.intermediate_size,
+            num_hidden_layers=d.num_layers,
+            num_attention_heads=d.num_attention_heads,
+            num_key_value_heads=d.num_key_value_heads,
+            max_position_embeddings=t.max_position_embeddings,
+            rms_norm_eps=t.rms_norm_eps,
+            rope_parameters=dict(t.rope_parameters),
+            tie_word_embeddings=True,
+            bos_token_id=t.bos_token_id,
+            eos_token_id=t.eos_token_id,
+            pad_token_id=t.pad_token_id,
+        )
         self.cfg.architectures = ["LlamaForCausalLM"]
         self.model = LlamaForCausalLM(self.cfg).float().to(teacher.device)
         with torch.no_grad():
@@ -53,6 +65,7 @@ class StandaloneTrainer(ModuleTrainer):
 
     def export(self, out: Path, dtype: torch.dtype) -> Path:
         from safetensors.torch import save_file
+
         out.mkdir(parents=True, exist_ok=True)
         sd = {k: v.to(dtype).contiguous() for k, v in self.model.state_dict().items() if k != "lm_head.weight"}
         save_file(sd, str(out / "model.safetensors"), metadata={"format": "pt"})

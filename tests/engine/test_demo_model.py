@@ -11,6 +11,7 @@ SPECFW = str(Path(sys.executable).with_name("specfw"))
 
 def test_demo_tokenizer_is_repaired(demo_dir):
     from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(demo_dir)
     assert tok.eos_token == "<|im_end|>" and tok.eos_token_id == 2
     assert "token_type_ids" not in tok("hello")
@@ -22,8 +23,7 @@ def test_demo_tokenizer_is_repaired(demo_dir):
 
 
 def test_cli_generate_prints_text_and_stats(demo_dir):
-    r = subprocess.run([SPECFW, "generate", "prompt=What is the capital of France?", "max_new_tokens=16"],
-                       capture_output=True, text=True, timeout=300)
+    r = subprocess.run([SPECFW, "generate", "prompt=What is the capital of France?", "max_new_tokens=16"], capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
     assert "Paris" in r.stdout
     assert "generated tokens:" in r.stderr and "tokens/s" in r.stderr

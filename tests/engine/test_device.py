@@ -6,6 +6,7 @@ tensors with host tensors that are not 0-dim scalars, except the ones CUDA accep
 for (advanced indexing) and cross-device copies. The CUDA tests at the end run only where torch
 sees a GPU.
 """
+
 import json
 
 import pytest
@@ -41,8 +42,7 @@ class DeviceMixingChecker(TorchDispatchMode):
         if on_device:
             self.device_ops += 1
             if host and func.overloadpacket not in HOST_INDEX_OK:
-                raise AssertionError(f"{func} mixes device tensors with host tensors of shapes "
-                                     f"{[tuple(t.shape) for t in host]}")
+                raise AssertionError(f"{func} mixes device tensors with host tensors of shapes {[tuple(t.shape) for t in host]}")
         return func(*args, **kwargs)
 
 
@@ -50,7 +50,7 @@ def test_the_checker_catches_mixing():
     with pytest.raises(AssertionError, match="mixes"):
         with DeviceMixingChecker():
             torch.zeros(3, device="meta").index_select(0, torch.tensor([0, 1]))
-    with DeviceMixingChecker():   # host indices in advanced indexing are fine on CUDA
+    with DeviceMixingChecker():  # host indices in advanced indexing are fine on CUDA
         torch.zeros(3, 2, device="meta")[torch.tensor([0, 2])]
 
 
@@ -72,6 +72,7 @@ def test_device_names_resolve():
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
 def test_cuda_without_cuda_fails_at_startup_naming_the_key(tiny_model_dir):
     from specfw.engine import Engine
+
     with pytest.raises(ConfigError) as e:
         Engine(make_cfg(model_path=str(tiny_model_dir), model_device="cuda", max_total_tokens=256))
     assert e.value.key == "model.device" and "no CUDA device" in str(e.value)
@@ -83,8 +84,8 @@ def meta_runner_factory(tiny_model_dir):
         lm = load_model(str(tiny_model_dir))
         lm.model.to("meta")
         lm.model.rotary.to("meta")
-        return ModelRunner(lm.model, lm.hf_config, 256, torch.float32,
-                           backend=make_backend("meta", batch_invariant=batch_invariant))
+        return ModelRunner(lm.model, lm.hf_config, 256, torch.float32, backend=make_backend("meta", batch_invariant=batch_invariant))
+
     return make
 
 
@@ -96,19 +97,22 @@ def test_target_forwards_keep_device_tensors_on_the_device(meta_runner_factory, 
     assert r.device.type == "meta" and r.kv.k[0].device.type == "meta" and r.backend.name == "torch"
     a, b = r.allocator.alloc(6), r.allocator.alloc(4)
     b_new = r.allocator.alloc(3)
-    chunks = [(torch.arange(10, 16), torch.arange(6), a, torch.empty(0, dtype=torch.long), None),
-              (torch.arange(20, 23), torch.arange(4, 7), b_new, b, None)]
+    chunks = [(torch.arange(10, 16), torch.arange(6), a, torch.empty(0, dtype=torch.long), None), (torch.arange(20, 23), torch.arange(4, 7), b_new, b, None)]
     tree_slots = r.allocator.alloc(4)
-    tree = (torch.tensor([5, 6, 7, 8]), 6 + torch.tensor([0, 1, 1, 2]), tree_slots, a,
-            torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool))
+    tree = (
+        torch.tensor([5, 6, 7, 8]),
+        6 + torch.tensor([0, 1, 1, 2]),
+        tree_slots,
+        a,
+        torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 1, 0, 1]], dtype=torch.bool),
+    )
     one = r.allocator.alloc(2)
-    decode = [(torch.tensor([3]), torch.tensor([6]), one[:1], a, None),
-              (torch.tensor([4]), torch.tensor([7]), one[1:], torch.cat([b, b_new]), None)]
+    decode = [(torch.tensor([3]), torch.tensor([6]), one[:1], a, None), (torch.tensor([4]), torch.tensor([7]), one[1:], torch.cat([b, b_new]), None)]
     with DeviceMixingChecker() as checker:
         prefill = r.forward(build_forward_batch(chunks, last_only=True, capture_layers=(0, 1)))
         verify = r.forward(build_forward_batch([tree]))
         step = r.forward(build_forward_batch(decode))
-        r.kv.move(tree_slots[[0, 1]], tree_slots[:2])   # committing an accepted path
+        r.kv.move(tree_slots[[0, 1]], tree_slots[:2])  # committing an accepted path
     assert checker.device_ops > 100
     assert prefill.logits.shape == (2, 49152) and prefill.logits.device.type == "meta"
     assert [a.shape for a in prefill.aux_hidden] == [(9, 64), (9, 64)]
@@ -122,13 +126,16 @@ def _rand(g, *shape):
 
 def _draft_layer(g, prefix, in_dim, hidden=64, inter=128, heads=4, kv_heads=2, input_norm=True):
     hd = hidden // heads
-    t = {f"{prefix}post_attention_layernorm.weight": torch.ones(hidden),
-         f"{prefix}self_attn.q_proj.weight": _rand(g, heads * hd, in_dim),
-         f"{prefix}self_attn.k_proj.weight": _rand(g, kv_heads * hd, in_dim),
-         f"{prefix}self_attn.v_proj.weight": _rand(g, kv_heads * hd, in_dim),
-         f"{prefix}self_attn.o_proj.weight": _rand(g, hidden, heads * hd),
-         f"{prefix}mlp.gate_proj.weight": _rand(g, inter, hidden), f"{prefix}mlp.up_proj.weight": _rand(g, inter, hidden),
-         f"{prefix}mlp.down_proj.weight": _rand(g, hidden, inter)}
+    t = {
+        f"{prefix}post_attention_layernorm.weight": torch.ones(hidden),
+        f"{prefix}self_attn.q_proj.weight": _rand(g, heads * hd, in_dim),
+        f"{prefix}self_attn.k_proj.weight": _rand(g, kv_heads * hd, in_dim),
+        f"{prefix}self_attn.v_proj.weight": _rand(g, kv_heads * hd, in_dim),
+        f"{prefix}self_attn.o_proj.weight": _rand(g, hidden, heads * hd),
+        f"{prefix}mlp.gate_proj.weight": _rand(g, inter, hidden),
+        f"{prefix}mlp.up_proj.weight": _rand(g, inter, hidden),
+        f"{prefix}mlp.down_proj.weight": _rand(g, hidden, inter),
+    }
     if input_norm:
         t[f"{prefix}input_layernorm.weight"] = torch.ones(hidden)
     return t
@@ -138,18 +145,35 @@ def _tiny_draft(kind, path, vocab=49152, hidden=64, draft_vocab=100):
     """A random EAGLE-3 (draft vocab 100, target id = 4 * i) or EAGLE checkpoint for the tiny target."""
     g = torch.Generator().manual_seed(0)
     if kind == "eagle3":
-        t = {"fc.weight": _rand(g, hidden, 3 * hidden), "norm.weight": torch.ones(hidden),
-             "lm_head.weight": _rand(g, draft_vocab, hidden), "midlayer.hidden_norm.weight": torch.ones(hidden),
-             "d2t": torch.arange(draft_vocab) * 3, **_draft_layer(g, "midlayer.", 2 * hidden)}
+        t = {
+            "fc.weight": _rand(g, hidden, 3 * hidden),
+            "norm.weight": torch.ones(hidden),
+            "lm_head.weight": _rand(g, draft_vocab, hidden),
+            "midlayer.hidden_norm.weight": torch.ones(hidden),
+            "d2t": torch.arange(draft_vocab) * 3,
+            **_draft_layer(g, "midlayer.", 2 * hidden),
+        }
         extra = dict(architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=draft_vocab, target_hidden_size=hidden)
     else:
         t = {"fc.weight": _rand(g, hidden, 2 * hidden), **_draft_layer(g, "layers.0.", hidden, input_norm=False)}
         extra = dict(architectures=["LlamaForCausalLMEagle"])
     path.mkdir(parents=True, exist_ok=True)
     save_file(t, str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps(dict(
-        model_type="llama", hidden_size=hidden, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-        num_hidden_layers=1, vocab_size=vocab, rms_norm_eps=1e-5, **extra)))
+    (path / "config.json").write_text(
+        json.dumps(
+            dict(
+                model_type="llama",
+                hidden_size=hidden,
+                intermediate_size=128,
+                num_attention_heads=4,
+                num_key_value_heads=2,
+                num_hidden_layers=1,
+                vocab_size=vocab,
+                rms_norm_eps=1e-5,
+                **extra,
+            )
+        )
+    )
     return path
 
 
@@ -162,30 +186,36 @@ def test_feature_draft_heads_run_on_the_targets_device(meta_runner_factory, tmp_
     from specfw.sampling import SamplingParams
     from specfw.speculative.config import TreeShape
     from specfw.speculative.types import SpecContext
+
     runner = meta_runner_factory(False)
     path = _tiny_draft(kind, tmp_path / kind)
     if kind == "eagle3":
         from specfw_plugins.eagle3.config import Eagle3Config as Config
         from specfw_plugins.eagle3.drafter import Eagle3Drafter as Drafter
+
         cfg, out_vocab = Config(algorithm=kind, draft_model_path=str(path), aux_layers=[0, 1, 1]), 100
     else:
         from specfw_plugins.eagle.config import EagleConfig as Config
         from specfw_plugins.eagle.drafter import EagleDrafter as Drafter
+
         torch.save(torch.arange(0, 600, 3), tmp_path / "freq.pt")
         cfg, out_vocab = Config(algorithm=kind, draft_model_path=str(path), token_map=str(tmp_path / "freq.pt")), 200
-    ctx = SpecContext(config=cfg, shape=TreeShape(num_steps=3, topk=2, num_draft_tokens=6), runner=runner,
-                      tokenizer=None, engine_config=make_cfg(), stats=None)
+    ctx = SpecContext(config=cfg, shape=TreeShape(num_steps=3, topk=2, num_draft_tokens=6), runner=runner, tokenizer=None, engine_config=make_cfg(), stats=None)
     drafter = Drafter(ctx)
     assert drafter.kv.k[0].device.type == "meta" and drafter.head.fc.weight.device.type == "meta"
     assert drafter.to_target.device.type == "cpu" and int(drafter.to_target[5]) == (20 if kind == "eagle3" else 15)
     req = Request(prompt_ids=list(range(30, 37)), params=SamplingParams(temperature=0))
     slots = runner.allocator.alloc(7)
     with DeviceMixingChecker() as checker:
-        out = runner.forward(build_forward_batch([(torch.tensor(req.prompt_ids), torch.arange(7), slots,
-                                                   torch.empty(0, dtype=torch.long), None)],
-                                                 last_only=True, capture_layers=ctx.capture_layers))
+        out = runner.forward(
+            build_forward_batch(
+                [(torch.tensor(req.prompt_ids), torch.arange(7), slots, torch.empty(0, dtype=torch.long), None)],
+                last_only=True,
+                capture_layers=ctx.capture_layers,
+            )
+        )
         drafter.specfw_on_prefill(ctx=ctx, reqs=[req], hidden=out.hidden, aux_hidden=out.aux_hidden, spans=[(0, 7)])
-        req.output_ids.append(40)   # the token the prefill sampled: the drafter extends up to it
+        req.output_ids.append(40)  # the token the prefill sampled: the drafter extends up to it
         logits, hidden = drafter._extend([req])
     assert checker.device_ops > 50
     assert logits.shape == (1, out_vocab) and logits.device.type == "meta" and hidden.shape == (1, 64)
@@ -193,6 +223,7 @@ def test_feature_draft_heads_run_on_the_targets_device(meta_runner_factory, tmp_
 
 
 # ---- on a real GPU (skipped where torch sees none) ------------------------------------------
+
 
 @needs_cuda
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -202,17 +233,18 @@ def test_cuda_greedy_speculative_equals_plain(tiny_model_dir, tmp_path, dtype):
     from specfw_plugins.ngram.config import NgramConfig
     from specfw_plugins.standalone.config import StandaloneConfig
     from specfw_plugins.standalone.make_draft import truncate_model
+
     params = SamplingParams(max_new_tokens=32, temperature=0, ignore_eos=True)
     prompts = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [1000, 20, 1000, 20, 1000], [9, 99, 999, 9999], list(range(100, 140))]
-    kw = dict(model_path=str(tiny_model_dir), model_device="cuda", model_dtype=dtype, max_total_tokens=4096,
-              max_running_requests=4)
+    kw = dict(model_path=str(tiny_model_dir), model_device="cuda", model_dtype=dtype, max_total_tokens=4096, max_running_requests=4)
     plain = Engine(make_cfg(**kw))
     assert plain.runner.kv.k[0].device.type == "cuda"
     ref = [o.token_ids for o in plain.generate(prompts, params)]
     draft = truncate_model(tiny_model_dir, tmp_path / "draft", layers=1)
-    for spec in (NgramConfig(algorithm="ngram"),
-                 StandaloneConfig(algorithm="standalone", draft_model_path=str(draft), num_steps=3, topk=2,
-                                  num_draft_tokens=6)):
+    for spec in (
+        NgramConfig(algorithm="ngram"),
+        StandaloneConfig(algorithm="standalone", draft_model_path=str(draft), num_steps=3, topk=2, num_draft_tokens=6),
+    ):
         eng = Engine(make_cfg(speculative=spec, **kw))
         assert [eng.generate([p], params)[0].token_ids for p in prompts] == ref
         assert [o.token_ids for o in eng.generate(prompts, params)] == ref
@@ -224,11 +256,13 @@ def test_cuda_demo_eagle3_equals_plain_bf16():
     from specfw.engine import Engine
     from specfw.sampling import SamplingParams
     from specfw_plugins.eagle3.config import Eagle3Config
+
     params = SamplingParams(max_new_tokens=48, temperature=0)
     kw = dict(model_device="cuda", model_dtype="bfloat16", max_total_tokens=8192, max_running_requests=4)
     plain = Engine(make_cfg(**kw))
-    prompts = [plain.tokenize_chat([{"role": "user", "content": q}])
-               for q in ("Write a haiku about rain.", "What is 17 times 3?", "Name three rivers in Europe.")]
+    prompts = [
+        plain.tokenize_chat([{"role": "user", "content": q}]) for q in ("Write a haiku about rain.", "What is 17 times 3?", "Name three rivers in Europe.")
+    ]
     ref = [o.token_ids for o in plain.generate(prompts, params)]
     eng = Engine(make_cfg(speculative=Eagle3Config(algorithm="eagle3"), **kw))
     assert [o.token_ids for o in eng.generate(prompts, params)] == ref

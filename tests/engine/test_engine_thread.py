@@ -1,6 +1,7 @@
 """The serving engine thread owns all torch work: ``AsyncEngine.build`` constructs the engine on
 that thread (libgomp keeps a thread team per OS thread that ran parallel ops; two teams on a
 2-core machine made every decode step ~1.8x slower), and a failing build raises in the caller."""
+
 import asyncio
 import threading
 
@@ -13,6 +14,7 @@ from specfw.server.async_engine import AsyncEngine
 
 def test_engine_is_built_and_stepped_on_one_thread(tiny_model_dir):
     from specfw.engine import Engine
+
     seen = {}
 
     def factory():

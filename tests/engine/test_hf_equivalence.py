@@ -1,4 +1,5 @@
 """specfw greedy output == transformers greedy generate, token for token (demo model, fp32)."""
+
 import pytest
 import torch
 
@@ -12,15 +13,15 @@ N_PROMPTS, N_NEW = 8, 64
 @pytest.fixture(scope="module")
 def prompts_and_reference(demo_engine):
     from transformers import AutoModelForCausalLM
+
     hf = AutoModelForCausalLM.from_pretrained(demo_engine.model_path, dtype=torch.float32).eval()
     prompts = [demo_engine.tokenize_chat([{"role": "user", "content": q}]) for q in mtbench_first_turns(N_PROMPTS)]
     refs = []
     eos = demo_engine.tokenizer.eos_token_id
     with torch.no_grad():
         for ids in prompts:
-            out = hf.generate(torch.tensor([ids]), max_new_tokens=N_NEW, do_sample=False, eos_token_id=eos,
-                              pad_token_id=eos)
-            refs.append(out[0, len(ids):].tolist())
+            out = hf.generate(torch.tensor([ids]), max_new_tokens=N_NEW, do_sample=False, eos_token_id=eos, pad_token_id=eos)
+            refs.append(out[0, len(ids) :].tolist())
     return prompts, refs
 
 
@@ -38,6 +39,6 @@ def test_single_request_matches_hf(demo_engine, prompts_and_reference):
 def test_batched_requests_match_hf(demo_engine, prompts_and_reference):
     prompts, refs = prompts_and_reference
     params = SamplingParams(max_new_tokens=N_NEW, temperature=0)
-    outs = demo_engine.generate(prompts, params)   # 8 concurrent: one prefill batch, ragged decode batches
+    outs = demo_engine.generate(prompts, params)  # 8 concurrent: one prefill batch, ragged decode batches
     _check(outs, refs)
     assert demo_engine.runner.allocator.num_used == 0

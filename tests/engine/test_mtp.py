@@ -1,5 +1,6 @@
 """speculative=mtp: NextN layers read from the target checkpoint (DeepSeek-V3 and MiMo layouts) or
 a NextN-only checkpoint; the layer computes the documented formula; errors name the key."""
+
 import json
 import shutil
 
@@ -19,6 +20,7 @@ PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8], [1000, 20, 1000, 20, 1000], [9, 99, 999, 99
 
 def _target_cfg(tiny_model_dir):
     from transformers import AutoConfig
+
     return AutoConfig.from_pretrained(tiny_model_dir)
 
 
@@ -26,6 +28,7 @@ def _random_mtp(cfg, layout, seed=0):
     """Random NextN tensors for the tiny target, in ``layout``'s names at index 0."""
     from transformers import LlamaConfig
     from specfw_plugins.mtp.model import MtpHead
+
     torch.manual_seed(seed)
     head = MtpHead(LlamaConfig(**cfg.to_dict()), layout, has_head=False)
     with torch.no_grad():
@@ -60,18 +63,20 @@ def trained_nextn(tiny_eagle_drafts):
 
 def _engine(model_dir, **spec):
     from specfw.engine import Engine
+
     sp = MtpConfig(algorithm="mtp", **spec) if spec is not None else None
     return Engine(make_cfg(model_path=str(model_dir), max_total_tokens=4096, max_running_requests=4, speculative=sp))
 
 
 def _plain(model_dir):
     from specfw.engine import Engine
+
     return [o.token_ids for o in Engine(make_cfg(model_path=str(model_dir), max_total_tokens=4096)).generate(PROMPTS, GREEDY)]
 
 
 @pytest.mark.parametrize("shape", [dict(), dict(num_steps=1, topk=1), dict(num_steps=3, topk=2, num_draft_tokens=6)])
 def test_builtin_nextn_greedy_equals_plain(target_with_mtp, shape):
-    plain = _plain(target_with_mtp)          # the NextN tensors do not disturb the target's own load
+    plain = _plain(target_with_mtp)  # the NextN tensors do not disturb the target's own load
     eng = _engine(target_with_mtp, **shape)
     assert [eng.generate([p], GREEDY)[0].token_ids for p in PROMPTS] == plain
     assert [o.token_ids for o in eng.generate(PROMPTS, GREEDY)] == plain
@@ -82,16 +87,21 @@ def test_trained_nextn_checkpoint_is_accepted(tiny_model_dir, trained_nextn):
     """`specfw train draft=mtp` exports a NextN-only checkpoint that speculative=mtp loads by path;
     trained on these chats, its drafts are accepted, and output still equals plain greedy."""
     from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    chats = [list(tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True,
-                                          tokenize=True)["input_ids"]) for c in ["Count to ten.", "Name a color."]]
+    chats = [
+        list(tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True)["input_ids"])
+        for c in ["Count to ten.", "Name a color."]
+    ]
     from specfw.engine import Engine
+
     plain = [o.token_ids for o in Engine(make_cfg(model_path=str(tiny_model_dir), max_total_tokens=4096)).generate(chats, GREEDY)]
     for shape in (dict(num_steps=1, topk=1), dict(num_steps=3, topk=2, num_draft_tokens=6)):
         eng = _engine(tiny_model_dir, draft_model_path=str(trained_nextn), **shape)
         assert [o.token_ids for o in eng.generate(chats, GREEDY)] == plain
         assert eng.stats.accepted_draft_tokens > 0
     from safetensors import safe_open
+
     with safe_open(str(trained_nextn / "model.safetensors"), "pt") as fh:
         assert find_mtp_layers(list(fh.keys()), 2) == {0: (DEEPSEEK, "model.layers.2.")}
     assert json.loads((trained_nextn / "config.json").read_text())["num_nextn_predict_layers"] == 1
@@ -104,6 +114,7 @@ def test_layer_computes_the_documented_formula(tiny_model_dir, tmp_path, layout)
     layer → final norm."""
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
+
     cfg = _target_cfg(tiny_model_dir)
     tensors, _ = _random_mtp(cfg, layout, seed=3)
     save_file(tensors, str(tmp_path / "model.safetensors"))
@@ -111,19 +122,25 @@ def test_layer_computes_the_documented_formula(tiny_model_dir, tmp_path, layout)
     head = load_mtp(tmp_path, cfg, torch.float32)
     assert head.layout == layout
     p = f"model.layers.{cfg.num_hidden_layers}." if layout == DEEPSEEK else "model.mtp_layers.0."
-    n = {DEEPSEEK: ("enorm", "hnorm", "eh_proj", "shared_head.norm"),
-         MIMO: ("token_layernorm", "hidden_layernorm", "input_proj", "final_layernorm")}[layout]
+    n = {DEEPSEEK: ("enorm", "hnorm", "eh_proj", "shared_head.norm"), MIMO: ("token_layernorm", "hidden_layernorm", "input_proj", "final_layernorm")}[layout]
     torch.manual_seed(1)
     T = 7
     emb, hid = torch.randn(T, cfg.hidden_size), torch.randn(T, cfg.hidden_size)
     lcfg = LlamaConfig(**cfg.to_dict())
-    def norm(name, x):                                   # RMSNorm by its definition
+
+    def norm(name, x):  # RMSNorm by its definition
         return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps) * tensors[p + name + ".weight"]
+
     e, h = norm(n[0], emb), norm(n[1], hid)
     x = torch.cat([e, h] if layout == DEEPSEEK else [h, e], -1) @ tensors[p + n[2] + ".weight"].T
     ref_layer = LlamaDecoderLayer(lcfg, layer_idx=0).eval()
-    ref_layer.load_state_dict({k.removeprefix(p): v for k, v in tensors.items()
-                               if k.removeprefix(p).split(".")[0] in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")})
+    ref_layer.load_state_dict(
+        {
+            k.removeprefix(p): v
+            for k, v in tensors.items()
+            if k.removeprefix(p).split(".")[0] in ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
+        }
+    )
     pos = torch.arange(T)[None]
     cos_sin = LlamaRotaryEmbedding(lcfg)(x[None], pos)
     mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
@@ -132,6 +149,7 @@ def test_layer_computes_the_documented_formula(tiny_model_dir, tmp_path, layout)
         ref = ref[0] if isinstance(ref, tuple) else ref
         ref = norm(n[3], ref[0])
         from specfw.models.llama import Rotary
+
         rot = Rotary(head.config, 64, torch.float32)
         y = head.fuse(emb, hid)
         out = head.layer.forward_dense(head.input_layernorm(y)[None], y[None], pos, rot)[0]
@@ -142,7 +160,7 @@ def test_layer_computes_the_documented_formula(tiny_model_dir, tmp_path, layout)
 
 def test_errors_name_the_key(tiny_model_dir, target_with_mtp, tmp_path):
     with pytest.raises(ConfigError, match="speculative.draft_model_path.*no MTP/NextN layers"):
-        _engine(tiny_model_dir)                              # the plain tiny target has none
+        _engine(tiny_model_dir)  # the plain tiny target has none
     with pytest.raises(ConfigError, match="speculative.mtp_layer"):
         _engine(target_with_mtp, mtp_layer=1)
     cfg = _target_cfg(tiny_model_dir)
@@ -164,8 +182,18 @@ def test_mimo_target_with_mtp_layers(demo_dir, tmp_path):
     from transformers import Qwen2Config, Qwen2ForCausalLM
     from transformers import LlamaConfig
     from specfw_plugins.mtp.model import MtpHead
-    cfg = Qwen2Config(vocab_size=49152, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                      num_key_value_heads=2, max_position_embeddings=1024, tie_word_embeddings=True, eos_token_id=2)
+
+    cfg = Qwen2Config(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        eos_token_id=2,
+    )
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(cfg)
     with torch.no_grad():
@@ -199,6 +227,7 @@ def test_mtp_trainer_unrolls_the_chain(tiny_model_dir):
     from specfw.train.common import unrolled_layer_step
     from specfw_plugins.mtp.trainer import MtpTrainer
     from specfw.train.target import TargetTeacher
+
     teacher = TargetTeacher(tiny_model_dir, torch.float32, torch.device("cpu"))
     ids = torch.randint(0, 49152, (2, 12))
     mask, valid = torch.ones(2, 12), torch.ones(2, 12, dtype=torch.bool)

@@ -1,5 +1,6 @@
 """Plugin discovery through entry points, allow/block lists, the `specfw plugins` command,
 hook validation, and a pip-installed third-party algorithm run end to end."""
+
 import subprocess
 import sys
 from pathlib import Path
@@ -75,16 +76,21 @@ def test_specfw_plugins_command_lists_algorithms():
 def test_third_party_package_installs_and_runs(demo_dir):
     """pip-install examples/specfw-example-plugin; `speculative=bigram` then appears as a Hydra option
     with its own key, and greedy output equals plain output."""
-    r = subprocess.run([str(BIN / "pip"), "install", "-q", "--no-deps", "--no-build-isolation",
-                        str(ROOT / "examples" / "specfw-example-plugin")], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [str(BIN / "pip"), "install", "-q", "--no-deps", "--no-build-isolation", str(ROOT / "examples" / "specfw-example-plugin")],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     listing = subprocess.run([str(BIN / "specfw"), "plugins"], capture_output=True, text=True, timeout=60).stdout
     assert "bigram" in listing and "specfw-bigram" in listing
     prompt = "prompt='Count from 1 to 20, separated by commas.'"
     args = [str(BIN / "specfw"), "generate", prompt, "max_new_tokens=40"]
     plain = subprocess.run(args, capture_output=True, text=True, timeout=300)
-    spec = subprocess.run(args + ["speculative=bigram", "speculative.min_gap=1", "speculative.num_steps=4",
-                                  "speculative.topk=1"], capture_output=True, text=True, timeout=300)
+    spec = subprocess.run(
+        args + ["speculative=bigram", "speculative.min_gap=1", "speculative.num_steps=4", "speculative.topk=1"], capture_output=True, text=True, timeout=300
+    )
     assert plain.returncode == 0 and spec.returncode == 0, spec.stderr
     assert spec.stdout == plain.stdout
     assert "accept len" in spec.stderr
@@ -95,8 +101,13 @@ def test_third_party_package_installs_and_runs(demo_dir):
     for line in [ln.split("  #")[0].strip() for ln in readme.splitlines() if ln.startswith("specfw ")]:
         r = subprocess.run(["bash", "-c", f"{BIN}/{line}"], capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, (line, r.stderr[-2000:])
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "examples/specfw-example-plugin/tests"],
-                       cwd=ROOT, capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "examples/specfw-example-plugin/tests"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0 and " passed" in r.stdout, r.stdout[-3000:]
 
 
@@ -122,8 +133,7 @@ def test_observer_hook_sees_every_speculative_step(tiny_model_dir):
     pm = plugin_manager()
     pm.register(obs, "test-observer")
     try:
-        eng = Engine(make_cfg(model_path=str(tiny_model_dir), max_total_tokens=2048,
-                              speculative=NgramConfig(algorithm="ngram", num_draft_tokens=4)))
+        eng = Engine(make_cfg(model_path=str(tiny_model_dir), max_total_tokens=2048, speculative=NgramConfig(algorithm="ngram", num_draft_tokens=4)))
         eng.generate([[5, 6, 7, 8] * 3], SamplingParams(max_new_tokens=20, temperature=0, ignore_eos=True))
     finally:
         pm.unregister("test-observer")

@@ -2,12 +2,13 @@
 references on every ISA this CPU runs, bit identity of GGUF blocks with the fp32 kernel on the
 dequantized weight, batch/row invariance, GGUF block parsing against gguf-py, config checks, and
 greedy speculative == plain greedy within each scheme."""
+
 import numpy as np
 import pytest
 import torch
 
 from conftest import make_cfg
-from specfw.backends.quant_linear import (INT4_GROUP, QuantLinear, dequantize_reference, gguf_blocks, pack)
+from specfw.backends.quant_linear import INT4_GROUP, QuantLinear, dequantize_reference, gguf_blocks, pack
 from specfw.config import ConfigError, validate
 from specfw.kernels import ISAS, cpu_ops, isa_supported, quant_ops
 from specfw.sampling import SamplingParams
@@ -36,6 +37,7 @@ def test_gguf_blocks_give_the_fp32_kernels_bits(isa, kind):
     """Dequantized in registers as gguf-py does (d*q, then +m), accumulated like cpu_ops' linear:
     the very bits of KernelLinear on the dequantized fp32 weight, for 1..16 rows, with bias."""
     from specfw.backends.kernel_linear import KernelLinear
+
     qops, cops = _ops(isa)
     n, k = 70, 192
     q, d, m = _q4_1(n, k)
@@ -65,15 +67,18 @@ def test_quantized_linear_matches_float64_and_is_row_invariant(isa, scheme):
     ql = QuantLinear.from_linear(lin, qops, scheme)
     w = ql.weight.double()
     # the quantization error itself: int8 within half a step of max|w|/127, int4 within half a group step
-    step = (lin.weight.abs().amax(1, keepdim=True) / 127) if scheme == "int8" else (
-        (lambda g: (g.amax(2) - g.amin(2)) / 15)(lin.weight.view(n, -1, INT4_GROUP)).repeat_interleave(INT4_GROUP, 1))
+    step = (
+        (lin.weight.abs().amax(1, keepdim=True) / 127)
+        if scheme == "int8"
+        else ((lambda g: (g.amax(2) - g.amin(2)) / 15)(lin.weight.view(n, -1, INT4_GROUP)).repeat_interleave(INT4_GROUP, 1))
+    )
     assert ((w - lin.weight.double()).abs() <= step.double() * 0.5 + 1e-6).all()
     x = torch.randn(20, k)
     y = ql(x)
     ref = x.double() @ w.T + lin.bias.double()
     assert (y.double() - ref).abs().max() < 1e-4
-    for i in range(20):   # a row's bits never depend on the other rows
-        assert torch.equal(ql(x[i:i + 1]), y[i:i + 1])
+    for i in range(20):  # a row's bits never depend on the other rows
+        assert torch.equal(ql(x[i : i + 1]), y[i : i + 1])
     assert torch.equal(ql(x[3:12]), y[3:12])
 
 
@@ -94,6 +99,7 @@ def test_portable_and_avx2_agree_on_int_schemes():
 def test_gguf_block_parsing_matches_gguf_py(kind):
     gguf = pytest.importorskip("gguf")
     from gguf.quants import dequantize
+
     qtype = getattr(gguf.GGMLQuantizationType, kind)
     n, k = 6, 64
     size = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[kind]
@@ -111,17 +117,18 @@ def test_gguf_block_parsing_matches_gguf_py(kind):
 
 def test_config_names_the_key():
     from specfw_plugins.standalone.config import StandaloneConfig
+
     with pytest.raises(ConfigError, match="model.quantization.*int4"):
         validate(make_cfg(model_quantization="int3"))
     with pytest.raises(ConfigError, match="speculative.draft_model_quantization.*unquant"):
         validate(make_cfg(speculative=StandaloneConfig(algorithm="standalone", draft_model_quantization="fp4")))
-    validate(make_cfg(model_quantization="int8",
-                      speculative=StandaloneConfig(algorithm="standalone", draft_model_quantization="unquant")))
+    validate(make_cfg(model_quantization="int8", speculative=StandaloneConfig(algorithm="standalone", draft_model_quantization="unquant")))
 
 
 def test_gguf_needs_a_gguf_source(tiny_model_dir):
     from specfw.engine import Engine
     from specfw.model_loader import ModelLoadError
+
     with pytest.raises(ModelLoadError, match="model.quantization"):
         Engine(make_cfg(model_path=str(tiny_model_dir), model_quantization="gguf", max_total_tokens=1024))
 
@@ -136,16 +143,17 @@ def test_speculative_equals_plain_within_scheme(scheme, tiny_model_dir, tiny_dra
     from specfw.engine import Engine
     from specfw_plugins.ngram.config import NgramConfig
     from specfw_plugins.standalone.config import StandaloneConfig
+
     kw = dict(model_path=str(tiny_model_dir), model_quantization=scheme, max_total_tokens=4096, max_running_requests=4)
     plain = Engine(make_cfg(**kw))
     assert any(isinstance(m, QuantLinear) for m in plain.runner.model.modules())
     ref = [plain.generate([p], GREEDY)[0].token_ids for p in RAW]
     assert [o.token_ids for o in plain.generate(RAW, GREEDY)] == ref
-    for spec in [NgramConfig(algorithm="ngram", num_draft_tokens=4),
-                 StandaloneConfig(algorithm="standalone", draft_model_path=str(tiny_draft_dir), num_steps=2, topk=2,
-                                  num_draft_tokens=5),
-                 StandaloneConfig(algorithm="standalone", draft_model_path=str(tiny_draft_dir), num_steps=3, topk=1,
-                                  draft_model_quantization="unquant")]:
+    for spec in [
+        NgramConfig(algorithm="ngram", num_draft_tokens=4),
+        StandaloneConfig(algorithm="standalone", draft_model_path=str(tiny_draft_dir), num_steps=2, topk=2, num_draft_tokens=5),
+        StandaloneConfig(algorithm="standalone", draft_model_path=str(tiny_draft_dir), num_steps=3, topk=1, draft_model_quantization="unquant"),
+    ]:
         eng = Engine(make_cfg(**kw, speculative=spec))
         assert [eng.generate([p], GREEDY)[0].token_ids for p in RAW] == ref, spec
         assert [o.token_ids for o in eng.generate(RAW, GREEDY)] == ref, spec
@@ -157,6 +165,7 @@ def test_demo_gguf_is_bit_identical_to_fp32():
     """The demo's own Q4_1 file run on its blocks: the fp32 model's logits and tokens exactly."""
     from specfw.datasets import mtbench_first_turns
     from specfw.engine import Engine
+
     params = SamplingParams(max_new_tokens=32, temperature=0)
     ref_eng = Engine(make_cfg(max_total_tokens=4096, max_running_requests=4))
     prompts = [ref_eng.tokenize_chat([{"role": "user", "content": q}]) for q in mtbench_first_turns(3)]
@@ -167,7 +176,7 @@ def test_demo_gguf_is_bit_identical_to_fp32():
     eng = Engine(make_cfg(model_quantization="gguf", max_total_tokens=4096, max_running_requests=4))
     model = eng.runner.model
     quant = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    assert len(quant) == 4 * len(model.layers) + 1   # every layer linear and the (Q8_0) lm_head
+    assert len(quant) == 4 * len(model.layers) + 1  # every layer linear and the (Q8_0) lm_head
     assert torch.equal(model.layers[3].gate_up_proj(x), ref_q)
     assert [o.token_ids for o in eng.generate(prompts, params)] == ref
     assert [eng.generate([p], params)[0].token_ids for p in prompts] == ref
@@ -181,13 +190,13 @@ def test_demo_eagle3_equals_plain_within_scheme(scheme):
     from specfw.datasets import mtbench_first_turns
     from specfw.engine import Engine
     from specfw_plugins.eagle3.config import Eagle3Config
+
     params = SamplingParams(max_new_tokens=32, temperature=0)
     plain = Engine(make_cfg(model_quantization=scheme, max_total_tokens=4096, max_running_requests=4))
     prompts = [plain.tokenize_chat([{"role": "user", "content": q}]) for q in mtbench_first_turns(3)]
     ref = [plain.generate([p], params)[0].token_ids for p in prompts]
     del plain
-    eng = Engine(make_cfg(model_quantization=scheme, max_total_tokens=4096, max_running_requests=4,
-                          speculative=Eagle3Config(algorithm="eagle3")))
+    eng = Engine(make_cfg(model_quantization=scheme, max_total_tokens=4096, max_running_requests=4, speculative=Eagle3Config(algorithm="eagle3")))
     assert [eng.generate([p], params)[0].token_ids for p in prompts] == ref
     assert [o.token_ids for o in eng.generate(prompts, params)] == ref
     assert eng.stats.accepted_draft_tokens > 0

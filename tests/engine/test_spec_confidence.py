@@ -1,5 +1,6 @@
 """Confidence pruning (speculative/confidence.py): calibration, the cost fit, the pruning rule, the beam
 search's score floor, and greedy == plain with pruning active on the demo model's EAGLE-3 draft."""
+
 import math
 
 import pytest
@@ -12,18 +13,18 @@ from specfw.speculative.types import DraftCandidates
 def test_calibration_starts_at_the_draft_probability_and_learns_acceptance():
     cal = AcceptanceCalibration()
     assert cal.prob(math.log(0.95)) > 0.9 and cal.prob(math.log(0.005)) < 0.01
-    for i in range(400):   # the draft says 5%, the target accepts half of these nodes
+    for i in range(400):  # the draft says 5%, the target accepts half of these nodes
         cal.observe(math.log(0.05), accepted=i % 2 == 0)
     assert cal.prob(math.log(0.05)) == pytest.approx(0.5, abs=0.03)
-    assert cal.prob(math.log(0.3)) == pytest.approx(0.35, abs=0.01)   # other bins keep their prior
+    assert cal.prob(math.log(0.3)) == pytest.approx(0.35, abs=0.01)  # other bins keep their prior
 
 
 def test_score_floor_is_the_lowest_bin_that_clears_the_threshold_with_all_above():
     cal = AcceptanceCalibration()
-    floor = cal.score_floor(0.25)   # prior: a bin's midpoint; the 0.2-0.3 bin is the lowest at >= 0.25
+    floor = cal.score_floor(0.25)  # prior: a bin's midpoint; the 0.2-0.3 bin is the lowest at >= 0.25
     assert math.exp(floor) == pytest.approx(0.2)
     assert cal.score_floor(0.0) == -math.inf
-    for _ in range(200):            # a bin above that turns out never to be accepted stops the scan
+    for _ in range(200):  # a bin above that turns out never to be accepted stops the scan
         cal.observe(math.log(0.45), accepted=False)
     assert math.exp(cal.score_floor(0.25)) == pytest.approx(0.5)
 
@@ -36,18 +37,18 @@ def test_node_cost_fits_the_marginal_seconds_per_node():
     assert c.slope == pytest.approx(0.002)
     flat = NodeCost()
     for _ in range(50):
-        flat.observe(7, 0.05)       # always the same tree size: no slope to fit
+        flat.observe(7, 0.05)  # always the same tree size: no slope to fit
     assert flat.slope is None
 
 
 def test_threshold_is_tokens_per_second_times_seconds_per_node():
     p = ConfidencePruning(explore=0.0)
-    assert p.threshold(1, 50.0) == 0.0          # no cost fit yet: keep everything
+    assert p.threshold(1, 50.0) == 0.0  # no cost fit yet: keep everything
     p.costs[1] = NodeCost()
     for i in range(50):
         p.costs[1].observe(i % 8, 0.030 + 0.002 * (i % 8))
     assert p.threshold(1, 50.0) == pytest.approx(0.1)
-    assert p.threshold(4, 50.0) == 0.0          # each batch size has its own fit
+    assert p.threshold(4, 50.0) == 0.0  # each batch size has its own fit
     assert ConfidencePruning(enabled=False).plan(1, 50.0, 7) == Cut()
     assert p.plan(1, 50.0, 7).threshold == pytest.approx(0.1) and p.plan(1, 50.0, 7).keep is None
 
@@ -59,8 +60,8 @@ def test_exploring_steps_keep_a_random_number_of_the_best_nodes():
         p.costs[1].observe(i % 8, 0.030 + 0.002 * (i % 8))
     keeps = {p.plan(1, 50.0, 7).keep for _ in range(200)}
     assert keeps == set(range(8))
-    cold = ConfidencePruning(explore=0.0)        # before the cost fit has data, every step explores
-    assert {cold.plan(1, 50.0, 7).keep for _ in range(200)} == set(range(1, 8))   # never an empty tree
+    cold = ConfidencePruning(explore=0.0)  # before the cost fit has data, every step explores
+    assert {cold.plan(1, 50.0, 7).keep for _ in range(200)} == set(range(1, 8))  # never an empty tree
     assert {cold.plan(1, 50.0, 1).keep for _ in range(20)} == {1}
     for i in range(10):
         cold.observe(1, [DraftCandidates.empty()], [[]], 0.03)
@@ -71,13 +72,12 @@ def test_exploring_steps_keep_a_random_number_of_the_best_nodes():
 
 def _tree():
     # a(0.8) -> b(0.42) -> c(0.11); a sibling x(0.05) of a; d(0.33) under a
-    return DraftCandidates(torch.tensor([10, 11, 12, 99, 13]), torch.tensor([-1, 0, 1, -1, 0]),
-                           torch.log(torch.tensor([0.8, 0.42, 0.11, 0.05, 0.33])))
+    return DraftCandidates(torch.tensor([10, 11, 12, 99, 13]), torch.tensor([-1, 0, 1, -1, 0]), torch.log(torch.tensor([0.8, 0.42, 0.11, 0.05, 0.33])))
 
 
 def test_prune_keeps_the_best_nodes_down_to_the_first_below_threshold():
     p = ConfidencePruning()
-    kept = p.prune(_tree(), Cut(threshold=0.3))               # prior calibration: bin midpoints 0.85, 0.45, 0.35 pass, 0.125 fails
+    kept = p.prune(_tree(), Cut(threshold=0.3))  # prior calibration: bin midpoints 0.85, 0.45, 0.35 pass, 0.125 fails
     assert kept.tokens.tolist() == [10, 11, 13]
     assert kept.parents.tolist() == [-1, 0, 0]
     assert p.prune(_tree(), Cut()).tokens.tolist() == [10, 11, 12, 99, 13]
@@ -87,7 +87,7 @@ def test_prune_keeps_the_best_nodes_down_to_the_first_below_threshold():
 
 def test_observe_labels_the_accepted_path_and_feeds_the_cost_fit():
     p = ConfidencePruning()
-    for _ in range(100):   # the target always accepts a, b and never the others
+    for _ in range(100):  # the target always accepts a, b and never the others
         p.observe(1, [_tree()], [[10, 11]], 0.04)
     cal = p.calibration
     assert cal.prob(math.log(0.8)) > 0.95 and cal.prob(math.log(0.42)) > 0.95
@@ -98,6 +98,7 @@ def test_observe_labels_the_accepted_path_and_feeds_the_cost_fit():
 class _Req:
     def __init__(self):
         from specfw.sampling import SamplingParams
+
         self.params = SamplingParams(temperature=0)
         self.seq_len = 5
 
@@ -105,30 +106,32 @@ class _Req:
 def _beam(score_floor):
     from specfw.kv_cache import SlotAllocator
     from specfw.speculative.beam import beam_search
+
     vocab = 8
     first = torch.full((1, vocab), -10.0)
-    first[0, 3] = 5.0                               # one confident first token (p ~ 0.99)
+    first[0, 3] = 5.0  # one confident first token (p ~ 0.99)
     calls = []
 
     def step(chunks, parent_hidden):
         calls.append(sum(int(c[0].numel()) for c in chunks))
         n = sum(int(c[0].numel()) for c in chunks)
-        return torch.zeros(n, vocab), None          # then uniform: every child has p = 1/8 of its parent
+        return torch.zeros(n, vocab), None  # then uniform: every child has p = 1/8 of its parent
 
     alloc = SlotAllocator(64)
-    out = beam_search([_Req()], first, None, topk=2, num_steps=5, committed_slots=lambda r: torch.arange(0),
-                      allocator=alloc, step=step, score_floor=score_floor)
+    out = beam_search(
+        [_Req()], first, None, topk=2, num_steps=5, committed_slots=lambda r: torch.arange(0), allocator=alloc, step=step, score_floor=score_floor
+    )
     assert alloc.num_used == 0
     return out[0], calls
 
 
 def test_beam_search_stops_expanding_beams_below_the_score_floor():
     full, calls = _beam(-math.inf)
-    assert calls == [2, 2, 2, 2]                    # 4 more steps of topk beams
+    assert calls == [2, 2, 2, 2]  # 4 more steps of topk beams
     cut, calls = _beam(math.log(0.5))
-    assert calls == [1]                             # only the confident beam is expanded, once
+    assert calls == [1]  # only the confident beam is expanded, once
     assert cut.tokens[:2].tolist() == full.tokens[:2].tolist()
-    assert len(cut) == 2 + 2                        # the first level, then the confident beam's children
+    assert len(cut) == 2 + 2  # the first level, then the confident beam's children
 
 
 @pytest.mark.model
@@ -138,15 +141,15 @@ def test_greedy_equals_plain_with_pruning_active_on_the_demo_eagle3_draft():
     from specfw.engine import Engine
     from specfw.sampling import SamplingParams
     from specfw_plugins.eagle3.config import Eagle3Config
+
     params = SamplingParams(max_new_tokens=40, temperature=0)
     plain = Engine(make_cfg(model_dtype="bfloat16", max_total_tokens=4096, max_running_requests=3))
     prompts = [plain.tokenize_chat([{"role": "user", "content": q}]) for q in mtbench_first_turns(3)]
     ref = [plain.generate([p], params)[0].token_ids for p in prompts]
-    eng = Engine(make_cfg(model_dtype="bfloat16", max_total_tokens=4096, max_running_requests=3,
-                          speculative=Eagle3Config(algorithm="eagle3")))
+    eng = Engine(make_cfg(model_dtype="bfloat16", max_total_tokens=4096, max_running_requests=3, speculative=Eagle3Config(algorithm="eagle3")))
     w = eng.worker
     w.budget.choose = lambda batch: w.budget.max_size
-    w.pruning.plan = lambda batch, rate, n: Cut(threshold=0.3)     # a high threshold: most trees are cut, most beams stop early
+    w.pruning.plan = lambda batch, rate, n: Cut(threshold=0.3)  # a high threshold: most trees are cut, most beams stop early
     assert [eng.generate([p], params)[0].token_ids for p in prompts] == ref
     assert [o.token_ids for o in eng.generate(prompts, params)] == ref
     assert w.pruning.pruned_nodes > 0 and w.pruning.kept_nodes > 0

@@ -1,5 +1,6 @@
 """The contract of the field: greedy speculative output == plain greedy output, token for token,
 for every installed algorithm, several tree shapes, batch 1 and batch 4."""
+
 import pytest
 
 from conftest import TINY_DRAFT_CHATS, make_cfg
@@ -8,30 +9,40 @@ from specfw.plugins import plugin_manager
 from specfw.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=32, temperature=0, ignore_eos=True)
-CHAT = TINY_DRAFT_CHATS   # the tiny EAGLE heads are trained on these
+CHAT = TINY_DRAFT_CHATS  # the tiny EAGLE heads are trained on these
 RAW = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [1000, 20, 1000, 20, 1000], [9, 99, 999, 9999]]
 # topk 1/2/4 and num_steps 1..5 are all covered
 # (3, 4, 16) and (2, 2, 8) are SGLang's documented shapes (the latter adjusted to 7 nodes)
-TREE_SHAPES = [dict(num_steps=1, topk=1), dict(num_steps=5, topk=1), dict(num_steps=2, topk=2, num_draft_tokens=8),
-               dict(num_steps=4, topk=2, num_draft_tokens=8), dict(num_steps=3, topk=4, num_draft_tokens=16)]
+TREE_SHAPES = [
+    dict(num_steps=1, topk=1),
+    dict(num_steps=5, topk=1),
+    dict(num_steps=2, topk=2, num_draft_tokens=8),
+    dict(num_steps=4, topk=2, num_draft_tokens=8),
+    dict(num_steps=3, topk=4, num_draft_tokens=16),
+]
 DTYPES = ["float32", "bfloat16"]
-NGRAM_SHAPES = [dict(num_draft_tokens=2), dict(num_draft_tokens=4, max_bfs_breadth=1),
-                dict(num_draft_tokens=8, max_bfs_breadth=4, min_bfs_breadth=2), dict(),
-                dict(num_draft_tokens=6, match_type="PROB")]
+NGRAM_SHAPES = [
+    dict(num_draft_tokens=2),
+    dict(num_draft_tokens=4, max_bfs_breadth=1),
+    dict(num_draft_tokens=8, max_bfs_breadth=4, min_bfs_breadth=2),
+    dict(),
+    dict(num_draft_tokens=6, match_type="PROB"),
+]
 
 
 @pytest.fixture(scope="module")
 def prompts(tiny_model_dir):
     from transformers import AutoTokenizer
+
     tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    chat = [list(tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True)["input_ids"])
-            for c in CHAT]
+    chat = [list(tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True)["input_ids"]) for c in CHAT]
     return chat + RAW
 
 
 @pytest.fixture(scope="module")
 def plain_references(tiny_model_dir, prompts):
     from specfw.engine import Engine
+
     out = {}
     for dtype in DTYPES:
         eng = Engine(make_cfg(model_path=str(tiny_model_dir), model_dtype=dtype, max_total_tokens=4096))
@@ -61,18 +72,17 @@ def _configs(name, tiny_draft_dir, eagle_drafts):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("name", sorted(plugin_manager().algorithms))
-def test_greedy_speculative_equals_plain(name, dtype, tiny_model_dir, tiny_draft_dir, tiny_eagle_drafts, prompts,
-                                         plain_references):
+def test_greedy_speculative_equals_plain(name, dtype, tiny_model_dir, tiny_draft_dir, tiny_eagle_drafts, prompts, plain_references):
     """bfloat16 holds the contract exactly too: engine.batch_invariant (the default) makes a tree
     node's numerics those of the decode step that would produce the same token."""
     from specfw.engine import Engine
+
     plain_reference = plain_references[dtype]
     accepted = 0
     for spec in _configs(name, tiny_draft_dir, tiny_eagle_drafts):
-        eng = Engine(make_cfg(model_path=str(tiny_model_dir), model_dtype=dtype, max_total_tokens=4096,
-                              max_running_requests=4, speculative=spec))
+        eng = Engine(make_cfg(model_path=str(tiny_model_dir), model_dtype=dtype, max_total_tokens=4096, max_running_requests=4, speculative=spec))
         single = [eng.generate([p], GREEDY)[0].token_ids for p in prompts]
-        batched = [o.token_ids for o in eng.generate(prompts, GREEDY)]   # 6 requests, 4 running at a time
+        batched = [o.token_ids for o in eng.generate(prompts, GREEDY)]  # 6 requests, 4 running at a time
         assert single == plain_reference, f"{name} {spec}: batch 1 diverged"
         assert batched == plain_reference, f"{name} {spec}: batch 4 diverged"
         assert eng.runner.allocator.num_used == 0
@@ -93,15 +103,17 @@ def test_demo_model_real_case(demo_engine, tmp_path):
     from specfw_plugins.ngram.config import NgramConfig
     from specfw_plugins.standalone.config import StandaloneConfig
     from specfw_plugins.standalone.make_draft import truncate_model
+
     params = SamplingParams(max_new_tokens=40, temperature=0)
     code = humaneval_prompts(3)
     chat = [demo_engine.tokenize_chat([{"role": "user", "content": q}]) for q in mtbench_first_turns(2)]
     ref_code = [o.token_ids for o in demo_engine.generate(code, params)]
     ref_chat = [o.token_ids for o in demo_engine.generate(chat, params)]
     draft = truncate_model(demo_engine.model_path, tmp_path / "draft", layers=4)
-    for spec, prompts, ref in [(NgramConfig(algorithm="ngram"), code, ref_code),
-                               (StandaloneConfig(algorithm="standalone", draft_model_path=str(draft), num_steps=3,
-                                                 topk=2, num_draft_tokens=6), chat, ref_chat)]:
+    for spec, prompts, ref in [
+        (NgramConfig(algorithm="ngram"), code, ref_code),
+        (StandaloneConfig(algorithm="standalone", draft_model_path=str(draft), num_steps=3, topk=2, num_draft_tokens=6), chat, ref_chat),
+    ]:
         eng = Engine(make_cfg(max_total_tokens=4096, max_running_requests=4, speculative=spec))
         assert [eng.generate([p], params)[0].token_ids for p in prompts] == ref
         assert [o.token_ids for o in eng.generate(prompts, params)] == ref
@@ -115,13 +127,13 @@ def test_demo_model_bf16_eagle3_batch_invariant():
     from specfw.datasets import mtbench_first_turns
     from specfw.engine import Engine
     from specfw_plugins.eagle3.config import Eagle3Config
+
     params = SamplingParams(max_new_tokens=48, temperature=0)
     plain = Engine(make_cfg(model_dtype="bfloat16", max_total_tokens=4096, max_running_requests=4))
     prompts = [plain.tokenize_chat([{"role": "user", "content": q}]) for q in mtbench_first_turns(4)]
     ref = [plain.generate([p], params)[0].token_ids for p in prompts]
     assert [o.token_ids for o in plain.generate(prompts, params)] == ref
-    eng = Engine(make_cfg(model_dtype="bfloat16", max_total_tokens=4096, max_running_requests=4,
-                          speculative=Eagle3Config(algorithm="eagle3")))
+    eng = Engine(make_cfg(model_dtype="bfloat16", max_total_tokens=4096, max_running_requests=4, speculative=Eagle3Config(algorithm="eagle3")))
     assert [eng.generate([p], params)[0].token_ids for p in prompts] == ref
     assert [o.token_ids for o in eng.generate(prompts, params)] == ref
     assert eng.stats.accepted_draft_tokens > 0
@@ -132,6 +144,7 @@ def test_greedy_speculative_equals_plain_quantized(name, tiny_model_dir, tiny_dr
     """Within a weight scheme (model.quantization=int4, draft modules int4 too): one tree shape
     per algorithm, batch 1 and 4, == plain greedy of the same scheme (docs/quantization.md)."""
     from specfw.engine import Engine
+
     kw = dict(model_path=str(tiny_model_dir), model_quantization="int4", max_total_tokens=4096, max_running_requests=4)
     plain = Engine(make_cfg(**kw))
     ref = [o.token_ids for o in plain.generate(prompts, GREEDY)]

@@ -3,6 +3,7 @@ of the default run; run it with ``.venv/bin/python -m pytest tests/reliability -
 All traffic goes to servers on 127.0.0.1 started by the tests. The figures each test records are
 printed at the end of the run and written to ``$SPECFW_RELIABILITY_REPORT`` (default
 ``reliability-report.json`` in the temp directory)."""
+
 import json
 import os
 import sys
@@ -11,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).parent.parent))       # conftest.make_cfg, server_helpers
+sys.path.insert(0, str(Path(__file__).parent.parent))  # conftest.make_cfg, server_helpers
 
 FIGURES: dict = {}
 

@@ -5,6 +5,7 @@ through the one schema-valid rejection no JSON Schema can rule out: a 400 with c
 ``context_length_exceeded`` (prompt tokens + ``max_tokens`` beyond the context or the KV pool
 depends on how the prompt tokenizes). Every other 400 to schema-valid data is still a failure.
 """
+
 import schemathesis
 from schemathesis.specs.openapi.checks import positive_data_acceptance
 

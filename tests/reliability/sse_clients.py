@@ -1,4 +1,5 @@
 """Raw HTTP/1.1 streaming clients (asyncio sockets) for the storm and large-body tests."""
+
 from __future__ import annotations
 
 import asyncio
@@ -9,8 +10,9 @@ import time
 def request_bytes(path: str, body: dict, key: str | None = None) -> bytes:
     data = json.dumps(body).encode()
     auth = f"Authorization: Bearer {key}\r\n" if key else ""
-    return (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}Content-Type: application/json\r\n"
-            f"Content-Length: {len(data)}\r\nConnection: close\r\n\r\n").encode() + data
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\n{auth}Content-Type: application/json\r\nContent-Length: {len(data)}\r\nConnection: close\r\n\r\n"
+    ).encode() + data
 
 
 async def stream(port: int, path: str, body: dict, drop_after: int | None = None, key: str | None = None) -> dict:

@@ -1,5 +1,6 @@
 """The bad-input table of issue 16: each row is one request that must get its 4xx with an
 OpenAI error body (a ``code`` on every one), on a server that keeps serving."""
+
 import json
 
 import httpx2
@@ -14,12 +15,16 @@ MSG = '"messages":[{"role":"user","content":"hi"}]'
 
 TABLE = [  # (path, raw JSON body, status, code, param)
     # 1. non-finite numbers, everywhere a number enters
-    *[(p, "{" + base + f',"{f}":{v}' + "}", 400, "invalid_value", f)
-      for p, base in [(CHAT, MSG), (COMPL, '"prompt":"hi"')]
-      for f in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
-      for v in ("NaN", "Infinity")],
-    *[(GEN, '{"text":"hi","sampling_params":{"%s":NaN}}' % f, 400, "invalid_value", f"sampling_params.{f}")
-      for f in ("temperature", "top_p", "repetition_penalty")],
+    *[
+        (p, "{" + base + f',"{f}":{v}' + "}", 400, "invalid_value", f)
+        for p, base in [(CHAT, MSG), (COMPL, '"prompt":"hi"')]
+        for f in ("temperature", "top_p", "min_p", "repetition_penalty", "frequency_penalty", "presence_penalty")
+        for v in ("NaN", "Infinity")
+    ],
+    *[
+        (GEN, '{"text":"hi","sampling_params":{"%s":NaN}}' % f, 400, "invalid_value", f"sampling_params.{f}")
+        for f in ("temperature", "top_p", "repetition_penalty")
+    ],
     # 2. lone surrogates
     (CHAT, '{"messages":[{"role":"user","content":"\\ud800x"}]}', 400, "invalid_unicode", "messages.0.content"),
     (COMPL, '{"prompt":"\\ud800x"}', 400, "invalid_unicode", "prompt"),
@@ -28,8 +33,13 @@ TABLE = [  # (path, raw JSON body, status, code, param)
     (GEN, '{"input_ids":[false]}', 400, "invalid_value", "input_ids.0"),
     (COMPL, '{"prompt":[[true]]}', 400, "invalid_value", "prompt.0.0"),
     # 6. can never fit the KV pool (2048 slots)
-    (GEN, json.dumps({"input_ids": [5] * 2040, "sampling_params": {"max_new_tokens": 16, "ignore_eos": True}}), 400,
-     "context_length_exceeded", "sampling_params.max_new_tokens"),
+    (
+        GEN,
+        json.dumps({"input_ids": [5] * 2040, "sampling_params": {"max_new_tokens": 16, "ignore_eos": True}}),
+        400,
+        "context_length_exceeded",
+        "sampling_params.max_new_tokens",
+    ),
     (COMPL, json.dumps({"prompt": [5] * 2040, "max_tokens": 16}), 400, "context_length_exceeded", "max_tokens"),
     # 7. n beyond the queue bound (8)
     (COMPL, '{"prompt":"hi","n":9}', 400, "invalid_value", "n"),
@@ -54,8 +64,7 @@ TABLE = [  # (path, raw JSON body, status, code, param)
 
 @pytest.fixture(scope="module")
 def server(demo_dir):
-    with serve(api_key=KEY, max_request_bytes=LIMIT, max_total_tokens=2048, max_queued_requests=8,
-               max_running_requests=4) as srv:
+    with serve(api_key=KEY, max_request_bytes=LIMIT, max_total_tokens=2048, max_queued_requests=8, max_running_requests=4) as srv:
         yield srv
 
 

@@ -2,6 +2,7 @@
 with two real replicas (tiny model) behind the real ``sglang-router``: requests spread over both,
 a repeated prompt prefix sticks to one replica (cache-aware policy), a killed replica does not fail
 new requests, and stopping the cluster stops every process."""
+
 from __future__ import annotations
 
 import os
@@ -18,13 +19,13 @@ import pytest
 from server_helpers import ServerThread, wait_until
 
 
-
 def test_worker_endpoints_the_router_calls(tiny_engine):
     from specfw.server.app import create_app
+
     with ServerThread(create_app(tiny_engine)) as s, httpx2.Client(base_url=s.url, timeout=30) as c:
         info = c.get("/server_info").json()
         assert info["dp_size"] == 1 and info["tp_size"] == 1 and info["model_id"] == info["served_model_name"]
-        assert "config" in info and "state" in info            # the older /get_server_info's content too
+        assert "config" in info and "state" in info  # the older /get_server_info's content too
         assert c.get("/model_info").json() == c.get("/get_model_info").json()
         load = c.get("/get_load").json()
         assert load[0]["dp_rank"] == 0 and load[0]["num_reqs"] == 0 and load[0]["num_tokens"] == 0
@@ -56,7 +57,7 @@ def _free_port_block(n: int) -> int:
 
 def _served(url: str) -> int:
     text = httpx2.get(url + "/metrics", timeout=10).text
-    return int(sum(float(v) for v in re.findall(r'^specfw_requests_total\{[^}]*\} ([0-9.e+]+)$', text, re.M)))
+    return int(sum(float(v) for v in re.findall(r"^specfw_requests_total\{[^}]*\} ([0-9.e+]+)$", text, re.M)))
 
 
 def _alive(pid: int) -> bool:
@@ -64,7 +65,7 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    try:   # a zombie (exited, not yet reaped by its parent) counts as gone
+    try:  # a zombie (exited, not yet reaped by its parent) counts as gone
         with open(f"/proc/{pid}/stat") as f:
             return f.read().split()[2] != "Z"
     except OSError:
@@ -80,13 +81,23 @@ class Cluster:
         cmd = [exe] if os.path.exists(exe) else [sys.executable, "-m", "specfw.cli"]
         self.log = log
         with open(log, "wb") as f:
-            self.proc = subprocess.Popen(cmd + ["cluster", "replicas=2", f"port={self.port}", f"policy={policy}",
-                                                f"model.path={model_dir}", "engine.max_total_tokens=2048",
-                                                "server.log_level=warning"],
-                                         stdout=f, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+            self.proc = subprocess.Popen(
+                cmd
+                + [
+                    "cluster",
+                    "replicas=2",
+                    f"port={self.port}",
+                    f"policy={policy}",
+                    f"model.path={model_dir}",
+                    "engine.max_total_tokens=2048",
+                    "server.log_level=warning",
+                ],
+                stdout=f,
+                stderr=subprocess.STDOUT,
+                env=dict(os.environ, PYTHONUNBUFFERED="1"),
+            )
         self.replicas = [f"http://127.0.0.1:{self.port + 1}", f"http://127.0.0.1:{self.port + 2}"]
-        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="unused", max_retries=0,
-                                    timeout=120)
+        self.client = openai.OpenAI(base_url=f"http://127.0.0.1:{self.port}/v1", api_key="unused", max_retries=0, timeout=120)
 
     def __enter__(self):
         assert wait_until(lambda: "cluster ready" in self.log.read_text() or self.proc.poll() is not None, 240, 0.5)
@@ -126,8 +137,8 @@ def test_cluster_spreads_requests_and_survives_a_killed_replica(tiny_model_dir, 
         for t in ["Rivers", "Volcanoes", "Glaciers", "Deserts", "Forests", "Oceans"]:
             assert c.ask(f"{t} are interesting because") > 0
         assert c.served() == [3, 3]
-        os.kill(c.pids[0], signal.SIGKILL)          # one replica gone mid-run
-        for i in range(6):                           # every new request still succeeds (retries, health checks)
+        os.kill(c.pids[0], signal.SIGKILL)  # one replica gone mid-run
+        for i in range(6):  # every new request still succeeds (retries, health checks)
             assert c.ask(f"after the failure, request {i}") > 0
         assert _served(c.replicas[1]) == 9
 
@@ -135,10 +146,12 @@ def test_cluster_spreads_requests_and_survives_a_killed_replica(tiny_model_dir, 
 def test_cache_aware_routing_keeps_a_prefix_on_one_replica(tiny_model_dir, tmp_path):
     pytest.importorskip("sglang_router", reason="sglang-router is not installed (pip install 'specfw[router]')")
     with Cluster(tiny_model_dir, tmp_path / "ca.log", "cache_aware") as c:
-        prefixes = ["Here is a long shared context about the history of astronomy and telescopes. " * 6,
-                    "Quite another long context: recipes for bread, sourdough starters and ovens. " * 6]
+        prefixes = [
+            "Here is a long shared context about the history of astronomy and telescopes. " * 6,
+            "Quite another long context: recipes for bread, sourdough starters and ovens. " * 6,
+        ]
         where = {0: set(), 1: set()}
-        for i in range(4):                           # interleaved: each prefix keeps its replica
+        for i in range(4):  # interleaved: each prefix keeps its replica
             for k, prefix in enumerate(prefixes):
                 where[k].add(c.who_serves(prefix + f"Question {i}:"))
         assert len(where[0]) == 1 and len(where[1]) == 1, where
@@ -146,10 +159,8 @@ def test_cache_aware_routing_keeps_a_prefix_on_one_replica(tiny_model_dir, tmp_p
 
 def test_cluster_config_errors_name_the_key():
     from specfw.cluster import ClusterError, parse
-    assert parse(["replicas=3", "speculative=ngram"]) == ({"replicas": 3, "port": 30000, "policy": "cache_aware"},
-                                                         ["speculative=ngram"])
-    for args, key in ((["replicas=0"], "replicas"), (["policy=fastest"], "policy"), (["server.port=1"], "server.port"),
-                      (["port=x"], "replicas and port")):
+
+    assert parse(["replicas=3", "speculative=ngram"]) == ({"replicas": 3, "port": 30000, "policy": "cache_aware"}, ["speculative=ngram"])
+    for args, key in ((["replicas=0"], "replicas"), (["policy=fastest"], "policy"), (["server.port=1"], "server.port"), (["port=x"], "replicas and port")):
         with pytest.raises(ClusterError, match=key):
             parse(args)
-

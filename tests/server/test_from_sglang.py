@@ -1,20 +1,15 @@
 """``specfw serve --from-sglang``: SGLang's launch flags translated; every launch command of SGLang's
 speculative-decoding documentation, with the demo model and demo drafts substituted, starts a
 real server that answers a chat completion through the ``openai`` client."""
+
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
-import sys
-from pathlib import Path
 
-import httpx2
 import openai
 import pytest
 
-from server_helpers import ServerThread, wait_until
+from server_helpers import CliProcess, ServerThread, free_port
 from specfw.sglang_flags import KEYS, NOT_HONOURED, SWITCHES, translate
 
 pytestmark = pytest.mark.model
@@ -71,7 +66,7 @@ def test_algorithms_dtype_and_switches():
     assert t.overrides == ["speculative=eagle3", "model.dtype=bfloat16", "speculative.topk=1"] and not t.warnings
     assert translate("--speculative-algorithm NEXTN").overrides == ["speculative=mtp"]
     assert translate("--dtype auto").overrides == []
-    assert translate("--tp-size 1 --dp 1").warnings == []                 # one rank: what specfw does
+    assert translate("--tp-size 1 --dp 1").warnings == []  # one rank: what specfw does
 
 
 def test_flags_not_honoured_are_named_and_nothing_is_dropped_silently():
@@ -100,6 +95,7 @@ def test_documented_launch_command_serves_a_chat_completion(example, monkeypatch
     from specfw.config_store import register_configs
     from specfw.engine import Engine
     from specfw.server.app import create_app
+
     t = translate(demo_substituted(SGLANG_EXAMPLES[example]))
     for k, v in t.environ.items():
         monkeypatch.setenv(k, v)
@@ -111,8 +107,7 @@ def test_documented_launch_command_serves_a_chat_completion(example, monkeypatch
     assert cfg.speculative.algorithm in ("eagle", "eagle3", "standalone", "ngram")
     with ServerThread(create_app(Engine(cfg))) as server:
         c = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
-        r = c.chat.completions.create(model="default", messages=[{"role": "user", "content": "Count to five."}],
-                                      max_tokens=6, temperature=0)
+        r = c.chat.completions.create(model="default", messages=[{"role": "user", "content": "Count to five."}], max_tokens=6, temperature=0)
         assert r.usage.completion_tokens > 0 and r.choices[0].message.content
 
 
@@ -121,49 +116,24 @@ def test_mem_fraction_static_is_sglangs_rule():
 
     from specfw.config import ConfigError
     from specfw.device import kv_budget_from_fraction, memory_info
+
     available, total = memory_info(torch.device("cpu"))
     want = 256 * 2**20
     budget = kv_budget_from_fraction(torch.device("cpu"), 1 - (available - want) / total)
-    assert abs(budget - want) < 128 * 2**20          # other processes move MemAvailable a little
+    assert abs(budget - want) < 128 * 2**20  # other processes move MemAvailable a little
     with pytest.raises(ConfigError, match="engine.mem_fraction_static"):
         kv_budget_from_fraction(torch.device("cpu"), 1 - (available + 2**30) / total)
 
 
 def test_cli_from_sglang_prints_the_equivalent_command_and_serves(tmp_path):
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    exe = Path(sys.executable).parent / "specfw"
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "specfw.cli"]
-    flags = (f"python3 -m sglang.launch_server --model-path x --speculative-algorithm NGRAM --port {port} "
-             "--speculative-num-draft-tokens 8 --cuda-graph-max-bs 8")
-    flags = demo_substituted(flags.replace("--model-path x", ""))
-    log = tmp_path / "serve.log"
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd + ["serve", "--from-sglang", flags, "engine.max_total_tokens=2048"],
-                                stdout=f, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
-    try:
+    port = free_port()
+    flags = f"python3 -m sglang.launch_server --speculative-algorithm NGRAM --port {port} --speculative-num-draft-tokens 8 --cuda-graph-max-bs 8"
+    with CliProcess(["serve", "--from-sglang", flags, "engine.max_total_tokens=2048"], tmp_path / "serve.log") as p:
         url = f"http://127.0.0.1:{port}"
-
-        def up():
-            try:
-                return httpx2.get(url + "/health", timeout=2).status_code == 200
-            except httpx2.HTTPError:
-                return proc.poll() is not None
-        assert wait_until(up, 180, 0.5) and proc.poll() is None, log.read_text()[-3000:]
+        assert p.healthy(url), p.output()[-3000:]
         c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
-        r = c.chat.completions.create(model="default", messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
-                                      temperature=0)
+        r = c.chat.completions.create(model="default", messages=[{"role": "user", "content": "Hi"}], max_tokens=4, temperature=0)
         assert r.usage.completion_tokens > 0
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    out = log.read_text()
-    assert (f"equivalent: specfw serve speculative=ngram server.port={port} speculative.num_draft_tokens=8 "
-            "engine.max_total_tokens=2048") in out, out[-3000:]
+    out = p.output()
+    assert (f"equivalent: specfw serve speculative=ngram server.port={port} speculative.num_draft_tokens=8 engine.max_total_tokens=2048") in out, out[-3000:]
     assert "--cuda-graph-max-bs: not honoured" in out

@@ -1,22 +1,18 @@
 """The OpenAI-compatible server over a real uvicorn server on 127.0.0.1 with the demo model:
 chat / completions (streaming and not), concurrency, n, seeds, stop, logprobs, usage, /generate,
 /metrics, client disconnects, and ``specfw serve`` end to end."""
+
 import concurrent.futures as cf
 import json
-import os
 import re
-import signal
 import socket
-import subprocess
-import sys
 import time
-from pathlib import Path
 
 import httpx2
 import openai
 import pytest
 
-from server_helpers import ServerThread, wait_until, engine_idle
+from server_helpers import CliProcess, ServerThread, engine_idle, free_port, wait_until
 from specfw.sampling import SamplingParams
 
 pytestmark = pytest.mark.model
@@ -32,9 +28,9 @@ def _msgs(q):
 @pytest.fixture(scope="module")
 def server(demo_engine):
     from specfw.server.app import create_app
+
     # one-at-a-time offline references, computed before the engine thread owns the engine
-    refs = {q: demo_engine.generate([demo_engine.tokenize_chat(_msgs(q))],
-                                    SamplingParams(max_new_tokens=MAX_TOKENS, temperature=0))[0] for q in QUESTIONS}
+    refs = {q: demo_engine.generate([demo_engine.tokenize_chat(_msgs(q))], SamplingParams(max_new_tokens=MAX_TOKENS, temperature=0))[0] for q in QUESTIONS}
     app = create_app(demo_engine)
     with ServerThread(app) as srv:
         srv.engine, srv.state, srv.refs = demo_engine, app.state.specfw, refs
@@ -137,9 +133,10 @@ def test_concurrent_requests_equal_one_at_a_time(server, client):
 
     def one(i):
         q = QUESTIONS[i % len(QUESTIONS)]
-        if i % 2:   # mix streaming and non-streaming
+        if i % 2:  # mix streaming and non-streaming
             return _stream_text(_chat(client, q, stream=True))[0][0]
         return _chat(client, q).choices[0].message.content
+
     with cf.ThreadPoolExecutor(4) as ex:
         concurrent = list(ex.map(one, range(8)))
     assert concurrent == sequential * 2
@@ -150,7 +147,7 @@ def test_n_choices_use_consecutive_seeds(server, client):
     kw = dict(max_tokens=12, temperature=1.0, seed=7, n=2)
     r = _chat(client, QUESTIONS[2], **kw)
     assert [c.index for c in r.choices] == [0, 1]
-    assert r.usage.prompt_tokens == len(ref_ids(server, QUESTIONS[2]))      # the prompt is counted once
+    assert r.usage.prompt_tokens == len(ref_ids(server, QUESTIONS[2]))  # the prompt is counted once
     assert 2 <= r.usage.completion_tokens <= 2 * 12
     again = _chat(client, QUESTIONS[2], **kw)
     assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]
@@ -168,13 +165,17 @@ def test_stop_strings_and_stop_token_ids(server, client, http):
     assert len(words) >= 3
     stop = " " + words[2]
     r = _chat(client, QUESTIONS[0], stop=[stop, "zzzz-never"])
-    assert r.choices[0].message.content == ref.text[:ref.text.index(stop)]
+    assert r.choices[0].message.content == ref.text[: ref.text.index(stop)]
     assert r.choices[0].finish_reason == "stop"
-    r = _chat(client, QUESTIONS[0], stop=stop)          # a plain string works too
+    r = _chat(client, QUESTIONS[0], stop=stop)  # a plain string works too
     assert r.choices[0].finish_reason == "stop"
-    g = http.post("/generate", json={"input_ids": ref_ids(server, QUESTIONS[0]),
-                                     "sampling_params": {"max_new_tokens": MAX_TOKENS, "temperature": 0,
-                                                         "stop_token_ids": [ref.token_ids[3]]}}).json()
+    g = http.post(
+        "/generate",
+        json={
+            "input_ids": ref_ids(server, QUESTIONS[0]),
+            "sampling_params": {"max_new_tokens": MAX_TOKENS, "temperature": 0, "stop_token_ids": [ref.token_ids[3]]},
+        },
+    ).json()
     assert g["output_ids"] == ref.token_ids[:4]
     assert g["meta_info"]["finish_reason"] == {"type": "stop", "matched": ref.token_ids[3]}
 
@@ -184,9 +185,17 @@ def ref_ids(server, q):
 
 
 def test_sampling_extras_and_ignore_eos(server, client):
-    r = _chat(client, QUESTIONS[3], max_completion_tokens=10, temperature=0.7, top_p=0.9, seed=3,
-              frequency_penalty=0.5, presence_penalty=0.3,
-              extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "ignore_eos": True})
+    r = _chat(
+        client,
+        QUESTIONS[3],
+        max_completion_tokens=10,
+        temperature=0.7,
+        top_p=0.9,
+        seed=3,
+        frequency_penalty=0.5,
+        presence_penalty=0.3,
+        extra_body={"top_k": 20, "min_p": 0.05, "repetition_penalty": 1.1, "ignore_eos": True},
+    )
     assert r.usage.completion_tokens == 10 and r.choices[0].finish_reason == "length"
 
 
@@ -198,14 +207,13 @@ def test_completions_text_ids_and_stream_agree(server, client):
     b = client.completions.create(model=server.engine.model_name, prompt=ids, max_tokens=10, temperature=0)
     assert a.object == "text_completion" and a.choices[0].text == b.choices[0].text
     assert a.usage.prompt_tokens == len(ids) and a.usage.completion_tokens == 10
-    texts, finish, usage, _ = _stream_text(client.completions.create(
-        model="default", prompt=prompt, max_tokens=10, temperature=0, stream=True,
-        stream_options={"include_usage": True}))
+    texts, finish, usage, _ = _stream_text(
+        client.completions.create(model="default", prompt=prompt, max_tokens=10, temperature=0, stream=True, stream_options={"include_usage": True})
+    )
     assert texts[0] == a.choices[0].text and finish[0] == "length"
     assert usage[0].total_tokens == len(ids) + 10
     # a batch of prompts: choices are prompt-major
-    batch = client.completions.create(model="default", prompt=[prompt, "Once upon a time"], max_tokens=10,
-                                      temperature=0, n=2)
+    batch = client.completions.create(model="default", prompt=[prompt, "Once upon a time"], max_tokens=10, temperature=0, n=2)
     assert [c.index for c in batch.choices] == [0, 1, 2, 3]
     assert batch.choices[0].text == batch.choices[1].text == a.choices[0].text
 
@@ -220,24 +228,27 @@ def test_chat_logprobs(server, client):
         assert e.logprob <= 0 and len(e.top_logprobs) == 3
         assert e.top_logprobs[0].token == e.token and e.top_logprobs[0].logprob == pytest.approx(e.logprob)
         assert bytes(e.bytes).decode("utf-8", "replace") == e.token
-    streamed = [e for ch in _chat(client, QUESTIONS[0], logprobs=True, top_logprobs=3, stream=True)
-                for c in ch.choices if c.logprobs for e in c.logprobs.content]
+    streamed = [
+        e for ch in _chat(client, QUESTIONS[0], logprobs=True, top_logprobs=3, stream=True) for c in ch.choices if c.logprobs for e in c.logprobs.content
+    ]
     assert [(e.token, round(e.logprob, 4)) for e in streamed] == [(e.token, round(e.logprob, 4)) for e in content]
     assert _chat(client, QUESTIONS[0]).choices[0].logprobs is None
 
 
 def test_completion_logprobs(server, client):
-    r = client.completions.create(model="default", prompt="The capital of France is", max_tokens=8,
-                                  temperature=0, logprobs=2)
+    r = client.completions.create(model="default", prompt="The capital of France is", max_tokens=8, temperature=0, logprobs=2)
     lp = r.choices[0].logprobs
     assert "".join(lp.tokens) == r.choices[0].text
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == 8
     assert lp.text_offset[0] == 0
     assert all(lp.text_offset[i + 1] == lp.text_offset[i] + len(lp.tokens[i]) for i in range(7))
     assert all(len(t) == 2 and max(t.values()) == pytest.approx(x) for t, x in zip(lp.top_logprobs, lp.token_logprobs))
-    s = [c.logprobs for ch in client.completions.create(model="default", prompt="The capital of France is",
-                                                         max_tokens=8, temperature=0, logprobs=2, stream=True)
-         for c in ch.choices if c.logprobs]
+    s = [
+        c.logprobs
+        for ch in client.completions.create(model="default", prompt="The capital of France is", max_tokens=8, temperature=0, logprobs=2, stream=True)
+        for c in ch.choices
+        if c.logprobs
+    ]
     assert [t for x in s for t in x.tokens] == lp.tokens
     assert [o for x in s for o in x.text_offset] == lp.text_offset
 
@@ -246,22 +257,20 @@ def test_completion_logprobs(server, client):
 def test_generate_endpoint(server, http):
     ids = ref_ids(server, QUESTIONS[0])
     ref = server.refs[QUESTIONS[0]]
-    g = http.post("/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": MAX_TOKENS,
-                                                                           "temperature": 0}}).json()
+    g = http.post("/generate", json={"input_ids": ids, "sampling_params": {"max_new_tokens": MAX_TOKENS, "temperature": 0}}).json()
     assert g["text"] == ref.text and g["output_ids"] == ref.token_ids
     meta = g["meta_info"]
     assert meta["prompt_tokens"] == len(ids) and meta["completion_tokens"] == len(ref.token_ids)
     assert meta["finish_reason"]["type"] == ref.finish_reason
     text = server.engine.tokenizer.decode(ids)
-    g2 = http.post("/generate", json={"text": text, "sampling_params": {"max_new_tokens": MAX_TOKENS,
-                                                                        "temperature": 0},
-                                      "return_logprob": True, "top_logprobs_num": 2}).json()
+    g2 = http.post(
+        "/generate", json={"text": text, "sampling_params": {"max_new_tokens": MAX_TOKENS, "temperature": 0}, "return_logprob": True, "top_logprobs_num": 2}
+    ).json()
     assert g2["text"] == ref.text
     assert len(g2["meta_info"]["output_token_logprobs"]) == len(ref.token_ids)
     assert all(len(t) == 2 for t in g2["meta_info"]["output_top_logprobs"])
     # streaming: cumulative text, then [DONE]
-    with http.stream("POST", "/generate", json={"input_ids": ids, "stream": True, "sampling_params": {
-            "max_new_tokens": MAX_TOKENS, "temperature": 0}}) as r:
+    with http.stream("POST", "/generate", json={"input_ids": ids, "stream": True, "sampling_params": {"max_new_tokens": MAX_TOKENS, "temperature": 0}}) as r:
         events = [ln[6:] for ln in r.iter_lines() if ln.startswith("data: ")]
     assert events[-1] == "[DONE]"
     chunks = [json.loads(e) for e in events[:-1]]
@@ -309,8 +318,7 @@ def test_metrics(server, http, client):
 def _raw_post(port, path, body):
     s = socket.create_connection(("127.0.0.1", port), timeout=60)
     data = json.dumps(body).encode()
-    s.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-              f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    s.sendall(f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
     return s
 
 
@@ -318,8 +326,7 @@ LONG = {"max_tokens": 3000, "temperature": 0, "ignore_eos": True}
 
 
 def test_disconnect_mid_stream_aborts_and_frees_kv(server, client, http):
-    before = _metric(http.get("/metrics").text, "specfw_requests_total", endpoint="/v1/chat/completions",
-                     finish_reason="abort") or 0
+    before = _metric(http.get("/metrics").text, "specfw_requests_total", endpoint="/v1/chat/completions", finish_reason="abort") or 0
     s = _raw_post(server.port, "/v1/chat/completions", {"messages": _msgs(QUESTIONS[0]), "stream": True, **LONG})
     buf = b""
     while buf.count(b"data: ") < 5:
@@ -330,8 +337,7 @@ def test_disconnect_mid_stream_aborts_and_frees_kv(server, client, http):
     assert server.engine.runner.allocator.num_used > 0
     s.close()
     assert engine_idle(server, 15), "the aborted request kept running"
-    after = _metric(http.get("/metrics").text, "specfw_requests_total", endpoint="/v1/chat/completions",
-                    finish_reason="abort")
+    after = _metric(http.get("/metrics").text, "specfw_requests_total", endpoint="/v1/chat/completions", finish_reason="abort")
     assert after == before + 1
     assert _chat(client, QUESTIONS[0]).choices[0].message.content == server.refs[QUESTIONS[0]].text
 
@@ -346,42 +352,16 @@ def test_disconnect_before_non_stream_response_aborts(server, client):
 
 
 # ---- specfw serve ----------------------------------------------------------------------------------------
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_cli_serve_end_to_end(tmp_path):
-    port = _free_port()
-    exe = Path(sys.executable).parent / "specfw"
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "specfw.cli"]
-    log = tmp_path / "serve.log"
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd + ["serve", f"server.port={port}", "engine.max_total_tokens=2048",
-                                       "engine.num_threads=2", "engine.decode_log_interval=4"],
-                                stdout=f, stderr=subprocess.STDOUT, env=env)
-    try:
-        url = f"http://127.0.0.1:{port}"
-
-        def up():
-            try:
-                return httpx2.get(url + "/health", timeout=2).status_code == 200
-            except httpx2.HTTPError:
-                return proc.poll() is not None
-        assert wait_until(up, 180, 0.5) and proc.poll() is None, log.read_text()[-3000:]
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    args = ["serve", f"server.port={port}", "engine.max_total_tokens=2048", "engine.num_threads=2", "engine.decode_log_interval=4"]
+    with CliProcess(args, tmp_path / "serve.log") as p:
+        assert p.healthy(url), p.output()[-3000:]
         c = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0, timeout=60)
         r = c.chat.completions.create(model="default", messages=_msgs("Say hi"), max_tokens=8, temperature=0)
         assert r.usage.completion_tokens > 0
-    finally:
-        proc.send_signal(signal.SIGINT)
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-    out = log.read_text()
+    out = p.output()
     assert "Prefill batch" in out and "Decode batch" in out, out[-3000:]
     assert '"POST /v1/chat/completions HTTP/1.1" 200' in out, out[-3000:]
     assert "Uvicorn running" in out or "Application startup complete" in out
@@ -391,13 +371,8 @@ def test_ctrl_c_ends_open_streams_at_once(tmp_path):
     """SIGINT while a long stream runs: the stream ends with a 503-style `shutting_down` error
     event, the process exits promptly (not after uvicorn's graceful timeout), no traceback."""
     import threading
-    port = _free_port()
-    exe = Path(sys.executable).parent / "specfw"
-    cmd = [str(exe)] if exe.exists() else [sys.executable, "-m", "specfw.cli"]
-    log = tmp_path / "serve.log"
-    with open(log, "wb") as f:
-        proc = subprocess.Popen(cmd + ["serve", f"server.port={port}", "engine.max_total_tokens=4096", "engine.num_threads=2"],
-                                stdout=f, stderr=subprocess.STDOUT, env=dict(os.environ, PYTHONUNBUFFERED="1"))
+
+    port = free_port()
     url = f"http://127.0.0.1:{port}"
     lines, first = [], threading.Event()
 
@@ -407,26 +382,18 @@ def test_ctrl_c_ends_open_streams_at_once(tmp_path):
             for line in r.iter_lines():
                 lines.append(line)
                 first.set()
-    try:
-        def up():
-            try:
-                return httpx2.get(url + "/health", timeout=2).status_code == 200
-            except httpx2.HTTPError:
-                return proc.poll() is not None
-        assert wait_until(up, 180, 0.5) and proc.poll() is None, log.read_text()[-3000:]
+
+    args = ["serve", f"server.port={port}", "engine.max_total_tokens=4096", "engine.num_threads=2"]
+    with CliProcess(args, tmp_path / "serve.log") as p:
+        assert p.healthy(url), p.output()[-3000:]
         t = threading.Thread(target=stream)
         t.start()
         assert first.wait(60)
         t0 = time.monotonic()
-        proc.send_signal(signal.SIGINT)
-        proc.wait(30)
+        p.stop()
         t.join(30)
-        assert time.monotonic() - t0 < 4.5          # uvicorn's graceful timeout is 5 s
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-    out = log.read_text()
+        assert time.monotonic() - t0 < 4.5  # uvicorn's graceful timeout is 5 s
+    out = p.output()
     assert "Traceback" not in out and "CancelledError" not in out, out[-3000:]
     events = [json.loads(x[6:]) for x in lines if x.startswith("data: {")]
     assert events[-1]["error"]["code"] == "shutting_down" and [x for x in lines if x][-1] == "data: [DONE]"
@@ -440,16 +407,14 @@ def test_speculative_stats_in_generate_and_metrics():
     from conftest import make_cfg
     from specfw.engine import Engine
     from specfw.server.app import create_app
-    eng = Engine(make_cfg(max_running_requests=4, max_total_tokens=4096,
-                          speculative=ngram.NgramConfig(algorithm="ngram")))
+
+    eng = Engine(make_cfg(max_running_requests=4, max_total_tokens=4096, speculative=ngram.NgramConfig(algorithm="ngram")))
     with ServerThread(create_app(eng)) as srv, httpx2.Client(base_url=srv.url, timeout=60) as h:
         text = "Repeat exactly: one two three four five, one two three four five, one two three four five"
-        g = h.post("/generate", json={"input_ids": eng.tokenize_chat(_msgs(text)),
-                                      "sampling_params": {"max_new_tokens": 24, "temperature": 0}}).json()
+        g = h.post("/generate", json={"input_ids": eng.tokenize_chat(_msgs(text)), "sampling_params": {"max_new_tokens": 24, "temperature": 0}}).json()
         assert g["meta_info"]["spec_verify_ct"] > 0 and g["meta_info"]["spec_accept_length"] >= 1
         assert h.get("/get_model_info").json()["speculative_algorithm"] == "ngram"
         t = h.get("/metrics").text
         assert _metric(t, "specfw_spec_verify_forwards_total") == eng.stats.verify_forwards > 0
-        assert _metric(t, "specfw_spec_accept_length") == pytest.approx(eng.stats.accept_length) and \
-            eng.stats.accept_length >= 1
+        assert _metric(t, "specfw_spec_accept_length") == pytest.approx(eng.stats.accept_length) and eng.stats.accept_length >= 1
         assert 'specfw_spec_position_accept_rate{position="0"}' in t

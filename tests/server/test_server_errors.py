@@ -1,5 +1,6 @@
 """Bad input, API keys, queue overflow and engine failures against a real uvicorn server: every
 error is an OpenAI-style body with the documented status, and the server keeps serving."""
+
 import concurrent.futures as cf
 import json
 import socket
@@ -21,6 +22,7 @@ MSGS = [{"role": "user", "content": "Say hi"}]
 @pytest.fixture(scope="module")
 def server(demo_engine):
     from specfw.server.app import create_app
+
     app = create_app(demo_engine)
     with ServerThread(app) as srv:
         srv.engine, srv.state = demo_engine, app.state.specfw
@@ -40,7 +42,7 @@ def _err(r, status, param="<any>", code="<any>"):
     assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}, body
     assert isinstance(body["error"]["message"], str) and body["error"]["message"]
     assert body["error"]["type"] == ("invalid_request_error" if status < 500 else "server_error")
-    if param != "<any>":   # the field, or an item of it ("prompt.1")
+    if param != "<any>":  # the field, or an item of it ("prompt.1")
         got = body["error"]["param"]
         assert got == param or (param and got and got.startswith(param + ".")), body
     if code != "<any>":
@@ -65,18 +67,28 @@ DROP = object()
 # ---- malformed requests -------------------------------------------------------------------------
 def test_malformed_json_and_non_object_bodies(server, http):
     for path in (CHAT, COMPL, GEN):
-        _err(http.post(path, content=b'{"messages": [', headers={"content-type": "application/json"}), 400,
-             None, "invalid_json")
+        _err(http.post(path, content=b'{"messages": [', headers={"content-type": "application/json"}), 400, None, "invalid_json")
         _err(http.post(path, content=b"[1, 2]", headers={"content-type": "application/json"}), 400)
         _err(http.post(path, content=b"hello", headers={"content-type": "text/plain"}), 400)
         _err(http.post(path), 400)
 
 
-@pytest.mark.parametrize("field,value", [
-    ("max_tokens", "abc"), ("max_tokens", 1.5), ("temperature", "hot"), ("messages", "hi"),
-    ("stop", 5), ("n", "two"), ("stream", "maybe"), ("seed", 1.5), ("top_k", [1]),
-    ("stop_token_ids", ["a"]), ("logprobs", "yes"),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("max_tokens", "abc"),
+        ("max_tokens", 1.5),
+        ("temperature", "hot"),
+        ("messages", "hi"),
+        ("stop", 5),
+        ("n", "two"),
+        ("stream", "maybe"),
+        ("seed", 1.5),
+        ("top_k", [1]),
+        ("stop_token_ids", ["a"]),
+        ("logprobs", "yes"),
+    ],
+)
 def test_wrong_field_types(http, field, value):
     e = _err(http.post(CHAT, json=chat(**{field: value})), 400)
     assert e["param"].split(".")[0] == field
@@ -87,22 +99,25 @@ def test_bad_messages(http):
     _err(http.post(CHAT, json=chat(messages=DROP)), 400, "messages")
     _err(http.post(CHAT, json=chat(messages=[{"role": "wizard", "content": "x"}])), 400, "messages.0.role")
     _err(http.post(CHAT, json=chat(messages=[{"content": "x"}])), 400, "messages.0.role")
-    _err(http.post(CHAT, json=chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])),
-         400, "messages.0.content.0.type", "unsupported_parameter")
+    _err(
+        http.post(CHAT, json=chat(messages=[{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}])),
+        400,
+        "messages.0.content.0.type",
+        "unsupported_parameter",
+    )
     # text parts and developer role are accepted
-    _ok(http.post(CHAT, json=chat(messages=[{"role": "developer", "content": "Be brief."},
-                                            {"role": "user", "content": [{"type": "text", "text": "Hi"}]}])))
+    _ok(http.post(CHAT, json=chat(messages=[{"role": "developer", "content": "Be brief."}, {"role": "user", "content": [{"type": "text", "text": "Hi"}]}])))
 
 
 def test_bad_prompts(server, http):
     _err(http.post(COMPL, json={"prompt": "", "max_tokens": 4}), 400, "prompt")
     _err(http.post(COMPL, json={"prompt": [], "max_tokens": 4}), 400, "prompt")
     _err(http.post(COMPL, json={"max_tokens": 4}), 400, "prompt")
-    _err(http.post(COMPL, json={"prompt": [1, 2, 10 ** 9], "max_tokens": 4}), 400, "prompt")
+    _err(http.post(COMPL, json={"prompt": [1, 2, 10**9], "max_tokens": 4}), 400, "prompt")
     _err(http.post(COMPL, json={"prompt": [1, -5], "max_tokens": 4}), 400, "prompt")
     _err(http.post(GEN, json={"text": "a", "input_ids": [1]}), 400, "text")
     _err(http.post(GEN, json={}), 400, "text")
-    _err(http.post(GEN, json={"input_ids": [10 ** 9]}), 400, "input_ids")
+    _err(http.post(GEN, json={"input_ids": [10**9]}), 400, "input_ids")
 
 
 # ---- lengths ------------------------------------------------------------------------------------
@@ -112,37 +127,31 @@ def test_max_tokens_bounds(server, http):
         _err(http.post(CHAT, json=chat(max_tokens=bad)), 400, "max_tokens")
         _err(http.post(CHAT, json=chat(max_tokens=DROP, max_completion_tokens=bad)), 400, "max_completion_tokens")
         _err(http.post(COMPL, json={"prompt": "Hi", "max_tokens": bad}), 400, "max_tokens")
-        _err(http.post(GEN, json={"text": "Hi", "sampling_params": {"max_new_tokens": bad}}), 400,
-             "sampling_params.max_new_tokens")
-    e = _err(http.post(CHAT, json=chat(max_tokens=10 ** 6)), 400, "max_tokens", "context_length_exceeded")
+        _err(http.post(GEN, json={"text": "Hi", "sampling_params": {"max_new_tokens": bad}}), 400, "sampling_params.max_new_tokens")
+    e = _err(http.post(CHAT, json=chat(max_tokens=10**6)), 400, "max_tokens", "context_length_exceeded")
     assert str(ctx) in e["message"]
-    _err(http.post(CHAT, json=chat(max_tokens=DROP, max_completion_tokens=ctx)), 400, "max_completion_tokens",
-         "context_length_exceeded")
+    _err(http.post(CHAT, json=chat(max_tokens=DROP, max_completion_tokens=ctx)), 400, "max_completion_tokens", "context_length_exceeded")
     _err(http.post(COMPL, json={"prompt": [5, 6, 7], "max_tokens": ctx - 2}), 400, "max_tokens")
-    _err(http.post(GEN, json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": ctx}}), 400,
-         "sampling_params.max_new_tokens")
+    _err(http.post(GEN, json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": ctx}}), 400, "sampling_params.max_new_tokens")
     # the largest max_tokens that fits is accepted (ends quickly through a stop token)
-    first = _ok(http.post(GEN, json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 1,
-                                                                                 "temperature": 0}}))
-    r = _ok(http.post(COMPL, json={"prompt": [5, 6, 7], "max_tokens": ctx - 3, "temperature": 0,
-                                   "stop_token_ids": first["output_ids"]}))
+    first = _ok(http.post(GEN, json={"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 1, "temperature": 0}}))
+    r = _ok(http.post(COMPL, json={"prompt": [5, 6, 7], "max_tokens": ctx - 3, "temperature": 0, "stop_token_ids": first["output_ids"]}))
     assert r["choices"][0]["finish_reason"] == "stop"
 
 
 def test_prompt_longer_than_context(server, http):
     ctx = server.engine.runner.max_context
-    e = _err(http.post(COMPL, json={"prompt": [5] * (ctx + 10), "max_tokens": 4}), 400, "prompt",
-             "context_length_exceeded")
+    e = _err(http.post(COMPL, json={"prompt": [5] * (ctx + 10), "max_tokens": 4}), 400, "prompt", "context_length_exceeded")
     assert str(ctx) in e["message"]
     _err(http.post(COMPL, json={"prompt": [5] * ctx}), 400, "prompt", "context_length_exceeded")
-    _err(http.post(CHAT, json=chat(messages=[{"role": "user", "content": "hello " * (ctx + 10)}])), 400,
-         "messages", "context_length_exceeded")
+    _err(http.post(CHAT, json=chat(messages=[{"role": "user", "content": "hello " * (ctx + 10)}])), 400, "messages", "context_length_exceeded")
     _err(http.post(GEN, json={"input_ids": [5] * (ctx + 1)}), 400, "input_ids", "context_length_exceeded")
 
 
 def test_default_max_tokens_is_remaining_context_capped():
     """Unit test of the documented default (no max_tokens): min(context - prompt, KV pool room, cap)."""
     from types import SimpleNamespace
+
     made = []
 
     class FakeEngine:
@@ -153,9 +162,9 @@ def test_default_max_tokens_is_remaining_context_capped():
         def make_request(self, ids, params, rid=None):
             made.append((ids, params, rid))
             return SimpleNamespace(rid=rid)
+
     p = SamplingParams(temperature=0.5, seed=41)
-    Submission([Prompt("ids", list(range(1, 91)))], p, n=3, default_max_tokens=64,
-               rid_prefix="x").prepare(FakeEngine()).build(FakeEngine())
+    Submission([Prompt("ids", list(range(1, 91)))], p, n=3, default_max_tokens=64, rid_prefix="x").prepare(FakeEngine()).build(FakeEngine())
     assert [m[1].max_new_tokens for m in made] == [10, 10, 10]
     assert [m[1].seed for m in made] == [41, 42, 43] and [m[2] for m in made] == ["x-0", "x-1", "x-2"]
     made.clear()
@@ -171,10 +180,22 @@ def test_default_max_tokens_is_remaining_context_capped():
 
 
 # ---- sampling values --------------------------------------------------------------------------------
-@pytest.mark.parametrize("field,value", [
-    ("temperature", -0.5), ("top_p", 0), ("top_p", 1.5), ("top_k", 0), ("top_k", -3), ("min_p", 1.5),
-    ("repetition_penalty", 0), ("frequency_penalty", 2.5), ("presence_penalty", -3), ("n", 0), ("n", 1000),
-])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("temperature", -0.5),
+        ("top_p", 0),
+        ("top_p", 1.5),
+        ("top_k", 0),
+        ("top_k", -3),
+        ("min_p", 1.5),
+        ("repetition_penalty", 0),
+        ("frequency_penalty", 2.5),
+        ("presence_penalty", -3),
+        ("n", 0),
+        ("n", 1000),
+    ],
+)
 def test_invalid_sampling_values(http, field, value):
     _err(http.post(CHAT, json=chat(**{field: value})), 400, field)
     _err(http.post(COMPL, json={"prompt": "Hi", "max_tokens": 4, field: value}), 400, field)
@@ -189,8 +210,7 @@ def test_invalid_logprob_settings(http):
 
 
 def test_generate_sampling_params_validation(http):
-    _err(http.post(GEN, json={"text": "Hi", "sampling_params": {"max_new_tokens": 4, "temprature": 0.5}}), 400,
-         "sampling_params.temprature")
+    _err(http.post(GEN, json={"text": "Hi", "sampling_params": {"max_new_tokens": 4, "temprature": 0.5}}), 400, "sampling_params.temprature")
     _err(http.post(GEN, json={"text": "Hi", "sampling_params": {"top_p": 2}}), 400, "sampling_params.top_p")
     _err(http.post(GEN, json={"text": "Hi", "sampling_params": {"n": 0}}), 400, "sampling_params.n")
 
@@ -228,16 +248,15 @@ def test_queue_full_is_503(server, http):
     s = socket.create_connection(("127.0.0.1", server.port), timeout=60)
     try:
         data = json.dumps(body).encode()
-        s.sendall(f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                  f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
-        assert s.recv(4096)                                    # A is running
+        s.sendall(f"POST {CHAT} HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n".encode() + data)
+        assert s.recv(4096)  # A is running
         with cf.ThreadPoolExecutor(1) as ex:
             waiting = ex.submit(http.post, COMPL, json={"prompt": "Hi", "max_tokens": 3, "temperature": 0})
-            assert wait_until(lambda: server.state.bridge.snapshot.waiting == 1, 20)   # B waits
-            full = http.post(COMPL, json={"prompt": "Hi", "max_tokens": 3})                 # C
+            assert wait_until(lambda: server.state.bridge.snapshot.waiting == 1, 20)  # B waits
+            full = http.post(COMPL, json={"prompt": "Hi", "max_tokens": 3})  # C
             _err(full, 503, None, "queue_full")
             assert full.headers["retry-after"] == "1"
-            s.close()                                          # A disconnects → aborted, B runs
+            s.close()  # A disconnects → aborted, B runs
             assert waiting.result(60).status_code == 200
     finally:
         sched.max_running, sched.max_queued = saved
@@ -253,8 +272,9 @@ def test_engine_step_failure_fails_requests_with_500_and_keeps_serving(server, h
 
     def broken_decode(batch):
         calls["n"] += 1
-        assert eng.runner.allocator.num_used >= len(batch.new_slots[0])   # this step's reservation is held
+        assert eng.runner.allocator.num_used >= len(batch.new_slots[0])  # this step's reservation is held
         raise RuntimeError("injected decode failure")
+
     monkeypatch.setattr(eng.worker, "decode", broken_decode)
     e = _err(http.post(CHAT, json=chat(max_tokens=8)), 500, None, "engine_error")
     assert "injected decode failure" in e["message"]
@@ -275,6 +295,7 @@ def test_engine_step_failure_fails_requests_with_500_and_keeps_serving(server, h
 def test_api_key(server):
     """A second app on the same engine thread, with an API key, on its own uvicorn server."""
     from specfw.server.app import create_app
+
     app = create_app(server.state.bridge, api_key="sekret")
     with ServerThread(app) as srv, httpx2.Client(base_url=srv.url, timeout=60) as h:
         e = _err(h.post(CHAT, json=chat()), 401, None, "invalid_api_key")
@@ -304,13 +325,11 @@ def test_errors_are_counted_and_server_still_healthy(server, http):
 
 
 def test_duplicate_request_id_is_rejected(server, http):
-    body = {"text": "Hi", "rid": "my-id", "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True},
-            "stream": True}
+    body = {"text": "Hi", "rid": "my-id", "sampling_params": {"max_new_tokens": 2000, "ignore_eos": True}, "stream": True}
     with http.stream("POST", GEN, json=body) as r:
         assert r.status_code == 200
-        lines = r.iter_lines()                        # keep a reference: closing it closes the stream
-        next(lines)                                   # the first request is running
+        lines = r.iter_lines()  # keep a reference: closing it closes the stream
+        next(lines)  # the first request is running
         _err(http.post(GEN, json={**body, "stream": False}), 400, "rid", "duplicate_request_id")
     assert engine_idle(server)
-    assert _ok(http.post(GEN, json={**body, "stream": False, "sampling_params": {"max_new_tokens": 2}}))[
-        "meta_info"]["id"] == "my-id-0"
+    assert _ok(http.post(GEN, json={**body, "stream": False, "sampling_params": {"max_new_tokens": 2}}))["meta_info"]["id"] == "my-id-0"

@@ -1,5 +1,6 @@
 """The kernel seam (specfw.backends): which backend the engine gets, what prepare_module does to a
 drafter's layer, and that kernel settings stay inside the backends."""
+
 import re
 from pathlib import Path
 
@@ -25,6 +26,7 @@ def test_backend_choice_follows_device_and_cpu_isa():
 
 def test_kernel_backend_falls_back_to_torch_ops_when_kernels_cannot_build(monkeypatch):
     from specfw import kernels
+
     monkeypatch.setenv("SPECFW_NO_KERNELS", "1")
     monkeypatch.setattr(kernels, "_cache", {})
     assert cpu_ops() is None
@@ -39,8 +41,8 @@ def test_prepare_module_fuses_a_draft_layer_and_keeps_its_output(tiny_model_dir)
     from specfw.model_runner import build_forward_batch
     from specfw.models.draft_layer import DraftDecoderLayer
     from specfw.models.llama import Rotary
-    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=256, rms_norm_eps=1e-5)
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5)
     torch.manual_seed(0)
     plain = DraftDecoderLayer(cfg).eval().requires_grad_(False)
     fused = DraftDecoderLayer(cfg).eval().requires_grad_(False)
@@ -64,17 +66,25 @@ def test_prepare_module_fuses_a_draft_layer_and_keeps_its_output(tiny_model_dir)
 def test_model_runner_kv_pool_and_plugins_carry_no_kernel_flags():
     """Kernel choices live in specfw.backends: the model, the runner, the KV pool, the workers and
     the plugins never read engine.cpu_* or batch_invariant settings."""
-    flags = re.compile(r"cpu_packed_gemm|cpu_bf16_kernel|cpu_isa|\bpacked_gemm\b|\bbf16_kernel\b|"
-                       r"(engine|cfg|config|model)\.batch_invariant\b|batch_invariant\s*=\s*(True|False|cfg)")
-    paths = [ROOT / "core" / "model_runner.py", ROOT / "core" / "kv_cache.py", ROOT / "core" / "worker.py",
-             *(ROOT / "core" / "models").glob("*.py"), *(ROOT / "core" / "speculative").glob("*.py"),
-             *(ROOT / "plugins").rglob("*.py")]
+    flags = re.compile(
+        r"cpu_packed_gemm|cpu_bf16_kernel|cpu_isa|\bpacked_gemm\b|\bbf16_kernel\b|"
+        r"(engine|cfg|config|model)\.batch_invariant\b|batch_invariant\s*=\s*(True|False|cfg)"
+    )
+    paths = [
+        ROOT / "core" / "model_runner.py",
+        ROOT / "core" / "kv_cache.py",
+        ROOT / "core" / "worker.py",
+        *(ROOT / "core" / "models").glob("*.py"),
+        *(ROOT / "core" / "speculative").glob("*.py"),
+        *(ROOT / "plugins").rglob("*.py"),
+    ]
     offenders = [str(p.relative_to(ROOT)) for p in paths if flags.search(p.read_text())]
     assert not offenders, offenders
 
 
 def test_huge_page_relocation_keeps_values_in_one_aligned_buffer():
     from specfw.backends import huge_pages
+
     ts = [torch.randn(700, 1024), torch.randn(3, 5).to(torch.bfloat16), torch.randn(512, 512)]
     out = huge_pages.relocate(ts)
     assert all(torch.equal(a, b) and a.dtype == b.dtype and a.shape == b.shape for a, b in zip(ts, out))
@@ -83,19 +93,21 @@ def test_huge_page_relocation_keeps_values_in_one_aligned_buffer():
         return
     assert out[0].data_ptr() % huge_pages.HUGE_PAGE == 0
     assert all(t.data_ptr() % 64 == 0 for t in out)
-    assert out[0].untyped_storage().data_ptr() == out[2].untyped_storage().data_ptr()   # one buffer
+    assert out[0].untyped_storage().data_ptr() == out[2].untyped_storage().data_ptr()  # one buffer
     small = [torch.randn(4, 4)]
-    assert huge_pages.relocate(small)[0] is small[0]   # under 2 MB: not worth a buffer
+    assert huge_pages.relocate(small)[0] is small[0]  # under 2 MB: not worth a buffer
 
 
 def test_cpu_backend_puts_packed_weights_on_one_buffer():
     from specfw.backends import huge_pages
     from specfw.backends.kernel_linear import KernelLinear
     from specfw.kernels import cpu_ops
+
     ops = cpu_ops("portable")
     if ops is None or not huge_pages.huge_pages_available():
         pytest.skip("no kernels or no transparent huge pages here")
     from specfw.backends.cpu import CpuBackend
+
     model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.Linear(1024, 512))
     x = torch.randn(3, 512)
     ref = model(x)

@@ -2,6 +2,7 @@
 AVX512-BF16, and bf16_amx.cpp, AMX tiles): right values, every row independent of the others
 and of the thread count, and chosen for bf16 layers where one runs. Each runs where the CPU has
 its flags and skips elsewhere."""
+
 import pytest
 import torch
 from torch import nn
@@ -10,8 +11,7 @@ from specfw.cpu_linear import DotBF16Linear, PackedBF16Linear, fast_linear_for, 
 from specfw.kernels import bf16_amx, bf16_dot, bf16_dot_preferred, bf16_kernel, cpu_has_amx_bf16, cpu_has_avx512_bf16
 
 needs_kernel = pytest.mark.skipif(not cpu_has_avx512_bf16(), reason="CPU without avx512_bf16")
-KERNELS = [pytest.param("dot", marks=needs_kernel),
-           pytest.param("amx", marks=pytest.mark.skipif(not cpu_has_amx_bf16(), reason="CPU without amx_bf16"))]
+KERNELS = [pytest.param("dot", marks=needs_kernel), pytest.param("amx", marks=pytest.mark.skipif(not cpu_has_amx_bf16(), reason="CPU without amx_bf16"))]
 
 
 def _kernel(name):
@@ -44,7 +44,7 @@ def _layer(n, k, bias, seed=0):
 def test_values_and_row_independence(n, k, bias, kernel):
     lin = _layer(n, k, bias)
     dot = DotBF16Linear(lin, kernel=_kernel(kernel))
-    assert torch.equal(dot.weight, lin.weight.detach())   # the packed layout unpacks to the weight
+    assert torch.equal(dot.weight, lin.weight.detach())  # the packed layout unpacks to the weight
     g = torch.Generator().manual_seed(1)
     for rows in (1, 2, 3, 7, 8, 9, 16, 17, 70):
         x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
@@ -54,7 +54,7 @@ def test_values_and_row_independence(n, k, bias, kernel):
             # fp32 accumulation, one bf16 rounding at the end
             assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
             assert torch.allclose(y.float(), ref, rtol=8e-3, atol=8e-3 * float(ref.abs().max()))
-            alone = torch.cat([dot(x[i:i + 1]) for i in range(rows)])
+            alone = torch.cat([dot(x[i : i + 1]) for i in range(rows)])
             assert torch.equal(y, alone), f"{rows} rows: a row's bits depend on the other rows"
 
 
@@ -78,7 +78,7 @@ def test_rows_do_not_depend_on_the_thread_count(kernel):
 def test_batch_invariant_plan_takes_every_row_count_unpadded(kernel):
     dot = DotBF16Linear(_layer(576, 1536, False), batch_invariant=True, kernel=_kernel(kernel))
     plan = dot.row_plan()
-    assert plan.block == 64 and not plan.pad   # the probe agrees with the construction
+    assert plan.block == 64 and not plan.pad  # the probe agrees with the construction
 
 
 def test_bf16_layers_get_the_kernel_where_it_is_preferred():

@@ -44,12 +44,17 @@ def test_unknown_speculative_option_lists_options():
     assert "none" in str(e.value)
 
 
-@pytest.mark.parametrize("override,key", [("engine.max_running_requests=0", "engine.max_running_requests"),
-                                          ("engine.kv_cache_memory_gb=-1", "engine.kv_cache_memory_gb"),
-                                          ("server.port=70000", "server.port"),
-                                          ("server.log_level=loud", "server.log_level"),
-                                          ("engine.max_total_tokens=0", "engine.max_total_tokens"),
-                                          ("model.device=gpu", "model.device")])
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("engine.max_running_requests=0", "engine.max_running_requests"),
+        ("engine.kv_cache_memory_gb=-1", "engine.kv_cache_memory_gb"),
+        ("server.port=70000", "server.port"),
+        ("server.log_level=loud", "server.log_level"),
+        ("engine.max_total_tokens=0", "engine.max_total_tokens"),
+        ("model.device=gpu", "model.device"),
+    ],
+)
 def test_range_validation_names_key(override, key):
     cfg = _compose("serve", [override])
     with pytest.raises(ConfigError) as e:

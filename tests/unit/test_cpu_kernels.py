@@ -2,6 +2,7 @@
 the portable build everywhere, AVX2 and AVX-512 where the flags allow (skipped elsewhere).
 Values against a float64 reference; every row's bits independent of the other rows, of the
 thread count and of the tree it sits in (a tree row == the lone decode row of the same context)."""
+
 import pytest
 import torch
 
@@ -13,7 +14,7 @@ def _ops(isa):
     if not isa_supported(isa):
         pytest.skip(f"this CPU cannot run {isa} code")
     ops = cpu_ops(isa)
-    assert ops is not None, f"the {isa} build failed"   # gcc and ninja are on every machine here
+    assert ops is not None, f"the {isa} build failed"  # gcc and ninja are on every machine here
     assert ops.isa() == isa
     return ops
 
@@ -35,6 +36,7 @@ def test_auto_isa_is_the_best_the_cpu_has(monkeypatch):
 def test_forcing_an_isa_the_cpu_lacks_names_the_key(tiny_model_dir):
     from conftest import make_cfg
     from specfw.config import ConfigError, validate
+
     cfg = make_cfg(cpu_isa="avx9")
     with pytest.raises(ConfigError) as e:
         validate(cfg)
@@ -60,9 +62,9 @@ def test_linear_values_and_row_independence(isa, dtype, n, k, bias):
         y = ops.linear(x, packed, n, b)
         assert y.dtype == dtype and y.shape == (rows, n)
         ref = x.double() @ w.double().t() + (b.double() if bias else 0)
-        tol = 1e-5 if dtype == torch.float32 else 8e-3   # bf16: one rounding of the fp32 sum
+        tol = 1e-5 if dtype == torch.float32 else 8e-3  # bf16: one rounding of the fp32 sum
         assert (y.double() - ref).abs().max() <= tol * ref.abs().max()
-        alone = torch.cat([ops.linear(x[i:i + 1], packed, n, b) for i in range(rows)])
+        alone = torch.cat([ops.linear(x[i : i + 1], packed, n, b) for i in range(rows)])
         assert torch.equal(y, alone), f"{rows} rows: a row's bits depend on the other rows"
 
 
@@ -117,6 +119,7 @@ def test_attention_plan_values_and_tree_rows_equal_lone_decode_rows(isa, dtype, 
     the float64 reference, and every non-prefill row has exactly the bits of a lone decode row
     over the same keys."""
     from specfw.backends.kernel_attention import KernelAttentionPlan
+
     ops = _ops(isa)
     g = torch.Generator().manual_seed(heads * 100 + head_dim)
     S = 1200
@@ -124,19 +127,18 @@ def test_attention_plan_values_and_tree_rows_equal_lone_decode_rows(isa, dtype, 
     v_cache = torch.randn(S, kv_heads, head_dim, generator=g).to(dtype)
     perm = torch.randperm(S, generator=g)
     take = iter(perm.split(1))
-    slots = lambda n: torch.cat([next(take) for _ in range(n)])   # noqa: E731
+    slots = lambda n: torch.cat([next(take) for _ in range(n)])  # noqa: E731
     tree = _random_tree(7, g)
     chain = _random_tree(5, g, chain=True)
     earlier = torch.tensor([[True, False, True, False, True, False]] * 3, dtype=torch.bool)  # 3 new rows, 3 older nodes
     draft_mask = torch.cat([earlier[:, :3], torch.eye(3, dtype=torch.bool)], 1)
     spans, start = [], 0
-    for q_len, prefix, mask in ((6, 0, None), (1, 300, None), (1, 17, None), (7, 250, tree), (4, 30, None),
-                                (5, 40, chain), (3, 60, draft_mask)):
+    for q_len, prefix, mask in ((6, 0, None), (1, 300, None), (1, 17, None), (7, 250, tree), (4, 30, None), (5, 40, chain), (3, 60, draft_mask)):
         kv = slots(prefix + q_len)
         spans.append(SeqSpan(q_start=start, q_len=q_len, kv_slots=kv, tree_mask=mask))
         start += q_len
     q = torch.randn(start, heads, head_dim, generator=g).to(dtype)
-    scale = head_dim ** -0.5
+    scale = head_dim**-0.5
     out = KernelAttentionPlan(ops, spans)(q, k_cache, v_cache, scale)
     tol = 2e-5 if dtype == torch.float32 else 3e-2
     for s in spans:
@@ -144,12 +146,12 @@ def test_attention_plan_values_and_tree_rows_equal_lone_decode_rows(isa, dtype, 
         tm = s.tree_mask if s.tree_mask is not None else torch.ones(s.q_len, s.q_len, dtype=torch.bool).tril()
         m = tm.shape[1]
         for i in range(s.q_len):
-            visible = torch.cat([s.kv_slots[: n - m], s.kv_slots[n - m:][tm[i]]])
+            visible = torch.cat([s.kv_slots[: n - m], s.kv_slots[n - m :][tm[i]]])
             row = s.q_start + i
             ref = _reference(q[row], k_cache, v_cache, visible, scale)
             assert (out[row].double() - ref).abs().max() < tol, (s.q_len, i)
             if s.q_len == 1 or s.prefix_len > 0:
-                lone = KernelAttentionPlan(ops, [SeqSpan(0, 1, visible)])(q[row:row + 1], k_cache, v_cache, scale)
+                lone = KernelAttentionPlan(ops, [SeqSpan(0, 1, visible)])(q[row : row + 1], k_cache, v_cache, scale)
                 assert torch.equal(lone[0], out[row]), f"tree row {i} of a {s.q_len}-row span differs from a lone decode row"
 
 
@@ -158,6 +160,7 @@ def test_attention_of_a_fully_drafted_span_without_prefix(isa):
     """Edge cases: a group with an empty prefix (a draft span whose visible keys are all its own),
     and a one-key row."""
     from specfw.backends.kernel_attention import KernelAttentionPlan
+
     ops = _ops(isa)
     k_cache, v_cache = torch.randn(10, 2, 16), torch.randn(10, 2, 16)
     q = torch.randn(3, 4, 16)
@@ -167,7 +170,7 @@ def test_attention_of_a_fully_drafted_span_without_prefix(isa):
     out = plan(q, k_cache, v_cache, 0.25)
     assert torch.allclose(out[0].double(), _reference(q[0], k_cache, v_cache, torch.tensor([4]), 0.25), atol=1e-5)
     assert torch.allclose(out[1].double(), _reference(q[1], k_cache, v_cache, torch.tensor([4, 7]), 0.25), atol=1e-5)
-    assert torch.allclose(out[2], v_cache[9].repeat_interleave(2, 0), atol=1e-6)   # one key: its value
+    assert torch.allclose(out[2], v_cache[9].repeat_interleave(2, 0), atol=1e-6)  # one key: its value
 
 
 @isas
@@ -176,6 +179,7 @@ def test_fused_layer_glue_matches_torch_and_is_per_row(isa, dtype):
     """add_rms_norm, rope_write and silu_mul against the model's torch formulas (HF's numerics)."""
     import torch.nn.functional as F
     from specfw.models.llama import RMSNorm, Rotary
+
     ops = _ops(isa)
     g = torch.Generator().manual_seed(3)
     rows, D, H, Hkv, hd, inter = 5, 96, 4, 2, 16, 64
@@ -186,13 +190,12 @@ def test_fused_layer_glue_matches_torch_and_is_per_row(isa, dtype):
         norm.weight.copy_(torch.rand(D, generator=g) + 0.5)
     xs = x.clone()
     summed, y = ops.add_rms_norm(xs, res, norm.weight.detach(), 1e-5)
-    assert torch.equal(xs, x)   # the input is not modified
+    assert torch.equal(xs, x)  # the input is not modified
     with torch.inference_mode():
         ref_sum = x + res
         assert torch.allclose(summed.float(), ref_sum.float(), atol=tol)
         assert torch.allclose(y.float(), norm(ref_sum).float(), rtol=tol, atol=tol)
-        alone = torch.cat([ops.add_rms_norm(ref_sum[i:i + 1].clone(), ref_sum.new_empty(0), norm.weight.detach(), 1e-5)[1]
-                           for i in range(rows)])
+        alone = torch.cat([ops.add_rms_norm(ref_sum[i : i + 1].clone(), ref_sum.new_empty(0), norm.weight.detach(), 1e-5)[1] for i in range(rows)])
         assert torch.equal(alone, ops.add_rms_norm(ref_sum.clone(), ref_sum.new_empty(0), norm.weight.detach(), 1e-5)[1])
     # rope on q and k, k and v into the cache
     qkv = torch.randn(rows, (H + 2 * Hkv) * hd, generator=g).to(dtype)
@@ -205,7 +208,7 @@ def test_fused_layer_glue_matches_torch_and_is_per_row(isa, dtype):
     qk = Rotary.apply(qkv[:, : (H + Hkv) * hd].view(rows, H + Hkv, hd), cos, sin)
     assert torch.allclose(q.float(), qk[:, :H].float(), atol=tol)
     assert torch.allclose(kc[slots].float(), qk[:, H:].float(), atol=tol)
-    assert torch.equal(vc[slots], qkv[:, (H + Hkv) * hd:].view(rows, Hkv, hd))
+    assert torch.equal(vc[slots], qkv[:, (H + Hkv) * hd :].view(rows, Hkv, hd))
     # silu(gate) * up
     gu = torch.randn(rows, 2 * inter, generator=g).to(dtype) * 4
     ref = F.silu(gu[:, :inter].float()) * gu[:, inter:].float()
@@ -217,13 +220,14 @@ def test_kernel_linear_packs_bf16_valued_fp32_weights_as_bf16_with_the_same_bits
     bytes and give exactly the fp32 weight's results; other fp32 weights stay fp32."""
     from torch import nn
     from specfw.backends.kernel_linear import KernelLinear
+
     ops = _ops(cpu_isa())
     lin = nn.Linear(200, 70)
     with torch.no_grad():
         lin.weight.copy_(lin.weight.to(torch.bfloat16).float())
     narrow = KernelLinear(lin, ops, cpu_isa())
     assert narrow.packed.dtype == torch.bfloat16 and torch.equal(narrow.weight.float(), lin.weight)
-    wide_ref = ops.pack(lin.weight.detach())   # the same values packed as fp32
+    wide_ref = ops.pack(lin.weight.detach())  # the same values packed as fp32
     x = torch.randn(6, 200)
     assert torch.equal(narrow(x), ops.linear(x, wide_ref, 70, lin.bias.detach()))
     lin2 = nn.Linear(200, 70)

@@ -3,8 +3,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
-from specfw.cpu_linear import (FastLinear, PackedBF16Linear, mkl_packing_available,
-                               onednn_bf16_available, use_fast_linears)
+from specfw.cpu_linear import FastLinear, PackedBF16Linear, mkl_packing_available, onednn_bf16_available, use_fast_linears
 
 pytestmark = pytest.mark.skipif(not mkl_packing_available(), reason="needs MKL")
 
@@ -30,12 +29,12 @@ def test_fast_linear_keeps_leading_dims():
 
 
 def test_use_fast_linears_swaps_fp32_and_bf16_linears():
-    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 4)), nn.Linear(4, 4).to(torch.float16),
-                          nn.Linear(4, 4).to(torch.bfloat16))
+    model = nn.Sequential(nn.Linear(8, 8), nn.Sequential(nn.Linear(8, 4)), nn.Linear(4, 4).to(torch.float16), nn.Linear(4, 4).to(torch.bfloat16))
     assert use_fast_linears(model) == (4 if onednn_bf16_available() else 3) - 1
     assert isinstance(model[0], FastLinear) and isinstance(model[1][0], FastLinear)
     assert type(model[2]) is nn.Linear
     from specfw.cpu_linear import DotBF16Linear, bf16_kernel_available
+
     bf16 = DotBF16Linear if bf16_kernel_available() else PackedBF16Linear
     assert isinstance(model[3], bf16) == onednn_bf16_available()
     plain = nn.Sequential(nn.Linear(4, 4).to(torch.bfloat16))
@@ -57,7 +56,7 @@ def test_packed_bf16_linear_matches_linear(bias):
 
 
 def _row_by_row(layer, x):
-    return torch.cat([layer(x[r:r + 1]) for r in range(x.shape[0])])
+    return torch.cat([layer(x[r : r + 1]) for r in range(x.shape[0])])
 
 
 @pytest.mark.parametrize("kind", ["fp32", "bf16"])
@@ -85,13 +84,12 @@ def test_engine_greedy_same_on_every_cpu_kernel_choice(tiny_model_dir):
     from conftest import make_cfg
     from specfw.engine import Engine
     from specfw.sampling import SamplingParams
+
     prompts = [[1, 5, 9, 200, 31], [7, 7, 100], [3, 4, 5, 6, 7, 8, 9, 10], [42]]
     params = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
     outs = {}
-    for isa, packed, linear in (("none", True, "FastLinear"), ("none", False, "Linear"),
-                                ("auto", True, "KernelLinear"), ("portable", True, "KernelLinear")):
-        eng = Engine(make_cfg(model_path=str(tiny_model_dir), max_running_requests=4, max_total_tokens=1024,
-                              cpu_packed_gemm=packed, cpu_isa=isa))
+    for isa, packed, linear in (("none", True, "FastLinear"), ("none", False, "Linear"), ("auto", True, "KernelLinear"), ("portable", True, "KernelLinear")):
+        eng = Engine(make_cfg(model_path=str(tiny_model_dir), max_running_requests=4, max_total_tokens=1024, cpu_packed_gemm=packed, cpu_isa=isa))
         kinds = {type(m).__name__ for m in eng.runner.model.modules()}
         assert linear in kinds, (isa, packed, kinds)
         outs[(isa, packed)] = [c.token_ids for c in eng.generate(prompts, params)]

@@ -1,18 +1,19 @@
 """Incremental detokenization: the text and the streamed deltas equal a full decode, stop strings
 are found across the frozen prefix, and tokenizers whose decode is not concatenative stay right."""
+
 import random
 
 import pytest
 
 from specfw.detokenizer import IncrementalDetokenizer
 
-TEXT = ("Speculative decoding 🚀 drafts tokens, then verifies them — 検証 in one forward. " * 6
-        + "Émile's café serves crème brûlée; ÷ ≠ ∞. ") * 2
+TEXT = ("Speculative decoding 🚀 drafts tokens, then verifies them — 検証 in one forward. " * 6 + "Émile's café serves crème brûlée; ÷ ≠ ∞. ") * 2
 
 
 @pytest.fixture(scope="module")
 def tok(demo_dir):
     from transformers import AutoTokenizer
+
     return AutoTokenizer.from_pretrained(demo_dir)
 
 
@@ -37,7 +38,7 @@ def test_text_and_deltas_equal_full_decode(tok, chunks):
     _, streamed = _feed(d, ids, chunks)
     full = tok.decode(ids, skip_special_tokens=True)
     assert d.text == full and streamed == full
-    assert d.frozen_ids > 0          # the prefix did advance: later steps decode only the tail
+    assert d.frozen_ids > 0  # the prefix did advance: later steps decode only the tail
 
 
 def test_stop_string_found_after_the_prefix_froze(tok):
@@ -46,12 +47,13 @@ def test_stop_string_found_after_the_prefix_froze(tok):
     d = IncrementalDetokenizer(tok, [stop])
     _, streamed = _feed(d, ids, [1, 4])
     full = tok.decode(ids, skip_special_tokens=True)
-    assert d.stopped_by == stop and d.text == full[:full.index(stop)] and streamed == d.text
+    assert d.stopped_by == stop and d.text == full[: full.index(stop)] and streamed == d.text
     assert d.frozen_ids > 0
 
 
 class LeadingSpaceTokenizer:
     """SentencePiece-like decode: the first piece loses its leading space (not concatenative)."""
+
     pieces = [" the", " cat", " sat", ".", " on", " a", " mat", "\n"]
 
     def decode(self, ids, skip_special_tokens=True):

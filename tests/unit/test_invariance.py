@@ -1,5 +1,6 @@
 """The invariance probes: a linear's row plan gives every row the same bits whatever else is in
 the call, including for kernels that change their summation order with the row count."""
+
 import torch
 
 from specfw.invariance import MAX_ROW_BLOCK, RowPlan, grouped_attention_is_invariant, invariant_row_plan
@@ -11,21 +12,23 @@ def _switching_mm(x):
     """Sums over K in one order for up to 3 rows and in another (two halves) from 4 rows on,
     like MKL's packed sgemm on the EPYCs. Each order is exact in float64 and rounded once, so the
     rows' bits do not depend on how the host's BLAS treats 1, 2 or 3 rows (they do on the Xeons)."""
+
     def exact(a, b):
         return a.double() @ b.double()
+
     if x.shape[0] <= 3:
         return exact(x, W).float()
     return exact(x[:, :48], W[:48]).float() + exact(x[:, 48:], W[48:]).float()
 
 
 def _rows_alone(plan, mm, x):
-    return torch.cat([plan.run(mm, x[r:r + 1]) for r in range(x.shape[0])])
+    return torch.cat([plan.run(mm, x[r : r + 1]) for r in range(x.shape[0])])
 
 
 def test_probe_finds_the_kernel_switch_and_plans_around_it():
     x = torch.randn(50, 96)
     naive = torch.cat([_switching_mm(p) for p in x.split(8)])
-    assert not torch.equal(naive, torch.cat([_switching_mm(x[r:r + 1]) for r in range(50)]))   # the switch shows
+    assert not torch.equal(naive, torch.cat([_switching_mm(x[r : r + 1]) for r in range(50)]))  # the switch shows
     plan = invariant_row_plan(_switching_mm, 96, torch.float32, ("switching", 40))
     assert plan in (RowPlan(3), RowPlan(8, pad=True), RowPlan(16, pad=True))
     for rows in (1, 2, 3, 4, 7, 8, 9, 16, 17, 50):
@@ -33,8 +36,9 @@ def test_probe_finds_the_kernel_switch_and_plans_around_it():
 
 
 def test_invariant_kernel_runs_unpadded_in_the_largest_block():
-    def order_free(x):   # exact in float64: any row count gives the same bits
+    def order_free(x):  # exact in float64: any row count gives the same bits
         return (x.double() @ W.double()).float()
+
     plan = invariant_row_plan(order_free, 96, torch.float32, ("exact", 40))
     assert plan == RowPlan(MAX_ROW_BLOCK)
     x = torch.randn(MAX_ROW_BLOCK + 5, 96)
@@ -47,6 +51,7 @@ def test_padded_plan_appends_zero_rows_and_drops_their_outputs():
     def mm(x):
         seen.append(x.shape[0])
         return x @ W
+
     out = RowPlan(8, pad=True).run(mm, torch.randn(11, 96))
     assert out.shape == (11, 40) and seen == [8, 8]
 

@@ -55,10 +55,10 @@ def test_pool_budget_and_write():
 
 def test_no_leak_after_abort_and_finish(tiny_engine):
     from specfw.sampling import SamplingParams
+
     eng = tiny_engine
     free0 = eng.runner.allocator.num_free
-    reqs = [eng.add_request(eng.make_request([10 + i] * (5 + i), SamplingParams(max_new_tokens=50, temperature=0, ignore_eos=True)))
-            for i in range(4)]
+    reqs = [eng.add_request(eng.make_request([10 + i] * (5 + i), SamplingParams(max_new_tokens=50, temperature=0, ignore_eos=True))) for i in range(4)]
     for _ in range(3):
         eng.step()
     assert eng.runner.allocator.num_free < free0
@@ -76,7 +76,7 @@ def test_move_copies_every_layer_and_allows_overlap():
     for layer in range(3):
         pool.k[layer][:16] = torch.arange(16.0)[:, None, None] + layer * 100
         pool.v[layer][:16] = -pool.k[layer][:16]
-    pool.move(torch.tensor([4, 6, 9]), torch.tensor([4, 5, 6]))   # slot 6 is read before it is overwritten
+    pool.move(torch.tensor([4, 6, 9]), torch.tensor([4, 5, 6]))  # slot 6 is read before it is overwritten
     for layer in range(3):
         assert pool.k[layer][4:7, 0, 0].tolist() == [4 + layer * 100, 6 + layer * 100, 9 + layer * 100]
         assert torch.equal(pool.v[layer][4:7], -pool.k[layer][4:7])
@@ -89,6 +89,7 @@ def test_commit_kv_keeps_a_request_in_one_run():
     from specfw.sampling import SamplingParams
     from specfw.scheduler import ScheduledBatch, Scheduler
     from specfw.step import VerifyResult
+
     pool = KVPool(num_layers=2, num_kv_heads=1, head_dim=2, num_slots=32)
     sched = Scheduler(pool, 4, 64, 64, slots_per_decode=6)
     req = Request(prompt_ids=list(range(10)), params=SamplingParams(max_new_tokens=20))
@@ -103,5 +104,5 @@ def test_commit_kv_keeps_a_request_in_one_run():
     assert pool.k[1][slots[10:], 0, 0].tolist() == [float(tree[0]), float(tree[2]), float(tree[5])]
     assert pool.allocator.num_used == 13
     assert req.output_ids == [7, 8, 9]
-    nxt = pool.allocator.alloc(4)   # the next tree continues the run
+    nxt = pool.allocator.alloc(4)  # the next tree continues the run
     assert int(nxt[0]) == int(slots[-1]) + 1

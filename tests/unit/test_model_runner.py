@@ -1,4 +1,5 @@
 """The lean Llama forward: equals transformers' logits; tree-masked forwards equal chain forwards."""
+
 import pytest
 import torch
 
@@ -10,6 +11,7 @@ EMPTY = torch.empty(0, dtype=torch.long)
 
 def test_logits_match_transformers(tiny_model_dir):
     from transformers import AutoModelForCausalLM
+
     lm = load_model(str(tiny_model_dir))
     hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     r = ModelRunner(lm.model, lm.hf_config, 256, torch.float32)
@@ -29,7 +31,7 @@ def test_tree_forward_equals_chain_forwards(tiny_model_dir):
     prefix = torch.tensor([11, 12, 13, 14])
     pslots = r.allocator.alloc(4)
     r.forward(build_forward_batch([(prefix, torch.arange(4), pslots, EMPTY, None)]))
-    tokens = torch.tensor([50, 60, 70, 80])          # r, a, b, c
+    tokens = torch.tensor([50, 60, 70, 80])  # r, a, b, c
     parents = [-1, 0, 0, 1]
     depth = torch.tensor([0, 1, 1, 2])
     mask = torch.eye(4, dtype=torch.bool)
@@ -66,6 +68,7 @@ def test_rmsnorm_is_bitwise_hf_in_every_dtype():
     import torch
     from transformers.models.llama.modeling_llama import LlamaRMSNorm
     from specfw.models.llama import RMSNorm
+
     torch.manual_seed(0)
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         ours, ref = RMSNorm(576, 1e-5), LlamaRMSNorm(576, eps=1e-5)
@@ -88,6 +91,7 @@ def test_batch_invariant_runner_measures_its_kernels_at_startup(tiny_model_dir, 
     from specfw.backends import make_backend
     from specfw.backends.kernel_linear import KernelLinear
     from specfw.cpu_linear import FastLinear, mkl_packing_available
+
     lm = load_model(str(tiny_model_dir))
     backend = make_backend("cpu", batch_invariant=True, cpu_isa=cpu_isa)
     with caplog.at_level(logging.INFO, logger="specfw.model_runner"):
@@ -95,13 +99,13 @@ def test_batch_invariant_runner_measures_its_kernels_at_startup(tiny_model_dir, 
     assert "batch invariance on cpu" in caplog.text
     if backend.name == "cpu":
         linears = [m for m in lm.model.modules() if isinstance(m, KernelLinear)]
-        assert len(linears) == 4 * lm.model.num_layers + 1   # qkv, o, gate_up, down per layer; lm_head
+        assert len(linears) == 4 * lm.model.num_layers + 1  # qkv, o, gate_up, down per layer; lm_head
         assert all(m.row_plan().block == 64 and not m.row_plan().pad for m in linears)
         assert "'64': %d" % len(linears) in caplog.text
         return
     assert "grouped_attention" in caplog.text
     linears = [m for m in lm.model.modules() if isinstance(m, FastLinear)]
-    assert len(linears) > lm.model.num_layers if mkl_packing_available() else not linears   # qkv, o, gate_up, down, lm_head
+    assert len(linears) > lm.model.num_layers if mkl_packing_available() else not linears  # qkv, o, gate_up, down, lm_head
     assert all(m._row_plan[0] == torch.get_num_threads() for m in linears)
 
 
@@ -113,11 +117,11 @@ def test_engine_times_linear_plans_for_its_typical_forward(tiny_model_dir):
     from specfw.cpu_linear import FastLinear, mkl_packing_available
     from specfw.engine import Engine
     from specfw_plugins.ngram.config import NgramConfig
+
     if not mkl_packing_available():
         pytest.skip("no MKL packed GEMM: the linears are not swapped")
     for spec, rows in ((NgramConfig(algorithm="ngram", num_draft_tokens=6), 6), (None, 8)):
-        eng = Engine(make_cfg(model_path=str(tiny_model_dir), max_total_tokens=256, batch_invariant=True,
-                              speculative=spec, cpu_isa="none"))
+        eng = Engine(make_cfg(model_path=str(tiny_model_dir), max_total_tokens=256, batch_invariant=True, speculative=spec, cpu_isa="none"))
         linears = [m for m in eng.runner.model.modules() if isinstance(m, FastLinear)]
         assert linears and all(m.timed_rows == (1, rows) for m in linears)
         assert (eng.tree_shape.num_draft_tokens if spec else eng.tree_shape) == (6 if spec else None)

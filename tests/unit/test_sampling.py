@@ -58,15 +58,33 @@ def test_penalties():
     assert out[0].tolist() == [2.0, -2.0, 1.0 - 1.0 - 0.25, 1.0 - 0.5 - 0.25]
 
 
-@pytest.mark.parametrize("field,value", [("max_new_tokens", 0), ("temperature", -1.0), ("top_p", 0.0), ("top_p", 1.5),
-                                         ("top_k", 0), ("min_p", 2.0), ("repetition_penalty", 0.0),
-                                         ("frequency_penalty", 3.0), ("top_logprobs", 21),
-                                         ("temperature", 2.5), ("temperature", 1e308),
-                                         ("temperature", float("nan")), ("temperature", float("inf")),
-                                         ("top_p", float("nan")), ("min_p", float("nan")),
-                                         ("repetition_penalty", float("nan")), ("repetition_penalty", float("inf")),
-                                         ("frequency_penalty", float("nan")), ("presence_penalty", float("-inf")),
-                                         ("top_k", True), ("stop_token_ids", [-1]), ("stop_token_ids", [False])])
+@pytest.mark.parametrize(
+    "field,value",
+    [
+        ("max_new_tokens", 0),
+        ("temperature", -1.0),
+        ("top_p", 0.0),
+        ("top_p", 1.5),
+        ("top_k", 0),
+        ("min_p", 2.0),
+        ("repetition_penalty", 0.0),
+        ("frequency_penalty", 3.0),
+        ("top_logprobs", 21),
+        ("temperature", 2.5),
+        ("temperature", 1e308),
+        ("temperature", float("nan")),
+        ("temperature", float("inf")),
+        ("top_p", float("nan")),
+        ("min_p", float("nan")),
+        ("repetition_penalty", float("nan")),
+        ("repetition_penalty", float("inf")),
+        ("frequency_penalty", float("nan")),
+        ("presence_penalty", float("-inf")),
+        ("top_k", True),
+        ("stop_token_ids", [-1]),
+        ("stop_token_ids", [False]),
+    ],
+)
 def test_validation_names_the_field(field, value):
     with pytest.raises(SamplingParamsError) as e:
         SamplingParams(**{field: value}).validate()

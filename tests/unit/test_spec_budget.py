@@ -41,8 +41,8 @@ COST = {1: 1.0, 2: 1.16, 4: 1.3, 8: 1.5, 16: 2.3}
 
 def test_converges_to_fastest_size_per_batch_size():
     b = DraftBudget(16, explore=0.0)
-    _play(b, COST, {1: 1, 2: 1.6, 4: 2.2, 8: 2.4, 16: 2.6}, 40, batch=1)      # 4: 1.69 tok/s per unit
-    _play(b, COST, {1: 4, 2: 4.2, 4: 4.4, 8: 4.6, 16: 4.8}, 40, batch=4)      # drafting never pays
+    _play(b, COST, {1: 1, 2: 1.6, 4: 2.2, 8: 2.4, 16: 2.6}, 40, batch=1)  # 4: 1.69 tok/s per unit
+    _play(b, COST, {1: 4, 2: 4.2, 4: 4.4, 8: 4.6, 16: 4.8}, 40, batch=4)  # drafting never pays
     assert b.best(1) == 4 and b.choose(1) == 4
     assert b.best(4) == 1
     assert b.summary()[4] > 20
@@ -52,16 +52,16 @@ def test_exploring_the_largest_size_tracks_a_change_in_the_text():
     b = DraftBudget(16, explore=0.2, decay=0.9)
     _play(b, COST, {1: 1, 2: 1.6, 4: 2.2, 8: 2.4, 16: 2.6}, 60)
     assert b.best(1) == 4
-    _play(b, COST, {1: 1, 2: 1.9, 4: 2.8, 8: 4.6, 16: 5.0}, 300)   # e.g. the output became repetitive
+    _play(b, COST, {1: 1, 2: 1.9, 4: 2.8, 8: 4.6, 16: 5.0}, 300)  # e.g. the output became repetitive
     assert b.best(1) == 8
 
 
 def test_a_stale_cost_from_a_slow_warmup_step_is_refreshed():
     b = DraftBudget(8, explore=0.2)
-    b.observe(1, 1, 5.0, None)      # the first plain steps happened to be very slow
+    b.observe(1, 1, 5.0, None)  # the first plain steps happened to be very slow
     b.observe(1, 1, 5.0, None)
     _play(b, {1: 1.0, 2: 1.16, 4: 1.3, 8: 1.5}, {1: 1, 2: 1.1, 4: 1.15, 8: 1.2}, 400)
-    assert b.best(1) == 1           # drafting does not pay once plain steps are re-measured
+    assert b.best(1) == 1  # drafting does not pay once plain steps are re-measured
 
 
 def test_steps_without_a_draft_are_not_counted():
@@ -75,9 +75,9 @@ def test_steps_without_a_draft_are_not_counted():
 
 def test_counterfactual_yields_cut_the_accepted_path():
     from specfw.speculative.budget import counterfactual_yields
+
     # chain a-b-c under the root plus a sibling x of a (scores a > b > x > c)
-    c = DraftCandidates(torch.tensor([10, 11, 12, 99]), torch.tensor([-1, 0, 1, -1]),
-                        torch.tensor([-0.1, -0.2, -0.3, -0.25]))
+    c = DraftCandidates(torch.tensor([10, 11, 12, 99]), torch.tensor([-1, 0, 1, -1]), torch.tensor([-0.1, -0.2, -0.3, -0.25]))
     # the target accepted a, b, c: size 2 keeps {a} → 1 + bonus; size 4 keeps {a, b, x} → 2 + bonus;
     # size 5 keeps everything → 3 + bonus
     assert counterfactual_yields([1, 2, 4, 5], 5, [c], [[10, 11, 12]]) == {1: 1, 2: 2, 4: 3, 5: 4}
@@ -87,8 +87,7 @@ def test_counterfactual_yields_cut_the_accepted_path():
 
 def test_candidates_best_keeps_ancestors_and_reindexes():
     # 0:a(-1) 1:b(-1) 2:c(0) 3:d(2) ; d has the best score, so its ancestors come along
-    c = DraftCandidates(torch.tensor([10, 11, 12, 13]), torch.tensor([-1, -1, 0, 2]),
-                        torch.tensor([-1.0, -0.5, -2.0, 0.0]))
+    c = DraftCandidates(torch.tensor([10, 11, 12, 13]), torch.tensor([-1, -1, 0, 2]), torch.tensor([-1.0, -0.5, -2.0, 0.0]))
     top = c.best(3)
     assert top.tokens.tolist() == [10, 12, 13]
     assert top.parents.tolist() == [-1, 0, 1]
@@ -99,10 +98,11 @@ def test_candidates_best_keeps_ancestors_and_reindexes():
 def test_step_plan_depth_follows_the_step_size():
     from specfw.speculative.config import TreeShape
     from specfw.speculative.policy import DraftPolicy
+
     policy = DraftPolicy(TreeShape(5, 4, 8), adaptive=True, confidence_pruning=False)
     depths = {}
     for size in policy.budget.sizes:
-        policy._retime = size          # play this size
+        policy._retime = size  # play this size
         plan = policy.plan(1)
         depths[plan.size] = plan.depth
         assert plan.drafts == (size > 1)
@@ -115,11 +115,11 @@ def test_policy_select_is_the_one_cut_of_the_candidates():
     from specfw.speculative.config import TreeShape
     from specfw.speculative.policy import DraftPolicy
     from specfw.speculative.types import DraftCandidates, StepPlan
+
     policy = DraftPolicy(TreeShape(3, 2, 4), adaptive=False)
-    cands = DraftCandidates(torch.tensor([10, 11, 12, 13, 14]), torch.tensor([-1, -1, 0, 0, 2]),
-                            torch.tensor([-0.1, -2.0, -0.5, -3.0, -0.9]))
+    cands = DraftCandidates(torch.tensor([10, 11, 12, 13, 14]), torch.tensor([-1, -1, 0, 0, 2]), torch.tensor([-0.1, -2.0, -0.5, -3.0, -0.9]))
     kept = policy.select(cands, StepPlan(size=4, depth=3))
-    assert kept.tokens.tolist() == [10, 12, 14]          # the best 3, closed under ancestors
+    assert kept.tokens.tolist() == [10, 12, 14]  # the best 3, closed under ancestors
     assert len(policy.select(cands, StepPlan(size=1, depth=0))) == 0
 
 
@@ -127,6 +127,6 @@ def test_a_step_with_an_unrepresentative_time_counts_its_yield_only():
     b = DraftBudget(8, sizes=[1, 8], explore=0.0)
     assert b.sizes == [1, 8]
     b.observe(1, 8, 0.030, {1: 1, 8: 3})
-    b.observe(1, 8, None, {1: 1, 8: 1})     # e.g. the drafter caught up after plain steps
+    b.observe(1, 8, None, {1: 1, 8: 1})  # e.g. the drafter caught up after plain steps
     assert b.cost[1][8].mean == 0.030
     assert b.yields[1][8].mean < 3 and b.played[1][8] == 2

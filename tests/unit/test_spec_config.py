@@ -1,4 +1,5 @@
 """Every speculative option composes; each validation rule produces its message."""
+
 import pytest
 from hydra import compose, initialize_config_module
 
@@ -51,6 +52,7 @@ def test_auto_defaults():
     assert _shape() == TreeShape(5, 4, 8)
     assert SpecAlgoConfig(algorithm="x").resolve_shape("Qwen2ForCausalLM") == TreeShape(3, 1, 4)
     from specfw_plugins.standalone.config import StandaloneConfig
+
     assert StandaloneConfig(algorithm="standalone").resolve_shape("LlamaForCausalLM") == TreeShape(3, 1, 4)
 
 
@@ -98,15 +100,19 @@ def test_beam_search_offers_every_child_as_a_candidate():
         return torch.randn(n, vocab, generator=g), None
 
     for steps, topk in [(1, 3), (2, 2), (3, 4)]:
-        cands = beam_search([Req()], torch.randn(1, vocab, generator=g), None, topk, steps,
-                            lambda r: torch.arange(3), alloc, step)[0]
+        cands = beam_search([Req()], torch.randn(1, vocab, generator=g), None, topk, steps, lambda r: torch.arange(3), alloc, step)[0]
         assert len(cands) == max_draft_candidates(steps, topk)
         assert alloc.num_used == 0
 
 
-@pytest.mark.parametrize("kw,key", [(dict(num_steps=0, topk=1), "speculative.num_steps"),
-                                    (dict(accept_threshold_single=0.0), "speculative.accept_threshold_single"),
-                                    (dict(accept_threshold_acc=1.5), "speculative.accept_threshold_acc")])
+@pytest.mark.parametrize(
+    "kw,key",
+    [
+        (dict(num_steps=0, topk=1), "speculative.num_steps"),
+        (dict(accept_threshold_single=0.0), "speculative.accept_threshold_single"),
+        (dict(accept_threshold_acc=1.5), "speculative.accept_threshold_acc"),
+    ],
+)
 def test_range_rules(kw, key):
     with pytest.raises(ConfigError) as e:
         c = SpecAlgoConfig(algorithm="x", **kw)
@@ -115,13 +121,15 @@ def test_range_rules(kw, key):
     assert e.value.key == key
 
 
-@pytest.mark.parametrize("overrides,key", [
-    (["speculative=ngram", "speculative.topk=2"], "speculative.topk"),
-    (["speculative=ngram", "speculative.min_match_window_size=5", "speculative.max_match_window_size=3"],
-     "speculative.min_match_window_size"),
-    (["speculative=ngram", "speculative.num_draft_tokens=1"], "speculative.num_draft_tokens"),
-    (["speculative=standalone", "speculative.draft_model_path=/x", "speculative.topk=2"], "speculative.num_steps"),
-])
+@pytest.mark.parametrize(
+    "overrides,key",
+    [
+        (["speculative=ngram", "speculative.topk=2"], "speculative.topk"),
+        (["speculative=ngram", "speculative.min_match_window_size=5", "speculative.max_match_window_size=3"], "speculative.min_match_window_size"),
+        (["speculative=ngram", "speculative.num_draft_tokens=1"], "speculative.num_draft_tokens"),
+        (["speculative=standalone", "speculative.draft_model_path=/x", "speculative.topk=2"], "speculative.num_steps"),
+    ],
+)
 def test_startup_validation_of_composed_config(overrides, key):
     cfg = _compose(overrides)
     with pytest.raises(ConfigError) as e:
@@ -135,6 +143,7 @@ def test_missing_draft_for_a_non_demo_target_names_the_key(name, tiny_model_dir)
     from conftest import make_cfg
     from specfw.engine import Engine
     from specfw.plugins import plugin_manager
+
     spec = plugin_manager().algorithms[name].config_class(algorithm=name)
     with pytest.raises(ConfigError) as e:
         Engine(make_cfg(model_path=str(tiny_model_dir), max_total_tokens=256, speculative=spec))
@@ -150,6 +159,7 @@ def test_sglang_algorithm_names_select_the_same_options(option, algorithm):
 @pytest.mark.parametrize("value,mode", [("auto", "auto"), ("false", "false"), ("true", "true"), ("False", "false")])
 def test_adaptive_draft_modes_compose(value, mode):
     from specfw.speculative.verify_cost import adaptive_mode
+
     cfg = _compose(["speculative=eagle3", f"speculative.adaptive_draft={value}"])
     validate(cfg)
     assert adaptive_mode(cfg.speculative.adaptive_draft) == mode
@@ -167,6 +177,7 @@ def test_auto_measures_the_verify_cost_and_decides(tiny_model_dir, caplog):
     from conftest import make_cfg
     from specfw.engine import Engine
     from specfw.speculative import verify_cost
+
     eng = Engine(make_cfg(model_path=str(tiny_model_dir), max_total_tokens=4096))
     ratio = verify_cost.verify_cost_ratio(eng.runner, 16)
     assert ratio > 0 and eng.runner.allocator.num_used == 0

@@ -1,4 +1,5 @@
 """Default tree building (selection, masks, depths, retrieve links) and KV keep/free on commit."""
+
 import torch
 
 from specfw.speculative.tree import build_tree, select_candidates
@@ -15,11 +16,7 @@ def test_tree_tensors():
     assert t.tokens.tolist() == [7, 10, 20, 30, 40]
     assert t.parents.tolist() == [-1, 0, 0, 1, 3]
     assert t.depth.tolist() == [0, 1, 1, 2, 3]
-    expect = torch.tensor([[1, 0, 0, 0, 0],
-                           [1, 1, 0, 0, 0],
-                           [1, 0, 1, 0, 0],
-                           [1, 1, 0, 1, 0],
-                           [1, 1, 0, 1, 1]], dtype=torch.bool)
+    expect = torch.tensor([[1, 0, 0, 0, 0], [1, 1, 0, 0, 0], [1, 0, 1, 0, 0], [1, 1, 0, 1, 0], [1, 1, 0, 1, 1]], dtype=torch.bool)
     assert torch.equal(t.mask, expect)
     assert t.retrieve_next_token.tolist() == [1, 3, -1, 4, -1]
     assert t.retrieve_next_sibling.tolist() == [-1, 2, -1, -1, -1]
@@ -30,7 +27,7 @@ def test_selection_keeps_best_and_is_ancestor_closed():
     # a strong grandchild under a weak parent pulls the parent in when the budget allows
     c = _cands([1, 2, 3, 4], [-1, -1, 1, -1], [-0.5, -3.0, -0.6, -2.0])
     assert select_candidates(c, 3) == [0, 1, 2]
-    assert select_candidates(c, 2) == [0, 3]          # grandchild needs 2 slots: skipped, next best taken
+    assert select_candidates(c, 2) == [0, 3]  # grandchild needs 2 slots: skipped, next best taken
     t = build_tree(9, c, size=3)
     assert t.parents.tolist() == [-1, 0, 0] and t.tokens.tolist() == [9, 1, 4]
 
@@ -50,11 +47,11 @@ def test_kv_commit_keeps_accepted_path_in_order(tiny_model_dir):
     from specfw.engine import Engine
     from specfw.sampling import SamplingParams
     from specfw_plugins.ngram.config import NgramConfig
-    eng = Engine(make_cfg(model_path=str(tiny_model_dir), max_total_tokens=2048,
-                          speculative=NgramConfig(algorithm="ngram", num_draft_tokens=6)))
+
+    eng = Engine(make_cfg(model_path=str(tiny_model_dir), max_total_tokens=2048, speculative=NgramConfig(algorithm="ngram", num_draft_tokens=6)))
     free0 = eng.runner.allocator.num_free
     req = eng.add_request(eng.make_request([5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], SamplingParams(max_new_tokens=30, temperature=0, ignore_eos=True)))
-    eng.step()                                       # prefill
+    eng.step()  # prefill
     seen = []
     while eng.has_work:
         before = req.slots.slots().clone()
@@ -63,10 +60,10 @@ def test_kv_commit_keeps_accepted_path_in_order(tiny_model_dir):
         if req.finished:
             break
         after = req.slots.slots()
-        assert torch.equal(after[: len(before)], before)                    # prefix untouched
+        assert torch.equal(after[: len(before)], before)  # prefix untouched
         n_new = len(after) - len(before)
-        assert n_new == len(outs[0].new_token_ids)                           # root + accepted drafts cached
-        assert eng.runner.allocator.num_used == used_before + n_new          # rejected nodes freed
+        assert n_new == len(outs[0].new_token_ids)  # root + accepted drafts cached
+        assert eng.runner.allocator.num_used == used_before + n_new  # rejected nodes freed
         seen.append(n_new)
     assert eng.runner.allocator.num_free == free0
-    assert max(seen) > 1                                                     # some drafts were accepted
+    assert max(seen) > 1  # some drafts were accepted

@@ -1,5 +1,6 @@
 """Verification: greedy walk, and distribution preservation of stochastic tree verification
 (thresholds 1.0) and chain rejection sampling."""
+
 import pytest
 import torch
 
@@ -12,22 +13,21 @@ from specfw.speculative.verify import verify, verify_greedy
 
 def _tree():
     # root(0) → 1:tok 3, 2:tok 5 ; 1 → 3:tok 4
-    return build_tree(0, DraftCandidates(torch.tensor([3, 5, 4]), torch.tensor([-1, -1, 0]),
-                                         torch.tensor([-0.1, -0.2, -0.3])), 4)
+    return build_tree(0, DraftCandidates(torch.tensor([3, 5, 4]), torch.tensor([-1, -1, 0]), torch.tensor([-0.1, -0.2, -0.3])), 4)
 
 
 def test_greedy_walk_and_bonus():
     logits = torch.full((4, 8), -5.0)
-    logits[0, 5] = 5   # target after root: 5 → second child accepted
-    logits[2, 7] = 5   # after node 2: 7 → bonus
+    logits[0, 5] = 5  # target after root: 5 → second child accepted
+    logits[2, 7] = 5  # after node 2: 7 → bonus
     r = verify_greedy(_tree(), logits)
     assert r.accepted_nodes == [0, 2] and r.tokens == [5, 7] and r.num_accepted == 1
-    logits[0, 5], logits[0, 3] = -5, 5   # now first child, then its child 4
+    logits[0, 5], logits[0, 3] = -5, 5  # now first child, then its child 4
     logits[1, 4] = 5
     logits[3, 6] = 5
     r = verify_greedy(_tree(), logits)
     assert r.accepted_nodes == [0, 1, 3] and r.tokens == [3, 4, 6]
-    logits[0, 3], logits[0, 1] = -5, 5   # no child matches: bonus only
+    logits[0, 3], logits[0, 1] = -5, 5  # no child matches: bonus only
     r = verify_greedy(_tree(), logits)
     assert r.accepted_nodes == [0] and r.tokens == [1]
 
@@ -66,7 +66,7 @@ def test_low_thresholds_accept_more():
 def test_chain_rejection_sampling_preserves_target():
     torch.manual_seed(1)
     V = 5
-    q = torch.softmax(torch.randn(2, V), -1)           # draft distributions of the two chain nodes
+    q = torch.softmax(torch.randn(2, V), -1)  # draft distributions of the two chain nodes
     logits = torch.randn(3, V)
     params = SamplingParams(temperature=1.0, seed=99)
     req = Request(prompt_ids=[1], params=params)

@@ -1,5 +1,6 @@
 """The plugin test kit (specfw.testing) and `specfw new-plugin`: a freshly written plugin package
 registers, lists its hooks, and passes check_lossless; a verifier that breaks the contract fails it."""
+
 from __future__ import annotations
 
 import importlib
@@ -18,8 +19,7 @@ BIN = Path(sys.executable).parent
 
 @pytest.fixture
 def new_plugin(tmp_path):
-    r = subprocess.run([str(BIN / "specfw"), "new-plugin", "kitdemo", str(tmp_path / "pkg")],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run([str(BIN / "specfw"), "new-plugin", "kitdemo", str(tmp_path / "pkg")], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     sys.path.insert(0, str(tmp_path / "pkg"))
     try:
@@ -35,18 +35,18 @@ def new_plugin(tmp_path):
 
 def test_new_plugin_template_passes_the_kit(new_plugin):
     root = new_plugin
-    assert "kitdemo = \"specfw_kitdemo\"" in (root / "pyproject.toml").read_text()
+    assert 'kitdemo = "specfw_kitdemo"' in (root / "pyproject.toml").read_text()
     assert "check_lossless" in (root / "tests" / "test_kitdemo.py").read_text()
     report = check_lossless("kitdemo", {"num_steps": 2, "topk": 1})
     assert set(report.runs) == {("float32", 1), ("float32", 4), ("bfloat16", 1), ("bfloat16", 4)}
     assert report.accepted > 0
     from specfw.cli import implemented_hooks
+
     assert implemented_hooks(plugin_manager().algorithms["kitdemo"].factory) == ["specfw_draft"]
 
 
 def test_new_plugin_refuses_bad_names(tmp_path):
-    r = subprocess.run([str(BIN / "specfw"), "new-plugin", "My-Algo", str(tmp_path / "x")],
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run([str(BIN / "specfw"), "new-plugin", "My-Algo", str(tmp_path / "x")], capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "lowercase identifier" in r.stderr
 
 
@@ -58,8 +58,9 @@ def test_kit_catches_a_lossy_verifier(new_plugin):
         @hookimpl
         def specfw_verify(self, ctx, req, tree, logits):
             from specfw.speculative import defaults
+
             res = defaults.specfw_verify(ctx, req, tree, logits)
-            res.tokens[-1] = (res.tokens[-1] + 1) % 1000     # a wrong bonus token
+            res.tokens[-1] = (res.tokens[-1] + 1) % 1000  # a wrong bonus token
             return res
 
     algo = plugin_manager().algorithms["kitdemo"]

@@ -1,5 +1,6 @@
 """'bigram' drafting: find the previous occurrence of the last token in the request's own
 sequence and propose the tokens that followed it (prompt lookup with a one-token key)."""
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -9,7 +10,7 @@ from specfw.sdk import ConfigError, DraftCandidates, SpecAlgoConfig, TreeShape, 
 
 @dataclass
 class BigramConfig(SpecAlgoConfig):
-    min_gap: int = 1      # ignore occurrences closer than this to the end of the sequence
+    min_gap: int = 1  # ignore occurrences closer than this to the end of the sequence
 
     def auto_shape(self, target_arch: str) -> TreeShape:
         return TreeShape(4, 1, 5)
@@ -29,7 +30,7 @@ class BigramDrafter:
         last = seq[-1]
         for i in range(len(seq) - 1 - self.min_gap, -1, -1):
             if seq[i] == last:
-                return seq[i + 1:i + 1 + self.depth]
+                return seq[i + 1 : i + 1 + self.depth]
         return []
 
     @hookimpl

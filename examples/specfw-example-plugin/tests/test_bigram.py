@@ -1,4 +1,5 @@
 """The plugin's own tests: only specfw's plugin test kit, as a third-party author would write them."""
+
 import pytest
 
 from specfw.testing import check_lossless
