@@ -1,5 +1,4 @@
 import os
-import shutil
 
 import pytest
 
@@ -33,31 +32,11 @@ def demo_engine():
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, demo_dir):
-    """A 2-layer random Llama with the demo tokenizer (fast unit tests)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
+    """A 2-layer random Llama with the demo tokenizer (fast unit tests): the plugin test kit's
+    ``specfw.testing.tiny_model``, seed 0."""
+    from specfw.testing import tiny_model
 
-    out = tmp_path_factory.mktemp("tiny-llama")
-    cfg = LlamaConfig(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        eos_token_id=2,
-        bos_token_id=1,
-    )
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(cfg)
-    with torch.no_grad():  # sharper distributions so greedy paths are stable and varied
-        model.model.embed_tokens.weight.mul_(40)
-    model.save_pretrained(out)
-    for f in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
-        if (demo_dir / f).exists():
-            shutil.copy(demo_dir / f, out / f)
-    return out
+    return tiny_model(tmp_path_factory.mktemp("tiny-llama"), seed=0)
 
 
 TINY_DRAFT_CHATS = ["Count to ten.", "Name a color.", "What is two plus two?"]
