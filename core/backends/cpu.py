@@ -28,6 +28,7 @@ from . import huge_pages
 from .base import Backend, HeadShape
 from .kernel_attention import KernelAttentionPlan
 from .kernel_linear import KernelLinear
+from .torch_ops import sdpa_plan
 from .quant_linear import QuantLinear, supports
 
 
@@ -95,9 +96,7 @@ class CpuBackend(Backend):
 
     def plan_attention(self, seqs, device, shape: HeadShape, exact: bool):
         if shape.dtype not in (torch.float32, torch.bfloat16):  # float16: the kernel has no path, torch's SDPA does
-            from .torch_ops import TorchBackend
-
-            return TorchBackend.plan_attention(self, seqs, device, shape, exact)
+            return sdpa_plan(seqs, device, shape, exact)
         return KernelAttentionPlan(self.ops, seqs)
 
     def measure(self, model, dtype, timed_rows):

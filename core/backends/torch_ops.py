@@ -32,6 +32,12 @@ class SdpaPlan:
         return attend(q, k_cache, v_cache, self.items, scale)
 
 
+def sdpa_plan(seqs, device, shape: HeadShape, exact: bool) -> SdpaPlan:
+    """Attention through torch's SDPA (one-row queries grouped where that is measured invariant)."""
+    grouped = exact and grouped_attention_is_invariant(shape.dtype, shape.heads, shape.kv_heads, shape.head_dim, device)
+    return SdpaPlan(plan_attention(seqs, device, exact, grouped))
+
+
 class TorchBackend(Backend):
     name = "torch"
 
@@ -56,8 +62,7 @@ class TorchBackend(Backend):
         return module
 
     def plan_attention(self, seqs, device, shape: HeadShape, exact: bool) -> SdpaPlan:
-        grouped = exact and grouped_attention_is_invariant(shape.dtype, shape.heads, shape.kv_heads, shape.head_dim, device)
-        return SdpaPlan(plan_attention(seqs, device, exact, grouped))
+        return sdpa_plan(seqs, device, shape, exact)
 
     def forward_rows(self, T: int, dtype: torch.dtype) -> int:
         """MKL's fp32 GEMM on these CPUs is much slower for some small row counts than for the next
