@@ -4,6 +4,9 @@
         --algo ngram --llama-cpp
     .venv/bin/python benchmarks/bench_quant.py --verify-cost     # 1/8/16-row forward cost per scheme
 
+A scheme with ``+a8`` (``gguf+a8``, ``int8+a8``, ``int4+a8``) runs with
+``model.activation_quantization=int8`` (int8 activations, integer dot products).
+
 Per scheme: plain greedy tokens/s (batch 1, same prompts and threads for every row), the share of
 outputs identical to the unquantized model's and their mean common-prefix length; per ``--algo``:
 speculative tokens/s on top of the scheme and whether every output equals that scheme's own plain
@@ -30,10 +33,11 @@ def engine_for(scheme: str, spec=None, threads: int = 2):
     from specfw.engine import Engine
 
     dtype = "bfloat16" if scheme == "bf16" else "float32"
+    scheme, _, a8 = scheme.partition("+")  # "gguf+a8": the scheme's weights with int8 activations
     quant = "none" if scheme in ("none", "bf16") else scheme
     return Engine(
         SpecfwConfig(
-            model=ModelConfig(dtype=dtype, quantization=quant),
+            model=ModelConfig(dtype=dtype, quantization=quant, activation_quantization="int8" if a8 == "a8" else "none"),
             engine=EngineConfig(max_total_tokens=8192, max_running_requests=1, num_threads=threads),
             speculative=spec or SpeculativeConfig(),
         )
@@ -87,11 +91,12 @@ def llama_cpp_rows(prompts, max_new: int, threads: int) -> list[dict]:
 def verify_cost(schemes, threads: int):
     """Forward of 1/8/16 rows through every quantized linear of the demo model (no attention)."""
     from specfw.backends.kernel_linear import KernelLinear
+    from specfw.backends.q8_linear import Q8Linear
     from specfw.backends.quant_linear import QuantLinear
 
     for scheme in schemes:
         eng = engine_for(scheme, threads=threads)
-        lins = [m for m in eng.runner.model.modules() if isinstance(m, (KernelLinear, QuantLinear))]
+        lins = [m for m in eng.runner.model.modules() if isinstance(m, (KernelLinear, QuantLinear, Q8Linear))]
         times = {}
         for rows in (1, 8, 16):
             xs = {m.in_features: torch.randn(rows, m.in_features) for m in lins}
@@ -104,7 +109,7 @@ def verify_cost(schemes, threads: int):
                     m(xs[m.in_features])
             times[rows] = (time.perf_counter() - t0) / 10 * 1e3
         print(
-            f"{scheme:6s} linears per forward: " + ", ".join(f"{r} rows {t:.1f} ms" for r, t in times.items()) + f"  (16/1 = {times[16] / times[1]:.2f}x)",
+            f"{scheme:8s} linears per forward: " + ", ".join(f"{r} rows {t:.1f} ms" for r, t in times.items()) + f"  (16/1 = {times[16] / times[1]:.2f}x)",
             flush=True,
         )
 

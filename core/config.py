@@ -32,6 +32,7 @@ class ModelConfig:
     revision: Optional[str] = None        # hub revision when path is a hub id
     dtype: DType = DType.float32          # weights, activations and KV cache dtype
     quantization: str = "none"            # none | int8 (weight-only, per-output-channel scales) | int4 (weight-only, groups of 32, scale+min) | gguf (the .gguf file's own Q8_0/Q4_0/Q4_1 blocks, bit-identical to none); CPU kernels only (docs/quantization.md)
+    activation_quantization: str = "none"  # none | int8: with quantized weights, activations rounded to int8 per block of 32 and integer dot products (llama.cpp's arithmetic; ~2-4x faster linears, outputs differ from weight-only); CPU kernels only
     device: str = "auto"                  # auto | cpu | cuda | cuda:N: where weights, KV cache and activations live (auto: CUDA when torch sees one)
     context_length: Optional[int] = None  # max tokens per sequence; null = the model's max_position_embeddings
     served_model_name: Optional[str] = None  # name reported by /v1/models; null = directory name
@@ -163,10 +164,15 @@ def check_cpu_isa(isa: str) -> None:
 
 def check_quantization(cfg) -> None:
     """``model.quantization`` and ``speculative.draft_model_quantization``: known schemes."""
-    from .backends.quant_linear import DRAFT_SCHEMES, SCHEMES
+    from .backends.quant_linear import ACTIVATION_SCHEMES, DRAFT_SCHEMES, SCHEMES
     q = str(getattr(cfg.model, "quantization", "none"))
     if q not in SCHEMES:
         raise ConfigError("model.quantization", f"'{q}' is not one of {list(SCHEMES)}")
+    a = str(getattr(cfg.model, "activation_quantization", "none"))
+    if a not in ACTIVATION_SCHEMES:
+        raise ConfigError("model.activation_quantization", f"'{a}' is not one of {list(ACTIVATION_SCHEMES)}")
+    if a != "none" and q == "none":
+        raise ConfigError("model.activation_quantization", f"'{a}' needs quantized weights: set model.quantization to one of {[s for s in SCHEMES if s != 'none']}")
     try:
         dq = getattr(cfg.speculative, "draft_model_quantization", None)
     except Exception:   # no speculative node yet (MISSING)

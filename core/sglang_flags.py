@@ -162,6 +162,8 @@ def _one(flag: str, value: str, out: Translation) -> None:
             out.overrides.append(f"model.dtype={DTYPES[value]}")
         else:
             out.warnings.append(f"--dtype {value}: not one of auto, {', '.join(DTYPES)}; ignored")
+    elif flag == "--quantization" and value == "w8a8_int8":  # int8 weights per channel, int8 activations
+        out.overrides += ["model.quantization=int8", "model.activation_quantization=int8"]
     elif flag in KEYS:
         out.overrides.append(f"{KEYS[flag]}={_hydra_value(value)}")
     elif flag in PARALLEL and value == "1":

@@ -20,10 +20,12 @@ def make_backend(
     cpu_bf16_kernel: bool = True,
     quantization: str = "none",
     draft_quantization: str | None = None,
+    activation_quantization: str = "none",
 ) -> Backend:
     """``CpuBackend`` on a CPU where specfw's kernels build for ``cpu_isa`` (``auto``: the best the
     CPU's flags allow; ``none``: torch's ops), else ``TorchBackend``. Quantized weights
-    (``quantization`` / ``draft_quantization`` other than none) need the CPU backend."""
+    (``quantization`` / ``draft_quantization`` other than none, with ``activation_quantization``
+    int8 on top) need the CPU backend."""
     from .torch_ops import TorchBackend
 
     device = torch.device(device)
@@ -35,7 +37,7 @@ def make_backend(
         if ops is not None:
             from .cpu import CpuBackend
 
-            return CpuBackend(ops, isa, batch_invariant, cpu_bf16_kernel, quantization, draft_quantization)
+            return CpuBackend(ops, isa, batch_invariant, cpu_bf16_kernel, quantization, draft_quantization, activation_quantization)
         logger.warning("specfw's CPU kernels are unavailable here: using torch's ops")
     if quantization != "none" or draft_quantization not in (None, "none", "unquant"):
         raise ValueError("model.quantization: quantized weights run on specfw's CPU kernels only (a CPU device and engine.cpu_isa other than none)")
@@ -56,10 +58,12 @@ def plain_backend(device: torch.device | str) -> Backend:
 
 
 def backend_from_config(engine_cfg, device: torch.device, cfg=None) -> Backend:
-    """``cfg`` (the whole config) adds ``model.quantization`` and ``speculative.draft_model_quantization``."""
-    quant, draft = "none", None
+    """``cfg`` (the whole config) adds ``model.quantization``, ``model.activation_quantization`` and
+    ``speculative.draft_model_quantization``."""
+    quant, draft, act = "none", None, "none"
     if cfg is not None:
         quant = str(getattr(cfg.model, "quantization", "none"))
+        act = str(getattr(cfg.model, "activation_quantization", "none"))
         try:
             draft = getattr(cfg.speculative, "draft_model_quantization", None)
         except Exception:
@@ -72,6 +76,7 @@ def backend_from_config(engine_cfg, device: torch.device, cfg=None) -> Backend:
         engine_cfg.cpu_bf16_kernel,
         quant,
         None if draft is None else str(draft),
+        act,
     )
 
 

@@ -12,6 +12,8 @@ flags; forcing ``avx2`` on an AVX-512 CPU tests and times that path there too).
 * quantized linears (``model.quantization`` for the target, ``speculative.draft_model_quantization``
   for draft modules and draft models): ``QuantLinear`` on ``kernels/quant_ops.cpp``
   (``quant_linear.py``; invariant by construction too);
+* with ``model.activation_quantization=int8``, those quantized linears take int8 activations
+  instead: ``Q8Linear`` on ``kernels/q8_ops.cpp`` (integer dot products; invariant by construction);
 * no padded rows, no row plans: nothing depends on what else is in a forward;
 * the packed weights of the target (and of each draft module) in one buffer on 2 MB pages
   (``huge_pages``).
@@ -29,14 +31,22 @@ from .base import Backend, HeadShape
 from .kernel_attention import KernelAttentionPlan
 from .kernel_linear import KernelLinear
 from .torch_ops import sdpa_plan
-from .quant_linear import QuantLinear, supports
+from .q8_linear import Q8Linear, supports as q8_supports
+from .quant_linear import QuantLinear, quantize, supports
 
 
 class CpuBackend(Backend):
     name = "cpu"
 
     def __init__(
-        self, ops, isa: str, batch_invariant: bool = True, bf16_kernel: bool = True, quantization: str = "none", draft_quantization: str | None = None
+        self,
+        ops,
+        isa: str,
+        batch_invariant: bool = True,
+        bf16_kernel: bool = True,
+        quantization: str = "none",
+        draft_quantization: str | None = None,
+        activation_quantization: str = "none",
     ):
         super().__init__(torch.device("cpu"), batch_invariant)
         self.ops, self.isa = ops, isa
@@ -51,15 +61,27 @@ class CpuBackend(Backend):
             self.qops = quant_ops(isa)
             if self.qops is None:
                 raise RuntimeError("model.quantization: the quantized CPU kernels (kernels/quant_ops.cpp) could not be built")
+        self.activation_quantization, self.q8ops = activation_quantization, None
+        if activation_quantization == "int8":
+            from ..kernels import q8_ops
+
+            self.q8ops = q8_ops(isa)
+            if self.q8ops is None:
+                raise RuntimeError("model.activation_quantization: the int8-activation CPU kernels (kernels/q8_ops.cpp) could not be built")
 
     def linear_for(self, linear: nn.Linear, batch_invariant: bool, scheme: str = "none") -> nn.Module | None:
         w = linear.weight
         if type(linear) is not nn.Linear or w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
             return None
+        qw = None
         if scheme == "gguf" and hasattr(linear, "gguf_weight"):
-            return QuantLinear(linear.gguf_weight, linear.bias, self.qops, "gguf")
-        if scheme in ("int8", "int4") and supports(linear, scheme):
-            return QuantLinear.from_linear(linear, self.qops, scheme)
+            qw = linear.gguf_weight
+        elif scheme in ("int8", "int4") and supports(linear, scheme):
+            qw = quantize(linear.weight, scheme)
+        if qw is not None:
+            if self.q8ops is not None and q8_supports(qw.in_features):
+                return Q8Linear.from_quant_weight(qw, linear.bias, self.q8ops, scheme)
+            return QuantLinear(qw, linear.bias, self.qops, scheme)
         if w.dtype == torch.bfloat16 and self.bf16_kernel:
             return DotBF16Linear(linear, batch_invariant)
         return KernelLinear(linear, self.ops, self.isa, batch_invariant)
@@ -109,6 +131,7 @@ class CpuBackend(Backend):
 
             bf16 = ", bf16 linears on AMX tiles" if bf16_amx() is not None else ", bf16 linears on bf16_dot (AVX512-BF16)"
         quant = f", weights {self.quantization}" if self.quantization != "none" else ""
+        quant += ", int8 activations" if self.q8ops is not None else ""
         draft = f", draft weights {self.draft_quantization}" if self.draft_quantization != self.quantization else ""
         return f"specfw CPU kernels ({self.isa}{bf16}{quant}{draft})"
 

@@ -27,6 +27,7 @@ class KernelLinear(nn.Module):
         self.batch_invariant = batch_invariant
         self.timed_rows = DEFAULT_TIMED_ROWS  # row counts a plan would be timed for (invariance.measure_model)
         self._row_plan: tuple[int, RowPlan | None] = (0, None)
+        self._padded = False  # the probe found this kernel row-dependent: run its row plan
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed = ops.pack(_narrowest_lossless(linear.weight.detach()))
         self.bias = torch.empty(0) if linear.bias is None else linear.bias.detach().float()
@@ -46,15 +47,15 @@ class KernelLinear(nn.Module):
         if self._row_plan[0] != threads:
             key = ("cpu_ops", self.isa, self.out_features, self.bias.numel() > 0)
             self._row_plan = (threads, invariant_row_plan(self._mm, self.in_features, self.packed.dtype, key, self.timed_rows))
+            self._padded = self.batch_invariant and self._row_plan[1] != RowPlan(MAX_ROW_BLOCK)
         return self._row_plan[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x2 = x.reshape(-1, self.in_features)
-        if self.batch_invariant and self._row_plan[1] is not None and self._row_plan[1] != RowPlan(MAX_ROW_BLOCK):
-            y = self._row_plan[1].run(self._mm, x2)  # only if the probe ever found the kernel row-dependent
-        else:
-            y = self._mm(x2)
-        return y.view(*x.shape[:-1], self.out_features)
+        if self._padded:  # only if the probe ever found the kernel row-dependent
+            return self._row_plan[1].run(self._mm, x.reshape(-1, self.in_features)).view(*x.shape[:-1], self.out_features)
+        if x.dim() == 2:  # decode and verify rows: no reshapes (each torch op is ~2 us of a ~10 us call)
+            return self.ops.linear(x, self.packed, self.out_features, self.bias)
+        return self.ops.linear(x.reshape(-1, self.in_features), self.packed, self.out_features, self.bias).view(*x.shape[:-1], self.out_features)
 
 
 def _narrowest_lossless(w: torch.Tensor) -> torch.Tensor:

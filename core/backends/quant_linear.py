@@ -29,6 +29,7 @@ logger = logging.getLogger(__name__)
 
 SCHEMES = ("none", "int8", "int4", "gguf")
 DRAFT_SCHEMES = (*SCHEMES, "unquant")
+ACTIVATION_SCHEMES = ("none", "int8")  # model.activation_quantization (q8_linear.py)
 INT4_GROUP = 32
 BLOCK = 16  # outputs per packed block (as cpu_ops' linear)
 

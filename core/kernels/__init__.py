@@ -24,6 +24,7 @@ _SOURCE = Path(__file__).with_name("bf16_dot.cpp")
 _OPS_SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 _QUANT_SOURCE = Path(__file__).with_name("quant_ops.cpp")
 _AMX_SOURCE = Path(__file__).with_name("bf16_amx.cpp")
+_Q8_SOURCE = Path(__file__).with_name("q8_ops.cpp")
 _cache: dict[str, object] = {}
 
 
@@ -75,6 +76,16 @@ def quant_ops(isa: str | None = None):
     key = f"quant_ops_{isa}"
     if key not in _cache:
         _cache[key] = _load(_QUANT_SOURCE, f"specfw_quant_ops_{isa}", [*_ISA_FLAGS[isa], "-ffp-contract=off"], "quantized kernels " + isa)
+    return _cache[key]
+
+
+def q8_ops(isa: str | None = None):
+    """``q8_ops.cpp`` (linears with int8 activations x 4/8-bit weight codes, integer dot products)
+    built for ``isa``, or None. ``-ffp-contract=off``: its builds must round alike (bit-equal)."""
+    isa = isa or cpu_isa()
+    key = f"q8_ops_{isa}"
+    if key not in _cache:
+        _cache[key] = _load(_Q8_SOURCE, f"specfw_q8_ops_{isa}", [*_ISA_FLAGS[isa], "-ffp-contract=off"], "int8-activation kernels " + isa)
     return _cache[key]
 
 
@@ -156,6 +167,7 @@ def build_all() -> dict[str, bool]:
     server start or test run does not compile."""
     done = {isa: cpu_ops(isa) is not None for isa in dict.fromkeys([cpu_isa(), "portable"])}
     done.update({f"quant_{isa}": quant_ops(isa) is not None for isa in dict.fromkeys([cpu_isa(), "portable"])})
+    done.update({f"q8_{isa}": q8_ops(isa) is not None for isa in dict.fromkeys([cpu_isa(), "portable"])})
     if cpu_has_avx512_bf16():
         done["bf16_dot"] = bf16_dot() is not None
     if cpu_has_amx_bf16():

@@ -67,6 +67,7 @@ def test_algorithms_dtype_and_switches():
     assert translate("--speculative-algorithm NEXTN").overrides == ["speculative=mtp"]
     assert translate("--dtype auto").overrides == []
     assert translate("--tp-size 1 --dp 1").warnings == []  # one rank: what specfw does
+    assert translate("--quantization w8a8_int8").overrides == ["model.quantization=int8", "model.activation_quantization=int8"]
 
 
 def test_flags_not_honoured_are_named_and_nothing_is_dropped_silently():

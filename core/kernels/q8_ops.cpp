@@ -1,0 +1,232 @@
+// specfw CPU kernels for linears with int8 activations (model.activation_quantization = int8):
+// llama.cpp's arithmetic -- activations quantized to int8 per block of 32, integer dot products
+// against 4- or 8-bit weight codes, one fp32 scale step per block -- batch invariant by
+// construction.
+//
+// Activations (quantize_rows): each row, each block b of 32 inputs on its own:
+//   dx = max|x| / 127, q = nearbyint(x * (1 / dx)) in -127..127, sx = dx * sum(q)
+// (one scalar routine for every build: a row's codes never depend on other rows).
+//
+// Weights, w = d * q + m per block of 32 inputs of one output (m optional), for a group g of 8
+// outputs and a block b of 32 inputs as 8 steps s of 4 inputs: step s is the 32 bytes
+// V_s[4 o + t] = q[output 8 g + o][input 32 b + 4 s + t], so one vpmaddubsw + vpmaddwd against the
+// row's 4 codes broadcast gives each output's partial sum in its own lane (no horizontal adds):
+//   bits 4: codes uint8 [NG, KB, 4, 32]: byte j of (g, b, p) = V_2p[j] | V_2p+1[j] << 4, q in 0..15
+//   bits 8: codes int8  [NG, KB, 8, 32]: V_s, q in -128..127
+//   d, m:   fp32 [NG, KB, 8]
+// (NG = ceil(N / 8), KB = K / 32.) Q4_0 is (d, m = -8 d); int8 per channel is d = the channel's
+// scale in every block.
+//
+// Per (row, output), blocks in order b = 0..KB-1, from acc = 0:
+//   P   = sum_j q_w[j] * q_x[j]                 (int32, exact: the order does not matter)
+//   acc = fma(d[b] * dx[b], float(P), acc)       (d * dx rounded first)
+//   acc = fma(m[b], sx[b], acc)                  (only with m)
+// then y = acc + bias. Every build performs exactly these roundings (AVX2 with lanes = outputs,
+// the portable build with scalar loops), so the builds agree bit for bit, and no result depends
+// on how many rows a call has, how they are tiled or which thread ran them.
+//
+// Rows run in tiles of up to 4 over each group's codes (expanded in registers once per tile):
+// a tree of 16 rows reads the weights from memory once. 4-bit products are summed in int16 over a
+// block (8 x 15 x 127 x 2 < 32768: exact), 8-bit ones via |w| and sign(x, w) in int32.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <tuple>
+#include <vector>
+#if defined(__AVX2__)
+#include <immintrin.h>
+#define SPECFW_Q8_SIMD 1
+#endif
+
+namespace {
+
+constexpr int64_t kQ = 32;  // inputs per block
+constexpr int64_t kG = 8;   // outputs per group
+constexpr int kTile = 4;    // rows per register tile
+
+// one row: codes q [K], scales dx/sx [K/32]
+void quantize_row(const float* x, int64_t K, int8_t* q, float* dx, float* sx) {
+  for (int64_t b = 0; b < K / kQ; ++b) {
+    const float* v = x + b * kQ;
+    float amax = 0.f;
+    for (int j = 0; j < kQ; ++j) amax = std::max(amax, std::fabs(v[j]));
+    const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+    int32_t sum = 0;
+    for (int j = 0; j < kQ; ++j) {
+      const int32_t c = int32_t(std::nearbyint(v[j] * id));
+      q[b * kQ + j] = int8_t(c);
+      sum += c;
+    }
+    dx[b] = d;
+    sx[b] = d * float(sum);
+  }
+}
+
+struct Rows {
+  const int8_t* q;   // [M, K]
+  const float* dx;   // [M, KB]
+  const float* sx;
+  int64_t K, KB;
+};
+
+#if defined(SPECFW_Q8_SIMD)
+inline __m256i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm256_set1_epi32(v);
+}
+
+// R rows (r0..r0+R-1) x one group of 8 outputs -> out [R, 8]
+template <int R>
+void tile(const uint8_t* codes, int bits, const float* d, const float* m, const Rows& x, int64_t r0, float* out) {
+  const __m256i ones = _mm256_set1_epi16(1), mask = _mm256_set1_epi8(0x0F);
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < x.KB; ++b) {
+    __m256i P[R];
+    if (bits == 4) {
+      __m256i s16[R];
+      for (int r = 0; r < R; ++r) s16[r] = _mm256_setzero_si256();
+      const uint8_t* c = codes + b * 128;
+#pragma GCC unroll 1
+      for (int p = 0; p < 4; ++p) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + p * 32));
+        const __m256i w0 = _mm256_and_si256(v, mask), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* q = x.q + (r0 + r) * x.K + b * kQ + p * 8;
+          s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(w0, bcast4(q)));
+          s16[r] = _mm256_add_epi16(s16[r], _mm256_maddubs_epi16(w1, bcast4(q + 4)));
+        }
+      }
+      for (int r = 0; r < R; ++r) P[r] = _mm256_madd_epi16(s16[r], ones);
+    } else {
+      for (int r = 0; r < R; ++r) P[r] = _mm256_setzero_si256();
+      const uint8_t* c = codes + b * 256;
+#pragma GCC unroll 1
+      for (int s = 0; s < 8; ++s) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + s * 32)), aw = _mm256_abs_epi8(w);
+        for (int r = 0; r < R; ++r) {
+          const __m256i xs = _mm256_sign_epi8(bcast4(x.q + (r0 + r) * x.K + b * kQ + s * 4), w);
+          P[r] = _mm256_add_epi32(P[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), ones));
+        }
+      }
+    }
+    const __m256 db = _mm256_loadu_ps(d + b * kG);
+    for (int r = 0; r < R; ++r) {
+      const __m256 dd = _mm256_mul_ps(db, _mm256_set1_ps(x.dx[(r0 + r) * x.KB + b]));
+      acc[r] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(P[r]), acc[r]);
+      if (m) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(m + b * kG), _mm256_set1_ps(x.sx[(r0 + r) * x.KB + b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * kG, acc[r]);
+}
+#else
+// the weight code of (output o, input j of block b)
+inline int32_t code_at(const uint8_t* codes, int bits, int64_t b, int o, int j) {
+  const int s = j / 4, t = j % 4;
+  if (bits == 4) {
+    const uint8_t v = codes[b * 128 + (s / 2) * 32 + 4 * o + t];
+    return (s % 2) ? v >> 4 : v & 0x0F;
+  }
+  return reinterpret_cast<const int8_t*>(codes)[b * 256 + s * 32 + 4 * o + t];
+}
+
+template <int R>
+void tile(const uint8_t* codes, int bits, const float* d, const float* m, const Rows& x, int64_t r0, float* out) {
+  for (int r = 0; r < R; ++r) {
+    const int8_t* q = x.q + (r0 + r) * x.K;
+    float acc[kG] = {0, 0, 0, 0, 0, 0, 0, 0};
+    for (int64_t b = 0; b < x.KB; ++b) {
+      const float dxv = x.dx[(r0 + r) * x.KB + b], sxv = x.sx[(r0 + r) * x.KB + b];
+      for (int o = 0; o < kG; ++o) {
+        int32_t P = 0;
+        for (int j = 0; j < kQ; ++j) P += code_at(codes, bits, b, o, j) * int32_t(q[b * kQ + j]);
+        const float dd = d[b * kG + o] * dxv;
+        acc[o] = std::fma(dd, float(P), acc[o]);
+        if (m) acc[o] = std::fma(m[b * kG + o], sxv, acc[o]);
+      }
+    }
+    for (int o = 0; o < kG; ++o) out[r * kG + o] = acc[o];
+  }
+}
+#endif
+
+inline void tile_rows(int R, const uint8_t* codes, int bits, const float* d, const float* m, const Rows& x, int64_t r0, float* out) {
+  switch (R) {
+    case 4: tile<4>(codes, bits, d, m, x, r0, out); break;
+    case 3: tile<3>(codes, bits, d, m, x, r0, out); break;
+    case 2: tile<2>(codes, bits, d, m, x, r0, out); break;
+    default: tile<1>(codes, bits, d, m, x, r0, out); break;
+  }
+}
+
+}  // namespace
+
+// x [M, K] -> (q int8 [M, K], dx fp32 [M, K/32], sx fp32 [M, K/32])
+std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_rows(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.size(1) % kQ == 0, "quantize_rows: x [M, K] with K a multiple of 32");
+  auto xf = x.to(torch::kFloat32).contiguous();
+  const int64_t M = xf.size(0), K = xf.size(1), KB = K / kQ;
+  auto q = torch::empty({M, K}, torch::kInt8);
+  auto dx = torch::empty({M, KB}, torch::kFloat32), sx = torch::empty({M, KB}, torch::kFloat32);
+  for (int64_t r = 0; r < M; ++r)
+    quantize_row(xf.data_ptr<float>() + r * K, K, q.data_ptr<int8_t>() + r * K, dx.data_ptr<float>() + r * KB, sx.data_ptr<float>() + r * KB);
+  return {q, dx, sx};
+}
+
+// x [M, K] fp32/bf16; codes/d/m as above (m may be empty); bias fp32 [N] or empty -> y [M, N] fp32
+torch::Tensor linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torch::Tensor m, int64_t bits, int64_t N, torch::Tensor bias) {
+  TORCH_CHECK(x.dim() == 2 && (bits == 4 || bits == 8), "q8 linear: x [M, K], bits 4 or 8");
+  const int64_t M = x.size(0), K = x.size(1), KB = K / kQ, NG = (N + kG - 1) / kG;
+  TORCH_CHECK(K % kQ == 0, "q8 linear: K must be a multiple of 32");
+  TORCH_CHECK(codes.dim() == 4 && codes.size(0) == NG && codes.size(1) == KB && codes.size(2) == (bits == 4 ? 4 : 8) && codes.size(3) == 32,
+              "q8 linear: codes [ceil(N/8), K/32, 4 (bits 4) or 8 (bits 8), 32]");
+  TORCH_CHECK(d.scalar_type() == torch::kFloat32 && d.numel() == NG * KB * kG, "q8 linear: d fp32 [ceil(N/8), K/32, 8]");
+  TORCH_CHECK(!m.numel() || (m.scalar_type() == torch::kFloat32 && m.numel() == d.numel()), "q8 linear: m like d");
+  TORCH_CHECK(!bias.numel() || bias.numel() == N, "q8 linear: bias [N]");
+  auto y = torch::empty({M, N}, torch::kFloat32);
+  if (M == 0) return y;
+  auto [q, dx, sx] = quantize_rows(x);
+  const uint8_t* C = reinterpret_cast<const uint8_t*>(codes.data_ptr());
+  const float* D = d.data_ptr<float>();
+  const float* Mn = m.numel() ? m.data_ptr<float>() : nullptr;
+  const float* B = bias.numel() ? bias.data_ptr<float>() : nullptr;
+  float* Y = y.data_ptr<float>();
+  const Rows rows{q.data_ptr<int8_t>(), dx.data_ptr<float>(), sx.data_ptr<float>(), K, KB};
+  const int64_t per_group = KB * (bits == 4 ? 128 : 256);
+  const int64_t tiles = (M + kTile - 1) / kTile, base = M / tiles, extra = M % tiles;
+  at::parallel_for(0, NG, 1, [&](int64_t g0, int64_t g1) {
+    float out[kTile * kG];
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t n0 = g * kG, nv = std::min<int64_t>(kG, N - n0);
+      int64_t r0 = 0;
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int R = int(base + (t < extra));
+        tile_rows(R, C + g * per_group, int(bits), D + g * KB * kG, Mn ? Mn + g * KB * kG : nullptr, rows, r0, out);
+        for (int r = 0; r < R; ++r)
+          for (int64_t o = 0; o < nv; ++o) Y[(r0 + r) * N + n0 + o] = B ? out[r * kG + o] + B[n0 + o] : out[r * kG + o];
+        r0 += R;
+      }
+    }
+  });
+  return y;
+}
+
+std::string isa() {
+#if defined(__AVX512F__)
+  return "avx512";
+#elif defined(__AVX2__)
+  return "avx2";
+#else
+  return "portable";
+#endif
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("linear", &linear, "batch-invariant linear with int8 activations and 4/8-bit weight codes");
+  m.def("quantize_rows", &quantize_rows, "int8 codes and per-32 scales of each row");
+  m.def("isa", &isa, "the instruction set this build targets");
+}

@@ -1,0 +1,187 @@
+"""Linears with int8 activations (model.activation_quantization=int8, kernels/q8_ops.cpp): the
+kernel against a float64 reference of its arithmetic on every ISA this CPU runs, the builds
+bit-equal to the portable one, row invariance, the layout round trip, config checks, and greedy
+speculative == plain greedy within the scheme."""
+
+import numpy as np
+import pytest
+import torch
+
+from conftest import make_cfg
+from specfw.backends.q8_linear import Q8Linear, dequantize, pack, unblock
+from specfw.backends.quant_linear import QuantLinear, dequantize_reference, quantize
+from specfw.backends.quant_linear import pack as pack_blocked
+from specfw.config import ConfigError, validate
+from specfw.kernels import ISAS, isa_supported, q8_ops
+from specfw.sampling import SamplingParams
+
+
+def _ops(isa):
+    if not isa_supported(isa):
+        pytest.skip(f"this CPU cannot run {isa}")
+    ops = q8_ops(isa)
+    if ops is None:
+        pytest.skip("kernels cannot be built here")
+    return ops
+
+
+def _weights(kind, n=70, k=192, seed=0):
+    """Per-weight codes, d, m (None) and the bits of one weight of a kind."""
+    g = torch.Generator().manual_seed(seed)
+    d = torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3
+    if kind == "q8":
+        return torch.randint(-128, 128, (n, k), generator=g), d, None, 8
+    m = -torch.rand(n, k // 32, generator=g) * 0.1 if kind == "q4_1" else None
+    return torch.randint(0, 16, (n, k), generator=g), d, m, 4
+
+
+def quantize_rows_reference(x: torch.Tensor):
+    """float32 numpy: dx = max|x|/127 per block of 32, q = round-half-even(x * (1/dx)), sx = dx * sum(q)."""
+    v = x.numpy().astype(np.float32).reshape(x.shape[0], -1, 32)
+    d = (np.abs(v).max(-1) / np.float32(127)).astype(np.float32)
+    inv = np.where(d != 0, np.float32(1) / np.where(d != 0, d, 1), 0).astype(np.float32)
+    q = np.rint(v * inv[..., None]).astype(np.int32)
+    return torch.from_numpy(q.reshape(x.shape).astype(np.int8)), torch.from_numpy(d), torch.from_numpy((d * q.sum(-1)).astype(np.float32))
+
+
+def linear_reference(x, q, d, m, bias):
+    """float64: per block, (d * dx) * sum(q_w * q_x) (+ m * sx), summed over blocks, + bias."""
+    qx, dx, sx = quantize_rows_reference(x)
+    n, k = q.shape
+    P = torch.einsum("rbj,nbj->rnb", qx.double().view(len(x), -1, 32), q.double().view(n, -1, 32))  # exact integers
+    y = (P * (d.double()[None] * dx.double()[:, None])).sum(-1)
+    if m is not None:
+        y = y + (m.double()[None] * sx.double()[:, None]).sum(-1)
+    return y + bias.double()
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_quantize_rows_matches_the_reference(isa):
+    ops = _ops(isa)
+    x = torch.randn(5, 96) * 3
+    x[1, :32] = 0  # an all-zero block: dx 0, codes 0
+    x[2, 5] = 40.0  # an outlier block
+    x[3, 32:64] = torch.arange(32) - 15.5  # ties at x * (1/dx) = .5 round to even
+    got, want = ops.quantize_rows(x), quantize_rows_reference(x)
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
+    assert got[0].abs().max() <= 127 and torch.equal(got[1][1, 0], torch.tensor(0.0))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kind", ["q4_1", "q4_0", "q8"])
+def test_kernel_matches_float64_reference_and_rows_are_independent(isa, kind):
+    ops = _ops(isa)
+    q, d, m, bits = _weights(kind)
+    if kind == "q4_0":
+        m = -8 * d  # Q4_0's d * (q - 8) as d * q + m
+    bias = torch.randn(q.shape[0])
+    lin = Q8Linear(pack(q, d, m, bits), bias, ops, kind)
+    x = torch.randn(16, q.shape[1])
+    y = lin(x)
+    want = linear_reference(x, q, d, m, bias)
+    assert torch.allclose(y.double(), want, rtol=1e-5, atol=1e-5), (y.double() - want).abs().max()
+    for rows in (1, 2, 3, 4, 5, 7, 8, 11, 16):  # every tiling of the rows: each row's bits alone
+        assert torch.equal(lin(x[:rows]), y[:rows]), rows
+    assert torch.equal(lin(x[9:10]), y[9:10])
+
+
+@pytest.mark.parametrize("isa", [i for i in ISAS if i != "portable"])
+@pytest.mark.parametrize("kind", ["q4_1", "q8"])
+def test_simd_builds_give_the_portable_builds_bits(isa, kind):
+    ops, portable = _ops(isa), _ops("portable")
+    q, d, m, bits = _weights(kind, n=40, k=256, seed=1)
+    w = pack(q, d, m, bits)
+    x = torch.randn(6, 256)
+    assert torch.equal(Q8Linear(w, None, ops, kind)(x), Q8Linear(w, None, portable, kind)(x))
+
+
+@pytest.mark.parametrize("kind", ["q4_1", "q4_0", "q8"])
+def test_layout_round_trip_from_the_weight_only_blocks(kind):
+    """A weight-only QuantWeight (quant_ops layout) re-laid out for q8_ops stands for the same
+    weights (offsets folded into m exactly)."""
+    q, d, m, bits = _weights(kind, n=37, k=128)
+    offset = 8 if kind == "q4_0" else 0
+    qw = pack_blocked(q, d, m, bits, offset, 32)
+    uq, ud, um = unblock(qw)
+    assert torch.equal(uq.long(), q.long()) and torch.equal(ud, d)
+    want = dequantize_reference(q, d, m, bits, offset)
+    got = dequantize(pack(uq, ud, um, bits))
+    assert torch.allclose(got, want, atol=1e-7, rtol=0)
+
+
+def test_int8_per_channel_and_int4_from_fp32_weights():
+    """int8 (one scale per output) and int4 (groups of 32) quantized at load: the q8 layout stands
+    for exactly the weight-only scheme's weights, and outputs are within int8 activation error."""
+    from specfw.kernels import quant_ops
+
+    ops, qops = _ops("portable"), quant_ops("portable")
+    if qops is None:
+        pytest.skip("kernels cannot be built here")
+    lin = torch.nn.Linear(96, 50)
+    for scheme in ("int8", "int4"):
+        qw = quantize(lin.weight, scheme)
+        q8 = Q8Linear.from_quant_weight(qw, lin.bias, ops, scheme)
+        assert torch.equal(q8.weight, QuantLinear(qw, lin.bias, qops, scheme).weight), scheme
+        x = torch.randn(4, 96)
+        exact = x.double() @ q8.weight.double().T + lin.bias.double()
+        err = (q8(x).double() - exact).abs().max() / exact.abs().max()
+        assert 0 < err < 0.02, (scheme, err)  # int8 activations: about 1% of the output scale
+
+
+def test_config_checks_name_the_key():
+    with pytest.raises(ConfigError, match=r"model.activation_quantization.*\['none', 'int8'\]"):
+        validate(make_cfg(model_quantization="int4", model_activation_quantization="int4"))
+    with pytest.raises(ConfigError, match="model.activation_quantization.*model.quantization"):
+        validate(make_cfg(model_activation_quantization="int8"))
+    validate(make_cfg(model_quantization="gguf", model_activation_quantization="int8"))
+
+
+GREEDY = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
+RAW = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [1000, 20, 1000, 20, 1000], [9, 99, 999, 9999], [3, 4, 3, 4, 3, 4]]
+
+
+@pytest.mark.parametrize("scheme", ["int8", "int4"])
+def test_speculative_equals_plain_with_int8_activations(scheme, tiny_model_dir, tiny_draft_dir):
+    """ngram and standalone (its draft on int8 activations too, and unquant), batch 1 and 4."""
+    from specfw.engine import Engine
+    from specfw_plugins.ngram.config import NgramConfig
+    from specfw_plugins.standalone.config import StandaloneConfig
+
+    kw = dict(model_path=str(tiny_model_dir), model_quantization=scheme, model_activation_quantization="int8", max_total_tokens=4096, max_running_requests=4)
+    plain = Engine(make_cfg(**kw))
+    layers = [m for m in plain.runner.model.modules() if isinstance(m, Q8Linear)]
+    assert len(layers) == 4 * len(plain.runner.model.layers) + 1
+    ref = [plain.generate([p], GREEDY)[0].token_ids for p in RAW]
+    assert [o.token_ids for o in plain.generate(RAW, GREEDY)] == ref
+    for spec in [
+        NgramConfig(algorithm="ngram", num_draft_tokens=4),
+        StandaloneConfig(algorithm="standalone", draft_model_path=str(tiny_draft_dir), num_steps=2, topk=2, num_draft_tokens=5),
+        StandaloneConfig(algorithm="standalone", draft_model_path=str(tiny_draft_dir), num_steps=3, topk=1, draft_model_quantization="unquant"),
+    ]:
+        eng = Engine(make_cfg(**kw, speculative=spec))
+        assert [eng.generate([p], GREEDY)[0].token_ids for p in RAW] == ref, spec
+        assert [o.token_ids for o in eng.generate(RAW, GREEDY)] == ref, spec
+        assert eng.stats.verify_forwards > 0
+
+
+@pytest.mark.model
+def test_demo_gguf_int8_activations_eagle3_equals_plain():
+    """The demo's Q4_1/Q8_0 blocks with int8 activations: every linear on q8_ops, EAGLE-3 batch 1
+    and 4 == plain greedy of the same configuration, and outputs close to the fp32 model's."""
+    from specfw.datasets import mtbench_first_turns
+    from specfw.engine import Engine
+    from specfw_plugins.eagle3.config import Eagle3Config
+
+    params = SamplingParams(max_new_tokens=32, temperature=0)
+    kw = dict(model_quantization="gguf", model_activation_quantization="int8", max_total_tokens=4096, max_running_requests=4)
+    plain = Engine(make_cfg(**kw))
+    model = plain.runner.model
+    assert len([m for m in model.modules() if isinstance(m, Q8Linear)]) == 4 * len(model.layers) + 1
+    prompts = [plain.tokenize_chat([{"role": "user", "content": q}]) for q in mtbench_first_turns(3)]
+    ref = [plain.generate([p], params)[0].token_ids for p in prompts]
+    del plain
+    eng = Engine(make_cfg(**kw, speculative=Eagle3Config(algorithm="eagle3")))
+    assert [eng.generate([p], params)[0].token_ids for p in prompts] == ref
+    assert [o.token_ids for o in eng.generate(prompts, params)] == ref
+    assert eng.stats.accepted_draft_tokens > 0
