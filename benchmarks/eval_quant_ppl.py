@@ -5,7 +5,8 @@ docs/architecture.md (prose) and HumanEval prompts (code).
 
 The demo's transformers model with its linears swapped for specfw's ``QuantLinear`` (int8 and
 int4 scales are per output row, so quantizing q/k/v or gate/up apart gives the codes of specfw's
-fused layers). ``gguf`` is ``none`` bit for bit (tests/engine/test_quant.py), so it is not run again.
+fused layers). ``gguf`` is ``none`` bit for bit (tests/engine/test_quant.py), so it is not run again;
+``gguf+a8`` (the file's blocks with int8 activations, ``Q8Linear``), ``int8+a8`` and ``int4+a8`` are.
 """
 
 from __future__ import annotations
@@ -40,6 +41,48 @@ def nll(model, seqs) -> float:
     return total / n
 
 
+def gguf_weights(model) -> dict:
+    """Each transformers linear of the demo model -> its GGUF blocks as a ``QuantWeight`` (rows
+    matched to the loaded weight exactly, as specfw's loader does)."""
+    from gguf import GGUFReader
+    from specfw.backends.quant_linear import _match, gguf_blocks
+    from specfw.demo_model import demo_gguf_path
+
+    tensors = {t.name: t for t in GGUFReader(str(demo_gguf_path())).tensors}
+    cfg = model.config
+    names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output", "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+    linears = {model.lm_head: "output.weight" if "output.weight" in tensors else "token_embd.weight"}
+    for i, layer in enumerate(model.model.layers):
+        for mod in (layer.self_attn, layer.mlp):
+            for attr, g in names.items():
+                if hasattr(mod, attr):
+                    linears[getattr(mod, attr)] = f"blk.{i}.{g}.weight"
+    out = {}
+    for lin, name in linears.items():
+        t = tensors[name]
+        parts = [(name, gguf_blocks(t.data, t.tensor_type.name, int(t.shape[1]), int(t.shape[0])))]
+        qw = _match(lin.weight.detach().float(), parts, cfg.num_attention_heads, cfg.num_key_value_heads)
+        assert qw is not None, name
+        out[lin] = qw
+    return out
+
+
+def swap_linears(model, scheme: str) -> None:
+    """Every linear of ``model`` onto specfw's quantized kernels for ``scheme`` (``+a8``: int8 activations)."""
+    from specfw.backends.q8_linear import Q8Linear
+    from specfw.backends.quant_linear import QuantLinear, quantize
+    from specfw.kernels import q8_ops, quant_ops
+
+    base, _, a8 = scheme.partition("+")
+    blocks = gguf_weights(model) if base == "gguf" else {}
+    for parent in list(model.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is torch.nn.Linear:
+                qw = blocks[child] if base == "gguf" else quantize(child.weight, base)
+                fast = Q8Linear.from_quant_weight(qw, child.bias, q8_ops(), base) if a8 else QuantLinear(qw, child.bias, quant_ops(), base)
+                setattr(parent, name, fast)
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--window", type=int, default=512)
@@ -48,9 +91,7 @@ def main():
     args = ap.parse_args()
     torch.set_num_threads(2)
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from specfw.backends.quant_linear import QuantLinear
     from specfw.demo_model import demo_model_dir
-    from specfw.kernels import quant_ops
     from specfw.machine import cpu_description
 
     print("CPU:", cpu_description())
@@ -61,14 +102,10 @@ def main():
     for scheme in args.schemes.split(","):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16 if scheme == "bf16" else torch.float32)
         model.eval()
-        if scheme in ("int8", "int4"):
-            ops = quant_ops()
-            for parent in list(model.modules()):
-                for name, child in list(parent.named_children()):
-                    if type(child) is torch.nn.Linear:
-                        setattr(parent, name, QuantLinear.from_linear(child, ops, scheme))
+        if scheme not in ("none", "bf16"):
+            swap_linears(model, scheme)
         v = nll(model, seqs)
-        print(f"{scheme:5s} nll {v:.4f}  perplexity {math.exp(v):.3f}", flush=True)
+        print(f"{scheme:8s} nll {v:.4f}  perplexity {math.exp(v):.3f}", flush=True)
 
 
 if __name__ == "__main__":
