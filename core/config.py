@@ -67,7 +67,7 @@ class ServerConfig:
 class SpeculativeConfig:
     """Base of every algorithm's schema; ``none`` is plain decoding."""
     algorithm: str = "none"               # registered algorithm name (equals the option name)
-    draft_model_quantization: Optional[str] = None  # null (as model.quantization; gguf: only linears with GGUF blocks) | unquant | none | int8 | int4 | gguf
+    draft_model_quantization: Optional[str] = None  # null (as model.quantization; gguf: only linears with GGUF blocks, the others int8 with int8 activations) | unquant | none | int8 | int4 | gguf
 
 
 @dataclass

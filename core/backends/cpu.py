@@ -61,6 +61,11 @@ class CpuBackend(Backend):
             self.qops = quant_ops(isa)
             if self.qops is None:
                 raise RuntimeError("model.quantization: the quantized CPU kernels (kernels/quant_ops.cpp) could not be built")
+        # draft linears with no GGUF blocks (EAGLE heads, a standalone draft model) follow a gguf
+        # target's scheme as int8 when activations are int8: the speed was asked for, and a draft's
+        # rounding changes what is accepted, never the output
+        self.draft_fallback = "int8" if draft_quantization is None and quantization == "gguf" and activation_quantization == "int8" else None
+        self.target_fallback: str | None = None  # the target's own linears without blocks stay unquantized
         self.activation_quantization, self.q8ops = activation_quantization, None
         if activation_quantization == "int8":
             from ..kernels import q8_ops
@@ -69,11 +74,14 @@ class CpuBackend(Backend):
             if self.q8ops is None:
                 raise RuntimeError("model.activation_quantization: the int8-activation CPU kernels (kernels/q8_ops.cpp) could not be built")
 
-    def linear_for(self, linear: nn.Linear, batch_invariant: bool, scheme: str = "none") -> nn.Module | None:
+    def linear_for(self, linear: nn.Linear, batch_invariant: bool, scheme: str = "none", fallback: str | None = None) -> nn.Module | None:
+        """``fallback``: the scheme of a ``gguf`` linear that has no GGUF blocks (else unquantized)."""
         w = linear.weight
         if type(linear) is not nn.Linear or w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
             return None
         qw = None
+        if scheme == "gguf" and not hasattr(linear, "gguf_weight") and fallback:
+            scheme = fallback
         if scheme == "gguf" and hasattr(linear, "gguf_weight"):
             qw = linear.gguf_weight
         elif scheme in ("int8", "int4") and supports(linear, scheme):
@@ -86,31 +94,31 @@ class CpuBackend(Backend):
             return DotBF16Linear(linear, batch_invariant)
         return KernelLinear(linear, self.ops, self.isa, batch_invariant)
 
-    def _swap(self, module: nn.Module, batch_invariant: bool, scheme: str = "none") -> nn.Module:
+    def _swap(self, module: nn.Module, batch_invariant: bool, scheme: str = "none", fallback: str | None = None) -> nn.Module:
         if type(module) is nn.Linear:  # a bare layer (e.g. an FR-Spec lm_head)
-            return self.linear_for(module, batch_invariant, scheme) or module
+            return self.linear_for(module, batch_invariant, scheme, fallback) or module
         for parent in list(module.modules()):
             for name, child in list(parent.named_children()):
-                fast = self.linear_for(child, batch_invariant, scheme) if type(child) is nn.Linear else None
+                fast = self.linear_for(child, batch_invariant, scheme, fallback) if type(child) is nn.Linear else None
                 if fast is not None:
                     setattr(parent, name, fast)
         return module
 
     def prepare_target(self, model: nn.Module) -> None:
-        self._swap(model, self.batch_invariant, self.quantization)
+        self._swap(model, self.batch_invariant, self.quantization, self.target_fallback)
         self._hand_backend(model)
         _onto_huge_pages(model)
 
     def prepare_module(self, module: nn.Module) -> nn.Module:
         self._hand_backend(module)
-        module = self._swap(module, False, self.draft_quantization)
+        module = self._swap(module, False, self.draft_quantization, self.draft_fallback)
         _onto_huge_pages(module)
         return module
 
     def for_drafting(self) -> "CpuBackend":
         """Also a draft model's own runner: its target is quantized with the draft scheme."""
         other = super().for_drafting()
-        other.quantization = self.draft_quantization
+        other.quantization, other.target_fallback = self.draft_quantization, self.draft_fallback
         return other
 
     def fused_ops(self, dtype, intermediate: int):
@@ -133,6 +141,7 @@ class CpuBackend(Backend):
         quant = f", weights {self.quantization}" if self.quantization != "none" else ""
         quant += ", int8 activations" if self.q8ops is not None else ""
         draft = f", draft weights {self.draft_quantization}" if self.draft_quantization != self.quantization else ""
+        draft += f", draft weights without GGUF blocks {self.draft_fallback}" if self.draft_fallback else ""
         return f"specfw CPU kernels ({self.isa}{bf16}{quant}{draft})"
 
 

@@ -46,6 +46,7 @@ namespace {
 constexpr int64_t kQ = 32;  // inputs per block
 constexpr int64_t kG = 8;   // outputs per group
 constexpr int kTile = 4;    // rows per register tile
+constexpr int64_t kAhead = 8;  // blocks of codes prefetched ahead (a prefetch past the end is harmless)
 
 // one row: codes q [K], scales dx/sx [K/32]
 void quantize_row(const float* x, int64_t K, int8_t* q, float* dx, float* sx) {
@@ -85,7 +86,18 @@ void tile(const uint8_t* codes, int bits, const float* d, const float* m, const 
   const __m256i ones = _mm256_set1_epi16(1), mask = _mm256_set1_epi8(0x0F);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const int64_t step = bits == 4 ? 128 : 256;
   for (int64_t b = 0; b < x.KB; ++b) {
+    if (r0 == 0) {  // the first tile streams the codes: fetch ahead (groups lie one after another)
+      _mm_prefetch(reinterpret_cast<const char*>(codes + (b + kAhead) * step), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(codes + (b + kAhead) * step + 64), _MM_HINT_T0);
+      if (bits == 8) {
+        _mm_prefetch(reinterpret_cast<const char*>(codes + (b + kAhead) * step + 128), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(codes + (b + kAhead) * step + 192), _MM_HINT_T0);
+      }
+      _mm_prefetch(reinterpret_cast<const char*>(d + (b + kAhead) * kG), _MM_HINT_T0);
+      if (m) _mm_prefetch(reinterpret_cast<const char*>(m + (b + kAhead) * kG), _MM_HINT_T0);
+    }
     __m256i P[R];
     if (bits == 4) {
       __m256i s16[R];
