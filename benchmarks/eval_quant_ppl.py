@@ -50,7 +50,8 @@ def gguf_weights(model) -> dict:
 
     tensors = {t.name: t for t in GGUFReader(str(demo_gguf_path())).tensors}
     cfg = model.config
-    names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output", "gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"}
+    names = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "attn_output"}
+    names.update({"gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down"})
     linears = {model.lm_head: "output.weight" if "output.weight" in tensors else "token_embd.weight"}
     for i, layer in enumerate(model.model.layers):
         for mod in (layer.self_attn, layer.mlp):
