@@ -29,8 +29,8 @@ class Q8Weight:
     """Codes and scales in ``q8_ops.cpp``'s layout."""
 
     codes: torch.Tensor  # uint8 [NG, KB, 8, 16] (bits 4) or int8 [NG, KB, 8, 32] (bits 8)
-    d: torch.Tensor  # fp32 [NG, KB, 8]
-    m: torch.Tensor  # fp32 like d, or empty
+    d: torch.Tensor  # fp32 or fp16 (where lossless) [NG, KB, 8]
+    m: torch.Tensor  # like d, or empty
     bits: int
     out_features: int
     in_features: int
@@ -81,10 +81,14 @@ def pack(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bits: int) ->
     else:
         codes = steps.to(torch.int8).contiguous()
 
-    def scales(t: torch.Tensor) -> torch.Tensor:  # [N, KB] -> [NG, KB, 8]
-        return t.float().reshape(ng, GROUP, kb).permute(0, 2, 1).contiguous()
+    # fp16 scales where that changes no value (GGUF's own d and m are fp16): fewer bytes per token
+    half = all(t is None or torch.equal(t.float().half().float(), t.float()) for t in (d, m))
+    dtype = torch.float16 if half else torch.float32
 
-    return Q8Weight(codes, scales(d), scales(m) if m is not None else torch.empty(0), bits, n, k)
+    def scales(t: torch.Tensor) -> torch.Tensor:  # [N, KB] -> [NG, KB, 8]
+        return t.float().to(dtype).reshape(ng, GROUP, kb).permute(0, 2, 1).contiguous()
+
+    return Q8Weight(codes, scales(d), scales(m) if m is not None else torch.empty(0, dtype=dtype), bits, n, k)
 
 
 def from_quant_weight(qw: QuantWeight) -> Q8Weight:
@@ -99,9 +103,9 @@ def dequantize(w: Q8Weight) -> torch.Tensor:
     if w.bits == 4:
         c = torch.stack([c & 0x0F, c >> 4], dim=3).reshape(ng, kb, 8, 32)
     q = c.float().reshape(ng, kb, 8, GROUP, 4).permute(0, 3, 1, 2, 4).reshape(ng * GROUP, kb, BLOCK)
-    full = w.d.permute(0, 2, 1).reshape(ng * GROUP, kb, 1) * q
+    full = w.d.float().permute(0, 2, 1).reshape(ng * GROUP, kb, 1) * q
     if w.m.numel():
-        full = full + w.m.permute(0, 2, 1).reshape(ng * GROUP, kb, 1)
+        full = full + w.m.float().permute(0, 2, 1).reshape(ng * GROUP, kb, 1)
     return full.reshape(ng * GROUP, kb * BLOCK)[: w.out_features]
 
 

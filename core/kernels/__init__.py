@@ -39,7 +39,7 @@ def _cpu_flags() -> set[str]:
 
 ISAS = ("avx512", "avx2", "portable")
 _ISA_FLAGS = {"avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"], "avx2": ["-mavx2", "-mfma"], "portable": []}
-_ISA_NEEDS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma"}, "avx2": {"avx2", "fma"}, "portable": set()}
+_ISA_NEEDS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"}, "avx2": {"avx2", "fma", "f16c"}, "portable": set()}
 
 
 def isa_supported(isa: str) -> bool:
@@ -85,7 +85,8 @@ def q8_ops(isa: str | None = None):
     isa = isa or cpu_isa()
     key = f"q8_ops_{isa}"
     if key not in _cache:
-        _cache[key] = _load(_Q8_SOURCE, f"specfw_q8_ops_{isa}", [*_ISA_FLAGS[isa], "-ffp-contract=off"], "int8-activation kernels " + isa)
+        f16c = ["-mf16c"] if isa != "portable" else []  # fp16 scales (vcvtph2ps): every AVX2 CPU has F16C
+        _cache[key] = _load(_Q8_SOURCE, f"specfw_q8_ops_{isa}", [*_ISA_FLAGS[isa], *f16c, "-ffp-contract=off"], "int8-activation kernels " + isa)
     return _cache[key]
 
 

@@ -13,7 +13,7 @@
 // row's 4 codes broadcast gives each output's partial sum in its own lane (no horizontal adds):
 //   bits 4: codes uint8 [NG, KB, 4, 32]: byte j of (g, b, p) = V_2p[j] | V_2p+1[j] << 4, q in 0..15
 //   bits 8: codes int8  [NG, KB, 8, 32]: V_s, q in -128..127
-//   d, m:   fp32 [NG, KB, 8]
+//   d, m:   fp32 or fp16 [NG, KB, 8] (fp16 where no value changes: converted exactly on load)
 // (NG = ceil(N / 8), KB = K / 32.) Q4_0 is (d, m = -8 d); int8 per channel is d = the channel's
 // scale in every block.
 //
@@ -66,6 +66,24 @@ void quantize_row(const float* x, int64_t K, int8_t* q, float* dx, float* sx) {
   }
 }
 
+// per-(block, output) scales d or m: fp32, or fp16 where that changes no value (GGUF's own scales
+// are fp16: a sixth of a Q4_1 weight's bytes saved); converted exactly to fp32 on load
+struct Scales {
+  const uint8_t* p = nullptr;  // null: no m
+  bool half = false;
+  explicit operator bool() const { return p != nullptr; }
+  Scales at(int64_t i) const { return Scales{p ? p + i * (half ? 2 : 4) : nullptr, half}; }
+  const char* addr(int64_t i) const { return reinterpret_cast<const char*>(p + i * (half ? 2 : 4)); }
+  float get(int64_t i) const {
+    return half ? static_cast<float>(reinterpret_cast<const c10::Half*>(p)[i]) : reinterpret_cast<const float*>(p)[i];
+  }
+#if defined(SPECFW_Q8_SIMD)
+  __m256 load8(int64_t i) const {
+    return half ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i * 2))) : _mm256_loadu_ps(reinterpret_cast<const float*>(p) + i);
+  }
+#endif
+};
+
 struct Rows {
   const int8_t* q;   // [M, K]
   const float* dx;   // [M, KB]
@@ -82,7 +100,7 @@ inline __m256i bcast4(const int8_t* p) {
 
 // R rows (r0..r0+R-1) x one group of 8 outputs -> out [R, 8]
 template <int R>
-void tile(const uint8_t* codes, int bits, const float* d, const float* m, const Rows& x, int64_t r0, float* out) {
+void tile(const uint8_t* codes, int bits, const Scales& d, const Scales& m, const Rows& x, int64_t r0, float* out) {
   const __m256i ones = _mm256_set1_epi16(1), mask = _mm256_set1_epi8(0x0F);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
@@ -95,8 +113,8 @@ void tile(const uint8_t* codes, int bits, const float* d, const float* m, const 
         _mm_prefetch(reinterpret_cast<const char*>(codes + (b + kAhead) * step + 128), _MM_HINT_T0);
         _mm_prefetch(reinterpret_cast<const char*>(codes + (b + kAhead) * step + 192), _MM_HINT_T0);
       }
-      _mm_prefetch(reinterpret_cast<const char*>(d + (b + kAhead) * kG), _MM_HINT_T0);
-      if (m) _mm_prefetch(reinterpret_cast<const char*>(m + (b + kAhead) * kG), _MM_HINT_T0);
+      _mm_prefetch(d.addr((b + kAhead) * kG), _MM_HINT_T0);
+      if (m) _mm_prefetch(m.addr((b + kAhead) * kG), _MM_HINT_T0);
     }
     __m256i P[R];
     if (bits == 4) {
@@ -126,11 +144,11 @@ void tile(const uint8_t* codes, int bits, const float* d, const float* m, const 
         }
       }
     }
-    const __m256 db = _mm256_loadu_ps(d + b * kG);
+    const __m256 db = d.load8(b * kG);
     for (int r = 0; r < R; ++r) {
       const __m256 dd = _mm256_mul_ps(db, _mm256_set1_ps(x.dx[(r0 + r) * x.KB + b]));
       acc[r] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(P[r]), acc[r]);
-      if (m) acc[r] = _mm256_fmadd_ps(_mm256_loadu_ps(m + b * kG), _mm256_set1_ps(x.sx[(r0 + r) * x.KB + b]), acc[r]);
+      if (m) acc[r] = _mm256_fmadd_ps(m.load8(b * kG), _mm256_set1_ps(x.sx[(r0 + r) * x.KB + b]), acc[r]);
     }
   }
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * kG, acc[r]);
@@ -147,7 +165,7 @@ inline int32_t code_at(const uint8_t* codes, int bits, int64_t b, int o, int j) 
 }
 
 template <int R>
-void tile(const uint8_t* codes, int bits, const float* d, const float* m, const Rows& x, int64_t r0, float* out) {
+void tile(const uint8_t* codes, int bits, const Scales& d, const Scales& m, const Rows& x, int64_t r0, float* out) {
   for (int r = 0; r < R; ++r) {
     const int8_t* q = x.q + (r0 + r) * x.K;
     float acc[kG] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -156,9 +174,9 @@ void tile(const uint8_t* codes, int bits, const float* d, const float* m, const 
       for (int o = 0; o < kG; ++o) {
         int32_t P = 0;
         for (int j = 0; j < kQ; ++j) P += code_at(codes, bits, b, o, j) * int32_t(q[b * kQ + j]);
-        const float dd = d[b * kG + o] * dxv;
+        const float dd = d.get(b * kG + o) * dxv;
         acc[o] = std::fma(dd, float(P), acc[o]);
-        if (m) acc[o] = std::fma(m[b * kG + o], sxv, acc[o]);
+        if (m) acc[o] = std::fma(m.get(b * kG + o), sxv, acc[o]);
       }
     }
     for (int o = 0; o < kG; ++o) out[r * kG + o] = acc[o];
@@ -166,7 +184,7 @@ void tile(const uint8_t* codes, int bits, const float* d, const float* m, const 
 }
 #endif
 
-inline void tile_rows(int R, const uint8_t* codes, int bits, const float* d, const float* m, const Rows& x, int64_t r0, float* out) {
+inline void tile_rows(int R, const uint8_t* codes, int bits, const Scales& d, const Scales& m, const Rows& x, int64_t r0, float* out) {
   switch (R) {
     case 4: tile<4>(codes, bits, d, m, x, r0, out); break;
     case 3: tile<3>(codes, bits, d, m, x, r0, out); break;
@@ -196,15 +214,17 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torc
   TORCH_CHECK(K % kQ == 0, "q8 linear: K must be a multiple of 32");
   TORCH_CHECK(codes.dim() == 4 && codes.size(0) == NG && codes.size(1) == KB && codes.size(2) == (bits == 4 ? 4 : 8) && codes.size(3) == 32,
               "q8 linear: codes [ceil(N/8), K/32, 4 (bits 4) or 8 (bits 8), 32]");
-  TORCH_CHECK(d.scalar_type() == torch::kFloat32 && d.numel() == NG * KB * kG, "q8 linear: d fp32 [ceil(N/8), K/32, 8]");
-  TORCH_CHECK(!m.numel() || (m.scalar_type() == torch::kFloat32 && m.numel() == d.numel()), "q8 linear: m like d");
+  TORCH_CHECK((d.scalar_type() == torch::kFloat32 || d.scalar_type() == torch::kHalf) && d.is_contiguous() && d.numel() == NG * KB * kG,
+              "q8 linear: d fp32 or fp16 [ceil(N/8), K/32, 8]");
+  TORCH_CHECK(!m.numel() || (m.scalar_type() == d.scalar_type() && m.is_contiguous() && m.numel() == d.numel()), "q8 linear: m like d");
   TORCH_CHECK(!bias.numel() || bias.numel() == N, "q8 linear: bias [N]");
   auto y = torch::empty({M, N}, torch::kFloat32);
   if (M == 0) return y;
   auto [q, dx, sx] = quantize_rows(x);
   const uint8_t* C = reinterpret_cast<const uint8_t*>(codes.data_ptr());
-  const float* D = d.data_ptr<float>();
-  const float* Mn = m.numel() ? m.data_ptr<float>() : nullptr;
+  const bool half = d.scalar_type() == torch::kHalf;
+  const Scales D{reinterpret_cast<const uint8_t*>(d.data_ptr()), half};
+  const Scales Mn{m.numel() ? reinterpret_cast<const uint8_t*>(m.data_ptr()) : nullptr, half};
   const float* B = bias.numel() ? bias.data_ptr<float>() : nullptr;
   float* Y = y.data_ptr<float>();
   const Rows rows{q.data_ptr<int8_t>(), dx.data_ptr<float>(), sx.data_ptr<float>(), K, KB};
@@ -217,7 +237,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torc
       int64_t r0 = 0;
       for (int64_t t = 0; t < tiles; ++t) {
         const int R = int(base + (t < extra));
-        tile_rows(R, C + g * per_group, int(bits), D + g * KB * kG, Mn ? Mn + g * KB * kG : nullptr, rows, r0, out);
+        tile_rows(R, C + g * per_group, int(bits), D.at(g * KB * kG), Mn.at(g * KB * kG), rows, r0, out);
         for (int r = 0; r < R; ++r)
           for (int64_t o = 0; o < nv; ++o) Y[(r0 + r) * N + n0 + o] = B ? out[r * kG + o] + B[n0 + o] : out[r * kG + o];
         r0 += R;

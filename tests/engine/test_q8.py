@@ -187,3 +187,21 @@ def test_demo_gguf_int8_activations_eagle3_equals_plain():
     assert [eng.generate([p], params)[0].token_ids for p in prompts] == ref
     assert [o.token_ids for o in eng.generate(prompts, params)] == ref
     assert eng.stats.accepted_draft_tokens > 0
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kind", ["q4_1", "q8"])
+def test_fp16_scales_give_the_bits_of_fp32_scales(isa, kind):
+    """Scales that fp16 holds exactly (GGUF's own) are stored as fp16 and converted exactly."""
+    from dataclasses import replace
+
+    ops = _ops(isa)
+    q, d, m, bits = _weights(kind, seed=2)
+    d = d.half().float()
+    m = m.half().float() if m is not None else None
+    w16 = pack(q, d, m, bits)
+    assert w16.d.dtype == torch.float16 and w16.m.dtype == torch.float16
+    w32 = replace(w16, d=w16.d.float(), m=w16.m.float())
+    x = torch.randn(6, q.shape[1])
+    assert torch.equal(Q8Linear(w16, None, ops, kind)(x), Q8Linear(w32, None, ops, kind)(x))
+    assert pack(q, d + 1e-4, m, bits).d.dtype == torch.float32  # not exact in fp16: kept fp32
