@@ -7,7 +7,7 @@ docs/quantization.md):
   ``s = max|w| / 127``, ``w' = s * q``;
 * ``int4`` -- asymmetric, groups of ``INT4_GROUP`` = 32 inputs per output with an fp32 scale and
   min: ``s = (max - min) / 15``, ``q = round((w - min) / s)`` in 0..15, ``w' = s * q + min``;
-* ``gguf`` -- the GGUF file's own blocks (Q8_0, Q4_0, Q4_1), kept as they are: each weight is
+* ``gguf`` -- the GGUF file's own blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K), kept as they are: each weight is
   dequantized in registers to exactly the fp32 value of the fp32 checkpoint specfw converts the
   file to, so outputs are bit-identical to ``none`` on that checkpoint (``attach_gguf_blocks``
   verifies every tensor at load).
@@ -127,9 +127,17 @@ class QuantLinear(nn.Module):
 # ---------------------------------------------------------------- GGUF blocks
 
 
+GGUF_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K")  # block types kept as blocks (others stay fp32)
+
+
 def gguf_blocks(raw: np.ndarray, qtype: str, n: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, int, int]:
     """One GGUF tensor's raw blocks [N, bytes] -> per-weight codes [N, K], d [N, K/32], m or None,
-    bits, offset. Element j of a Q4 block is byte j's low nibble, element j + 16 its high one."""
+    bits, offset, with ``w = d * (q - offset) + m`` rounded as gguf-py rounds it. Element j of a Q4
+    block is byte j's low nibble, element j + 16 its high one. K-quants (super-blocks of 256 with 8
+    sub-blocks of 32): ``d = d_super * sc``, ``m = -(dmin * min)``, products rounded to fp32 as
+    gguf-py does; Q5_K's 5-bit codes are stored as 8-bit ones."""
+    if qtype in ("Q4_K", "Q5_K"):
+        return _k_quant_blocks(raw, qtype, n, k)
     raw = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // 32, -1)
     d = torch.from_numpy(raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32))
     if qtype == "Q8_0":
@@ -141,7 +149,33 @@ def gguf_blocks(raw: np.ndarray, qtype: str, n: int, k: int) -> tuple[torch.Tens
         q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1).reshape(n, k)
         m = torch.from_numpy(raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)) if qtype == "Q4_1" else None
         return torch.from_numpy(q), d, m, 4, 8 if qtype == "Q4_0" else 0
-    raise ValueError(f"GGUF block type {qtype} is not supported (Q8_0, Q4_0, Q4_1)")
+    raise ValueError(f"GGUF block type {qtype} is not supported ({', '.join(GGUF_TYPES)})")
+
+
+def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The 8 six-bit scales and mins of a Q4_K/Q5_K super-block from its 12 bytes [..., 12]."""
+    s = s.reshape(*s.shape[:-1], 3, 4)
+    a, b, c = s[..., 0, :], s[..., 1, :], s[..., 2, :]
+    sc = np.concatenate([a & 0x3F, (c & 0x0F) | ((a >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([b & 0x3F, (c >> 4) | ((b >> 2) & 0x30)], axis=-1)
+    return sc, mn
+
+
+def _k_quant_blocks(raw: np.ndarray, qtype: str, n: int, k: int):
+    raw = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, k // 256, -1)
+    d = raw[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+    dmin = raw[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+    sc, mn = _k_scales(raw[..., 4:16])
+    dd = d[..., None] * sc.astype(np.float32)  # fp32 products, as gguf-py
+    dm = dmin[..., None] * mn.astype(np.float32)
+    qs = raw[..., -128:].reshape(n, k // 256, 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 1, 2, 1)
+    q = (qs & 0x0F).reshape(n, k // 256, 8, 32)
+    bits = 4
+    if qtype == "Q5_K":  # bit 4 of sub-block j's element i: bit j of qh byte i
+        qh = raw[..., 16:48].reshape(n, k // 256, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 1, 8, 1)
+        q, bits = q | ((qh & 1) << 4), 8
+    codes = torch.from_numpy(q.reshape(n, k).astype(np.int8 if bits == 8 else np.uint8))
+    return codes, torch.from_numpy(dd.reshape(n, k // 32).copy()), torch.from_numpy((-dm).reshape(n, k // 32).copy()), bits, 0
 
 
 def dequantize_reference(q: torch.Tensor, d: torch.Tensor, m: torch.Tensor | None, bits: int, offset: int) -> torch.Tensor:
@@ -164,7 +198,7 @@ _NAMES = {"qkv_proj": ("attn_q", "attn_k", "attn_v"), "o_proj": ("attn_output",)
 
 
 def attach_gguf_blocks(model: nn.Module, gguf_path, n_heads: int, n_kv_heads: int) -> int:
-    """Give each linear of ``model`` whose GGUF tensors are Q8_0/Q4_0/Q4_1 a ``gguf_weight``
+    """Give each linear of ``model`` whose GGUF tensors are of ``GGUF_TYPES`` a ``gguf_weight``
     (``QuantWeight``) -- only where dequantizing the blocks gives exactly the fp32 weight loaded
     (else the linear stays fp32 and a warning says which). Returns how many got blocks."""
     from gguf import GGUFReader
@@ -183,7 +217,7 @@ def attach_gguf_blocks(model: nn.Module, gguf_path, n_heads: int, n_kv_heads: in
         for name in names:
             t = tensors.get(name)
             qtype = t.tensor_type.name if t is not None else "missing"
-            if qtype not in ("Q8_0", "Q4_0", "Q4_1"):
+            if qtype not in GGUF_TYPES:
                 parts = None
                 break
             n, k = int(t.shape[1]), int(t.shape[0])

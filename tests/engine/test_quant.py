@@ -95,24 +95,62 @@ def test_portable_and_avx2_agree_on_int_schemes():
     assert (qa(x) - qp(x)).abs().max() < 1e-5
 
 
-@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1"])
+def random_blocks(kind: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Random raw GGUF blocks of ``kind`` [n, bytes] with sane fp16 scales (codes: any bytes)."""
+    block, size = {"Q8_0": (32, 34), "Q4_0": (32, 18), "Q4_1": (32, 20), "Q4_K": (256, 144), "Q5_K": (256, 176)}[kind]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (n, k // block, size), dtype=np.uint8)
+    scales = rng.uniform(-0.05, 0.05, (n, k // block, 2)).astype(np.float16)
+    if kind.endswith("_K"):
+        scales = np.abs(scales) * np.float16(0.05)  # d and dmin, times 6-bit scales and mins
+    raw[..., 0:2] = scales[..., :1].view(np.uint8)
+    if kind in ("Q4_1", "Q4_K", "Q5_K"):
+        raw[..., 2:4] = scales[..., 1:].view(np.uint8)
+    return raw.reshape(n, -1)
+
+
+@pytest.mark.parametrize("kind", ["Q8_0", "Q4_0", "Q4_1", "Q4_K", "Q5_K"])
 def test_gguf_block_parsing_matches_gguf_py(kind):
     gguf = pytest.importorskip("gguf")
     from gguf.quants import dequantize
 
     qtype = getattr(gguf.GGMLQuantizationType, kind)
-    n, k = 6, 64
-    size = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20}[kind]
-    rng = np.random.default_rng(0)
-    raw = rng.integers(0, 256, (n, k // 32, size), dtype=np.uint8)
-    scales = rng.uniform(-0.05, 0.05, (n, k // 32, 2)).astype(np.float16)
-    raw[..., 0:2] = scales[..., :1].view(np.uint8)
-    if kind == "Q4_1":
-        raw[..., 2:4] = scales[..., 1:].view(np.uint8)
-    raw = raw.reshape(n, -1)
+    n, k = 6, 512
+    raw = random_blocks(kind, n, k)
     expect = torch.from_numpy(dequantize(raw, qtype).reshape(n, k).astype(np.float32))
     q, d, m, bits, offset = gguf_blocks(raw, kind, n, k)
     assert torch.equal(dequantize_reference(q, d, m, bits, offset), expect)
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kind", ["Q4_K", "Q5_K"])
+def test_k_quant_blocks_give_the_fp32_kernels_bits(isa, kind):
+    """K-quant super-blocks as 32-weight blocks (d = d * sc, m = -dmin * min): the weight-only
+    kernel gives KernelLinear's bits on gguf-py's dequantized weight; int8 activations run them."""
+    from gguf.quants import dequantize
+
+    import gguf
+    from specfw.backends.kernel_linear import KernelLinear
+    from specfw.backends.q8_linear import Q8Linear
+    from specfw.kernels import q8_ops
+
+    qops, cops = _ops(isa)
+    n, k = 40, 256
+    raw = random_blocks(kind, n, k, seed=3)
+    w = torch.from_numpy(dequantize(raw, getattr(gguf.GGMLQuantizationType, kind)).reshape(n, k).astype(np.float32))
+    q, d, m, bits, offset = gguf_blocks(raw, kind, n, k)
+    lin = torch.nn.Linear(k, n)
+    lin.weight.data.copy_(w)
+    ql = QuantLinear(pack(q, d, m, bits, offset, 32), lin.bias, qops, "gguf")
+    assert torch.equal(ql.weight, w)
+    x = torch.randn(5, k)
+    kl = KernelLinear(lin, cops, isa)
+    for rows in (1, 2, 5):
+        assert torch.equal(ql(x[:rows]), kl(x[:rows])), rows
+    a8 = Q8Linear.from_quant_weight(ql.qw, lin.bias, q8_ops(isa), "gguf")
+    assert torch.equal(a8.weight, w)
+    exact = x.double() @ w.double().T + lin.bias.double()
+    assert (a8(x).double() - exact).abs().max() < 0.02 * exact.abs().max()
 
 
 def test_config_names_the_key():
