@@ -86,7 +86,11 @@ def q8_ops(isa: str | None = None):
     key = f"q8_ops_{isa}"
     if key not in _cache:
         f16c = ["-mf16c"] if isa != "portable" else []  # fp16 scales (vcvtph2ps): every AVX2 CPU has F16C
-        _cache[key] = _load(_Q8_SOURCE, f"specfw_q8_ops_{isa}", [*_ISA_FLAGS[isa], *f16c, "-ffp-contract=off"], "int8-activation kernels " + isa)
+        # AVX512-VNNI where the CPU has it (vpdpbusd: the same integer sums, one instruction): the
+        # avx512 build's isa() then says "avx512_vnni"
+        vnni = ["-mavx512vnni"] if isa == "avx512" and "avx512_vnni" in _cpu_flags() else []
+        flags = [*_ISA_FLAGS[isa], *f16c, *vnni, "-ffp-contract=off"]
+        _cache[key] = _load(_Q8_SOURCE, f"specfw_q8_ops_{isa}", flags, "int8-activation kernels " + isa + ("+vnni" if vnni else ""))
     return _cache[key]
 
 

@@ -40,16 +40,25 @@
 #include <immintrin.h>
 #define SPECFW_Q8_SIMD 1
 #endif
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
+#define SPECFW_Q8_VNNI 1
+#endif
 
 namespace {
 
 constexpr int64_t kQ = 32;  // inputs per block
 constexpr int64_t kG = 8;   // outputs per group
-constexpr int kTile = 4;    // rows per register tile
+#if defined(SPECFW_Q8_VNNI)
+constexpr int64_t kSpan = 2;  // groups per work item: one zmm holds two groups' 8 outputs
+constexpr int kTile = 8;      // rows per register tile (32 zmm registers)
+#else
+constexpr int64_t kSpan = 1;
+constexpr int kTile = 4;      // rows per register tile (16 ymm registers)
+#endif
 constexpr int64_t kAhead = 8;  // blocks of codes prefetched ahead (a prefetch past the end is harmless)
 
 // one row: codes q [K], scales dx/sx [K/32]
-void quantize_row(const float* x, int64_t K, int8_t* q, float* dx, float* sx) {
+void quantize_row(const float* x, int64_t K, int8_t* q, float* dx, float* sx, int32_t* qs) {
   for (int64_t b = 0; b < K / kQ; ++b) {
     const float* v = x + b * kQ;
     float amax = 0.f;
@@ -63,6 +72,7 @@ void quantize_row(const float* x, int64_t K, int8_t* q, float* dx, float* sx) {
     }
     dx[b] = d;
     sx[b] = d * float(sum);
+    qs[b] = sum;
   }
 }
 
@@ -88,10 +98,91 @@ struct Rows {
   const int8_t* q;   // [M, K]
   const float* dx;   // [M, KB]
   const float* sx;
+  const int32_t* qs;  // [M, KB]: sum of each block's codes
   int64_t K, KB;
 };
 
-#if defined(SPECFW_Q8_SIMD)
+// the groups of one work item: kSpan (or fewer at the end) consecutive groups of 8 outputs
+struct Span {
+  const uint8_t* codes;  // the first group's codes; the next group's lie per_group bytes on
+  int64_t per_group;
+  int groups;            // 1..kSpan
+  Scales d, m;           // the first group's scales; the next group's lie KB * 8 on
+  int bits;
+};
+
+#if defined(SPECFW_Q8_VNNI)
+// AVX512-VNNI: one zmm holds two groups' 8 outputs (low half group g, high half g + 1), and
+// vpdpbusd does vpmaddubsw + vpmaddwd + vpaddd in one instruction. 4-bit codes (0..15) are its
+// unsigned operand as they are; 8-bit codes w go in as w + 128 (w ^ 0x80), and the 128 x sum of
+// the row's codes that adds is where the sum starts from. Integer sums are exact, the fp32 steps
+// per output are the ones above: the same bits as every other build.
+inline __m512i pair_codes(const uint8_t* c, int64_t next, bool two) {
+  const __m512i lo = _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c)));
+  return two ? _mm512_inserti64x4(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + next)), 1) : lo;
+}
+
+inline __m512 pair_scales(const Scales& s, int64_t i, int64_t next, bool two) {
+  const __m512 lo = _mm512_zextps256_ps512(s.load8(i));
+  return two ? _mm512_insertf32x8(lo, s.load8(i + next), 1) : lo;
+}
+
+inline __m512i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// R rows (r0..r0+R-1) x the span's groups -> out [R, 16] (columns of a missing second group: 0)
+template <int R>
+void tile(const Span& sp, const Rows& x, int64_t r0, float* out) {
+  const bool two = sp.groups == 2;
+  const int64_t step = sp.bits == 4 ? 128 : 256, snext = x.KB * kG;
+  const __m512i mask = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(char(0x80));
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < x.KB; ++b) {
+    if (r0 == 0) {  // the first tile streams the codes of both groups: fetch ahead
+      for (int g = 0; g < sp.groups; ++g) {
+        const char* c = reinterpret_cast<const char*>(sp.codes + g * sp.per_group + (b + kAhead) * step);
+        for (int64_t o = 0; o < step; o += 64) _mm_prefetch(c + o, _MM_HINT_T0);
+        _mm_prefetch(sp.d.addr(g * snext + (b + kAhead) * kG), _MM_HINT_T0);
+        if (sp.m) _mm_prefetch(sp.m.addr(g * snext + (b + kAhead) * kG), _MM_HINT_T0);
+      }
+    }
+    __m512i P[R];
+    const int8_t* qb = x.q + r0 * x.K + b * kQ;
+    const uint8_t* c = sp.codes + b * step;
+    if (sp.bits == 4) {
+      for (int r = 0; r < R; ++r) P[r] = _mm512_setzero_si512();
+#pragma GCC unroll 1
+      for (int p = 0; p < 4; ++p) {
+        const __m512i v = pair_codes(c + p * 32, sp.per_group, two);
+        const __m512i w0 = _mm512_and_si512(v, mask), w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+        for (int r = 0; r < R; ++r) {
+          P[r] = _mm512_dpbusd_epi32(P[r], w0, bcast4(qb + r * x.K + p * 8));
+          P[r] = _mm512_dpbusd_epi32(P[r], w1, bcast4(qb + r * x.K + p * 8 + 4));
+        }
+      }
+    } else {
+      for (int r = 0; r < R; ++r) P[r] = _mm512_set1_epi32(-128 * x.qs[(r0 + r) * x.KB + b]);
+#pragma GCC unroll 1
+      for (int st = 0; st < 8; ++st) {
+        const __m512i w = _mm512_xor_si512(pair_codes(c + st * 32, sp.per_group, two), flip);
+        for (int r = 0; r < R; ++r) P[r] = _mm512_dpbusd_epi32(P[r], w, bcast4(qb + r * x.K + st * 4));
+      }
+    }
+    const __m512 db = pair_scales(sp.d, b * kG, snext, two);
+    const __m512 mb = sp.m ? pair_scales(sp.m, b * kG, snext, two) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      const __m512 dd = _mm512_mul_ps(db, _mm512_set1_ps(x.dx[(r0 + r) * x.KB + b]));
+      acc[r] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(P[r]), acc[r]);
+      if (sp.m) acc[r] = _mm512_fmadd_ps(mb, _mm512_set1_ps(x.sx[(r0 + r) * x.KB + b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kSpan * kG, acc[r]);
+}
+#elif defined(SPECFW_Q8_SIMD)
 inline __m256i bcast4(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -100,7 +191,10 @@ inline __m256i bcast4(const int8_t* p) {
 
 // R rows (r0..r0+R-1) x one group of 8 outputs -> out [R, 8]
 template <int R>
-void tile(const uint8_t* codes, int bits, const Scales& d, const Scales& m, const Rows& x, int64_t r0, float* out) {
+void tile(const Span& sp, const Rows& x, int64_t r0, float* out) {
+  const uint8_t* codes = sp.codes;
+  const int bits = sp.bits;
+  const Scales &d = sp.d, &m = sp.m;
   const __m256i ones = _mm256_set1_epi16(1), mask = _mm256_set1_epi8(0x0F);
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
@@ -165,7 +259,10 @@ inline int32_t code_at(const uint8_t* codes, int bits, int64_t b, int o, int j) 
 }
 
 template <int R>
-void tile(const uint8_t* codes, int bits, const Scales& d, const Scales& m, const Rows& x, int64_t r0, float* out) {
+void tile(const Span& sp, const Rows& x, int64_t r0, float* out) {
+  const uint8_t* codes = sp.codes;
+  const int bits = sp.bits;
+  const Scales &d = sp.d, &m = sp.m;
   for (int r = 0; r < R; ++r) {
     const int8_t* q = x.q + (r0 + r) * x.K;
     float acc[kG] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -184,13 +281,34 @@ void tile(const uint8_t* codes, int bits, const Scales& d, const Scales& m, cons
 }
 #endif
 
-inline void tile_rows(int R, const uint8_t* codes, int bits, const Scales& d, const Scales& m, const Rows& x, int64_t r0, float* out) {
+inline void tile_rows(int R, const Span& sp, const Rows& x, int64_t r0, float* out) {
   switch (R) {
-    case 4: tile<4>(codes, bits, d, m, x, r0, out); break;
-    case 3: tile<3>(codes, bits, d, m, x, r0, out); break;
-    case 2: tile<2>(codes, bits, d, m, x, r0, out); break;
-    default: tile<1>(codes, bits, d, m, x, r0, out); break;
+#if defined(SPECFW_Q8_VNNI)
+    case 8: tile<8>(sp, x, r0, out); break;
+    case 7: tile<7>(sp, x, r0, out); break;
+    case 6: tile<6>(sp, x, r0, out); break;
+    case 5: tile<5>(sp, x, r0, out); break;
+#endif
+    case 4: tile<4>(sp, x, r0, out); break;
+    case 3: tile<3>(sp, x, r0, out); break;
+    case 2: tile<2>(sp, x, r0, out); break;
+    default: tile<1>(sp, x, r0, out); break;
   }
+}
+
+struct Quantized {
+  torch::Tensor q, dx, sx, qs;
+};
+
+Quantized quantize_all(const torch::Tensor& x) {
+  auto xf = x.to(torch::kFloat32).contiguous();
+  const int64_t M = xf.size(0), K = xf.size(1), KB = K / kQ;
+  Quantized r{torch::empty({M, K}, torch::kInt8), torch::empty({M, KB}, torch::kFloat32), torch::empty({M, KB}, torch::kFloat32),
+              torch::empty({M, KB}, torch::kInt32)};
+  for (int64_t i = 0; i < M; ++i)
+    quantize_row(xf.data_ptr<float>() + i * K, K, r.q.data_ptr<int8_t>() + i * K, r.dx.data_ptr<float>() + i * KB, r.sx.data_ptr<float>() + i * KB,
+                 r.qs.data_ptr<int32_t>() + i * KB);
+  return r;
 }
 
 }  // namespace
@@ -198,13 +316,8 @@ inline void tile_rows(int R, const uint8_t* codes, int bits, const Scales& d, co
 // x [M, K] -> (q int8 [M, K], dx fp32 [M, K/32], sx fp32 [M, K/32])
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_rows(torch::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % kQ == 0, "quantize_rows: x [M, K] with K a multiple of 32");
-  auto xf = x.to(torch::kFloat32).contiguous();
-  const int64_t M = xf.size(0), K = xf.size(1), KB = K / kQ;
-  auto q = torch::empty({M, K}, torch::kInt8);
-  auto dx = torch::empty({M, KB}, torch::kFloat32), sx = torch::empty({M, KB}, torch::kFloat32);
-  for (int64_t r = 0; r < M; ++r)
-    quantize_row(xf.data_ptr<float>() + r * K, K, q.data_ptr<int8_t>() + r * K, dx.data_ptr<float>() + r * KB, sx.data_ptr<float>() + r * KB);
-  return {q, dx, sx};
+  auto r = quantize_all(x);
+  return {r.q, r.dx, r.sx};
 }
 
 // x [M, K] fp32/bf16; codes/d/m as above (m may be empty); bias fp32 [N] or empty -> y [M, N] fp32
@@ -220,26 +333,28 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torc
   TORCH_CHECK(!bias.numel() || bias.numel() == N, "q8 linear: bias [N]");
   auto y = torch::empty({M, N}, torch::kFloat32);
   if (M == 0) return y;
-  auto [q, dx, sx] = quantize_rows(x);
+  const auto xq = quantize_all(x);
   const uint8_t* C = reinterpret_cast<const uint8_t*>(codes.data_ptr());
   const bool half = d.scalar_type() == torch::kHalf;
   const Scales D{reinterpret_cast<const uint8_t*>(d.data_ptr()), half};
   const Scales Mn{m.numel() ? reinterpret_cast<const uint8_t*>(m.data_ptr()) : nullptr, half};
   const float* B = bias.numel() ? bias.data_ptr<float>() : nullptr;
   float* Y = y.data_ptr<float>();
-  const Rows rows{q.data_ptr<int8_t>(), dx.data_ptr<float>(), sx.data_ptr<float>(), K, KB};
-  const int64_t per_group = KB * (bits == 4 ? 128 : 256);
+  const Rows rows{xq.q.data_ptr<int8_t>(), xq.dx.data_ptr<float>(), xq.sx.data_ptr<float>(), xq.qs.data_ptr<int32_t>(), K, KB};
+  const int64_t per_group = KB * (bits == 4 ? 128 : 256), NS = (NG + kSpan - 1) / kSpan;
   const int64_t tiles = (M + kTile - 1) / kTile, base = M / tiles, extra = M % tiles;
-  at::parallel_for(0, NG, 1, [&](int64_t g0, int64_t g1) {
-    float out[kTile * kG];
-    for (int64_t g = g0; g < g1; ++g) {
-      const int64_t n0 = g * kG, nv = std::min<int64_t>(kG, N - n0);
+  at::parallel_for(0, NS, 1, [&](int64_t s0, int64_t s1) {
+    float out[kTile * kSpan * kG];
+    for (int64_t s = s0; s < s1; ++s) {
+      const int64_t g = s * kSpan, n0 = g * kG;
+      const Span sp{C + g * per_group, per_group, int(std::min<int64_t>(kSpan, NG - g)), D.at(g * KB * kG), Mn.at(g * KB * kG), int(bits)};
+      const int64_t nv = std::min<int64_t>(sp.groups * kG, N - n0);
       int64_t r0 = 0;
       for (int64_t t = 0; t < tiles; ++t) {
         const int R = int(base + (t < extra));
-        tile_rows(R, C + g * per_group, int(bits), D.at(g * KB * kG), Mn.at(g * KB * kG), rows, r0, out);
+        tile_rows(R, sp, rows, r0, out);
         for (int r = 0; r < R; ++r)
-          for (int64_t o = 0; o < nv; ++o) Y[(r0 + r) * N + n0 + o] = B ? out[r * kG + o] + B[n0 + o] : out[r * kG + o];
+          for (int64_t o = 0; o < nv; ++o) Y[(r0 + r) * N + n0 + o] = B ? out[r * kSpan * kG + o] + B[n0 + o] : out[r * kSpan * kG + o];
         r0 += R;
       }
     }
@@ -248,7 +363,9 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torc
 }
 
 std::string isa() {
-#if defined(__AVX512F__)
+#if defined(SPECFW_Q8_VNNI)
+  return "avx512_vnni";
+#elif defined(__AVX512F__)
   return "avx512";
 #elif defined(__AVX2__)
   return "avx2";

@@ -205,3 +205,12 @@ def test_fp16_scales_give_the_bits_of_fp32_scales(isa, kind):
     x = torch.randn(6, q.shape[1])
     assert torch.equal(Q8Linear(w16, None, ops, kind)(x), Q8Linear(w32, None, ops, kind)(x))
     assert pack(q, d + 1e-4, m, bits).d.dtype == torch.float32  # not exact in fp16: kept fp32
+
+
+def test_avx512_build_takes_vnni_where_the_cpu_has_it():
+    """On an AVX512-VNNI CPU the avx512 build is the vpdpbusd one (which the bit tests above then
+    cover); elsewhere it runs the AVX2 code."""
+    from specfw.kernels import _cpu_flags
+
+    ops = _ops("avx512")
+    assert ops.isa() == ("avx512_vnni" if "avx512_vnni" in _cpu_flags() else "avx512")
