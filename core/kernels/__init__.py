@@ -88,12 +88,9 @@ def q8_ops(isa: str | None = None):
         f16c = ["-mf16c"] if isa != "portable" else []  # fp16 scales (vcvtph2ps): every AVX2 CPU has F16C
         # AVX512-VNNI where the CPU has it (vpdpbusd: the same integer sums, one instruction): the
         # avx512 build's isa() then says "avx512_vnni"
-        # and AMX-INT8 tiles for calls of 6+ rows where it has those too (isa() says "avx512_vnni+amx")
         vnni = ["-mavx512vnni"] if isa == "avx512" and "avx512_vnni" in _cpu_flags() else []
-        amx = ["-mamx-tile", "-mamx-int8"] if vnni and {"amx_tile", "amx_int8"} <= _cpu_flags() else []
-        flags = [*_ISA_FLAGS[isa], *f16c, *vnni, *amx, "-ffp-contract=off"]
-        what = "int8-activation kernels " + isa + ("+vnni" if vnni else "") + ("+amx" if amx else "")
-        _cache[key] = _load(_Q8_SOURCE, f"specfw_q8_ops_{isa}", flags, what)
+        flags = [*_ISA_FLAGS[isa], *f16c, *vnni, "-ffp-contract=off"]
+        _cache[key] = _load(_Q8_SOURCE, f"specfw_q8_ops_{isa}", flags, "int8-activation kernels " + isa + ("+vnni" if vnni else ""))
     return _cache[key]
 
 

@@ -42,11 +42,6 @@
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 #define SPECFW_Q8_VNNI 1
-#if defined(__AMX_INT8__) && defined(__AMX_TILE__)
-#define SPECFW_Q8_AMX 1
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 #endif
 
 namespace {
@@ -286,131 +281,6 @@ void tile(const Span& sp, const Rows& x, int64_t r0, float* out) {
 }
 #endif
 
-#if defined(SPECFW_Q8_AMX)
-// AMX-INT8, for calls of kAmxRows rows or more (fewer: the VNNI tiles above are as fast). A work
-// item is the span's 16 outputs; per block b of 32 inputs, one TDPBSSD (8-bit codes) or TDPBSUD
-// (4-bit codes, unsigned) of the rows' codes (A: 16 rows x 32 bytes) against the block's codes
-// staged as a B tile (8 steps x 64 bytes = the two groups' 32-byte steps side by side; 4-bit
-// unpacked to bytes) gives each (row, output) its exact int32 sum of the block alone, and the fp32
-// steps then are the ones every build performs: the same bits. Blocks run in chunks of 4 (C
-// tiles tmm0..3); a chunk's B tiles are staged once for all row tiles of 16.
-constexpr int64_t kAmxRows = 6;
-constexpr int kChunk = 4;
-
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-bool amx_permitted() {  // Linux: a process asks for the AMX tile state before its first tile instruction
-  static const bool ok = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18 /* XTILEDATA */) == 0;
-  return ok;
-}
-
-void amx_configure() {
-  TileConfig cfg;
-  std::memset(&cfg, 0, sizeof(cfg));
-  cfg.palette_id = 1;
-  for (int t = 0; t < kChunk; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }  // C: 16 rows x 16 int32
-  for (int t = 4; t < 8; t += 2) {
-    cfg.rows[t] = 16; cfg.colsb[t] = 32;       // A (tmm4, tmm6): 16 rows x 32 codes
-    cfg.rows[t + 1] = 8; cfg.colsb[t + 1] = 64;  // B (tmm5, tmm7): 8 steps x 64 bytes
-  }
-  _tile_loadconfig(&cfg);
-}
-
-// block b's codes of the span as a B tile (512 bytes)
-inline void stage_b(const Span& sp, int64_t b, uint8_t* dst) {
-  const bool two = sp.groups == 2;
-  if (sp.bits == 8) {
-    const uint8_t* c = sp.codes + b * 256;
-    for (int st = 0; st < 8; ++st) _mm512_store_si512(dst + st * 64, pair_codes(c + st * 32, sp.per_group, two));
-  } else {
-    const __m512i mask = _mm512_set1_epi8(0x0F);
-    const uint8_t* c = sp.codes + b * 128;
-    for (int q = 0; q < 4; ++q) {
-      const __m512i v = pair_codes(c + q * 32, sp.per_group, two);
-      _mm512_store_si512(dst + 2 * q * 64, _mm512_and_si512(v, mask));
-      _mm512_store_si512(dst + (2 * q + 1) * 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), mask));
-    }
-  }
-}
-
-// NB blocks of one row tile: C tile j = the block's int32 sums [16 rows, 16 outputs]; the
-// products are all issued before the first store, so they overlap
-template <int NB>
-void amx_blocks(const uint8_t* B, const int8_t* xa, int64_t K, bool u4, int32_t* C) {
-#define SPECFW_DP(j, at, bt)                                        \
-  _tile_zero(j);                                                    \
-  _tile_loadd(at, xa + (j) * kQ, K);                               \
-  _tile_loadd(bt, B + (j) * 512, 64);                              \
-  if (u4) _tile_dpbsud(j, at, bt); else _tile_dpbssd(j, at, bt);
-  SPECFW_DP(0, 4, 5)
-  if (NB > 1) { SPECFW_DP(1, 6, 7) }
-  if (NB > 2) { SPECFW_DP(2, 4, 5) }
-  if (NB > 3) { SPECFW_DP(3, 6, 7) }
-#undef SPECFW_DP
-  _tile_stored(0, C, 64);
-  if (NB > 1) _tile_stored(1, C + 256, 64);
-  if (NB > 2) _tile_stored(2, C + 512, 64);
-  if (NB > 3) _tile_stored(3, C + 768, 64);
-}
-
-// every row of the call x the span's 16 outputs -> out [Mp, 16]; xa: the rows' codes, zero padded
-// to Mp = 16k rows. Software pipelined: the sums of (chunk, row tile) i are scaled into out while
-// the tiles of i + 1 compute (reading a tile store back at once stalls: 2x slower measured)
-void amx_span(const Span& sp, const Rows& x, const int8_t* xa, int64_t M, float* out) {
-  const bool two = sp.groups == 2;
-  const int64_t snext = x.KB * kG, Mp = (M + 15) / 16 * 16;
-  alignas(64) uint8_t B[kChunk * 512];
-  alignas(64) int32_t C[2][kChunk * 256];
-  __m512 dd[2][kChunk], mm[2][kChunk];
-  struct Pending {
-    int64_t b0, m0;
-    int nb;
-    const int32_t* C;
-    const __m512 *dd, *mm;
-  } prev{0, 0, 0, nullptr, nullptr, nullptr};
-  auto scale = [&](const Pending& p) {
-    for (int64_t r = p.m0; r < std::min<int64_t>(M, p.m0 + 16); ++r) {
-      __m512 acc = _mm512_loadu_ps(out + r * 16);
-      const float *dx = x.dx + r * x.KB + p.b0, *sx = x.sx + r * x.KB + p.b0;
-      for (int j = 0; j < p.nb; ++j) {
-        acc = _mm512_fmadd_ps(_mm512_mul_ps(p.dd[j], _mm512_set1_ps(dx[j])), _mm512_cvtepi32_ps(_mm512_load_si512(p.C + j * 256 + (r - p.m0) * 16)), acc);
-        if (sp.m) acc = _mm512_fmadd_ps(p.mm[j], _mm512_set1_ps(sx[j]), acc);
-      }
-      _mm512_storeu_ps(out + r * 16, acc);
-    }
-  };
-  for (int64_t i = 0; i < Mp * 16; i += 16) _mm512_storeu_ps(out + i, _mm512_setzero_ps());
-  int64_t it = 0;
-  for (int64_t b0 = 0; b0 < x.KB; b0 += kChunk) {
-    const int nb = int(std::min<int64_t>(kChunk, x.KB - b0)), par = int((b0 / kChunk) & 1);
-    for (int j = 0; j < nb; ++j) {
-      stage_b(sp, b0 + j, B + j * 512);
-      dd[par][j] = pair_scales(sp.d, (b0 + j) * kG, snext, two);
-      mm[par][j] = sp.m ? pair_scales(sp.m, (b0 + j) * kG, snext, two) : _mm512_setzero_ps();
-    }
-    for (int64_t m0 = 0; m0 < M; m0 += 16, ++it) {
-      int32_t* c = C[it & 1];
-      const int8_t* xr = xa + m0 * x.K + b0 * kQ;
-      switch (nb) {
-        case 4: amx_blocks<4>(B, xr, x.K, sp.bits == 4, c); break;
-        case 3: amx_blocks<3>(B, xr, x.K, sp.bits == 4, c); break;
-        case 2: amx_blocks<2>(B, xr, x.K, sp.bits == 4, c); break;
-        default: amx_blocks<1>(B, xr, x.K, sp.bits == 4, c); break;
-      }
-      if (it) scale(prev);
-      prev = Pending{b0, m0, nb, c, dd[par], mm[par]};
-    }
-  }
-  scale(prev);
-}
-#endif
-
 inline void tile_rows(int R, const Span& sp, const Rows& x, int64_t r0, float* out) {
   switch (R) {
 #if defined(SPECFW_Q8_VNNI)
@@ -473,27 +343,6 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torc
   const Rows rows{xq.q.data_ptr<int8_t>(), xq.dx.data_ptr<float>(), xq.sx.data_ptr<float>(), xq.qs.data_ptr<int32_t>(), K, KB};
   const int64_t per_group = KB * (bits == 4 ? 128 : 256), NS = (NG + kSpan - 1) / kSpan;
   const int64_t tiles = (M + kTile - 1) / kTile, base = M / tiles, extra = M % tiles;
-#if defined(SPECFW_Q8_AMX)
-  if (M >= kAmxRows && amx_permitted()) {
-    const int64_t Mp = (M + 15) / 16 * 16;
-    std::vector<int8_t> xa(Mp * K, 0);  // A tiles: the rows' codes, zero rows to whole tiles (no row's sums change)
-    std::memcpy(xa.data(), rows.q, M * K);
-    at::parallel_for(0, NS, 1, [&](int64_t s0, int64_t s1) {
-      amx_configure();
-      std::vector<float> out(Mp * 16);
-      for (int64_t s = s0; s < s1; ++s) {
-        const int64_t g = s * kSpan, n0 = g * kG;
-        const Span sp{C + g * per_group, per_group, int(std::min<int64_t>(kSpan, NG - g)), D.at(g * KB * kG), Mn.at(g * KB * kG), int(bits)};
-        const int64_t nv = std::min<int64_t>(sp.groups * kG, N - n0);
-        amx_span(sp, rows, xa.data(), M, out.data());
-        for (int64_t r = 0; r < M; ++r)
-          for (int64_t o = 0; o < nv; ++o) Y[r * N + n0 + o] = B ? out[r * 16 + o] + B[n0 + o] : out[r * 16 + o];
-      }
-      _tile_release();
-    });
-    return y;
-  }
-#endif
   at::parallel_for(0, NS, 1, [&](int64_t s0, int64_t s1) {
     float out[kTile * kSpan * kG];
     for (int64_t s = s0; s < s1; ++s) {
@@ -514,9 +363,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torc
 }
 
 std::string isa() {
-#if defined(SPECFW_Q8_AMX)
-  return amx_permitted() ? "avx512_vnni+amx" : "avx512_vnni";
-#elif defined(SPECFW_Q8_VNNI)
+#if defined(SPECFW_Q8_VNNI)
   return "avx512_vnni";
 #elif defined(__AVX512F__)
   return "avx512";

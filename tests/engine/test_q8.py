@@ -207,28 +207,10 @@ def test_fp16_scales_give_the_bits_of_fp32_scales(isa, kind):
     assert pack(q, d + 1e-4, m, bits).d.dtype == torch.float32  # not exact in fp16: kept fp32
 
 
-def test_avx512_build_takes_vnni_and_amx_where_the_cpu_has_them():
-    """On an AVX512-VNNI CPU the avx512 build is the vpdpbusd one, with AMX-INT8 tiles for calls of
-    6+ rows where the CPU has AMX-INT8 (the bit tests above then cover both); elsewhere it runs the
-    AVX2 code."""
+def test_avx512_build_takes_vnni_where_the_cpu_has_it():
+    """On an AVX512-VNNI CPU the avx512 build is the vpdpbusd one (which the bit tests above then
+    cover); elsewhere it runs the AVX2 code."""
     from specfw.kernels import _cpu_flags
 
-    ops, flags = _ops("avx512"), _cpu_flags()
-    want = "avx512_vnni" if "avx512_vnni" in flags else "avx512"
-    if want == "avx512_vnni" and {"amx_tile", "amx_int8"} <= flags:
-        want += "+amx"
-    assert ops.isa() == want
-
-
-@pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("kind", ["q4_1", "q8"])
-def test_many_rows_equal_the_portable_build_row_by_row(isa, kind):
-    """Prefill-sized calls (row tiles of 16 and a ragged last one on AMX) give each row the bits of
-    that row alone on the portable build."""
-    ops, portable = _ops(isa), _ops("portable")
-    q, d, m, bits = _weights(kind, n=72, k=160, seed=3)
-    w = pack(q, d, m, bits)
-    x = torch.randn(37, 160)
-    y = Q8Linear(w, None, ops, kind)(x)
-    ref = Q8Linear(w, None, portable, kind)
-    assert torch.equal(y, torch.cat([ref(x[i : i + 1]) for i in range(len(x))]))
+    ops = _ops("avx512")
+    assert ops.isa() == ("avx512_vnni" if "avx512_vnni" in _cpu_flags() else "avx512")
