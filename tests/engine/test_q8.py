@@ -214,3 +214,17 @@ def test_avx512_build_takes_vnni_where_the_cpu_has_it():
 
     ops = _ops("avx512")
     assert ops.isa() == ("avx512_vnni" if "avx512_vnni" in _cpu_flags() else "avx512")
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("kind", ["q4_1", "q8"])
+def test_many_rows_equal_the_portable_build_row_by_row(isa, kind):
+    """Prefill-sized calls (several row tiles and a ragged last one) give each row the bits of that
+    row alone on the portable build."""
+    ops, portable = _ops(isa), _ops("portable")
+    q, d, m, bits = _weights(kind, n=72, k=160, seed=3)
+    w = pack(q, d, m, bits)
+    x = torch.randn(37, 160)
+    y = Q8Linear(w, None, ops, kind)(x)
+    ref = Q8Linear(w, None, portable, kind)
+    assert torch.equal(y, torch.cat([ref(x[i : i + 1]) for i in range(len(x))]))
