@@ -1,5 +1,5 @@
-"""``specfw`` console script: Hydra-composed subcommands ``generate``, ``serve`` and ``train``;
-``plugins`` and ``new-plugin``."""
+"""``specfw`` console script: Hydra-composed subcommands ``generate``, ``serve``, ``train``,
+``bench`` and ``tune``; ``plugins``, ``new-plugin`` and ``cluster``."""
 
 from __future__ import annotations
 
@@ -16,6 +16,10 @@ commands:
              specfw serve --from-sglang "<sglang.launch_server flags>" [overrides...]: SGLang's flags
              translated (the equivalent command and each flag not honoured are printed), then served
   train      train a draft: specfw train draft=<registered trainer, e.g. eagle3> [steps=300] [output_dir=...]
+  bench      measure a prompt set in-process or against a server: specfw bench [-m] speculative=... [bench.batch_sizes=[1,4]]
+             [bench.prompts.dataset=mtbench|humaneval|sharegpt|jsonl] [bench.url=http://host:port]: records, table, plot
+  tune       find the best tree settings per batch-size bucket and write them for serve:
+             specfw tune speculative=eagle3 [tune.batch_sizes=[1,4]] (tuned vs auto measured on held-out prompts)
   plugins    list installed speculative algorithms (package, version, description, hooks) and trainers
   new-plugin write a plugin package to start from: specfw new-plugin NAME [DIR]
   cluster    N serve replicas behind SGLang's router: specfw cluster replicas=2 [port=30000]
@@ -25,7 +29,7 @@ Overrides are Hydra's: key=value, group=option (speculative=<algorithm>), -m for
 --cfg job to print the composed config.
 """
 
-COMMANDS = ("generate", "serve", "train", "plugins", "new-plugin", "cluster")
+COMMANDS = ("generate", "serve", "train", "bench", "tune", "plugins", "new-plugin", "cluster")
 
 
 def setup_logging(level: str) -> None:
@@ -46,6 +50,7 @@ def _clean_errors(task):
 
     @functools.wraps(task)
     def run(cfg):
+        from .bench.client import ServerError
         from .config import ConfigError
         from .model_loader import ModelLoadError
         from .plugins import PluginError
@@ -54,7 +59,7 @@ def _clean_errors(task):
 
         try:
             task(cfg)
-        except (ConfigError, ModelLoadError, PluginError, SamplingParamsError, RequestRejected) as e:
+        except (ConfigError, ModelLoadError, PluginError, SamplingParamsError, RequestRejected, ServerError) as e:
             print(f"specfw {sys.argv[0].split()[-1]}: error: {e}", file=sys.stderr)
             sys.exit(2)
 
@@ -101,10 +106,28 @@ def generate_task(cfg) -> None:
 def serve_task(cfg) -> None:
     from .config import validate
     from .server.app import run_server
+    from .tuned import apply_tuned
 
-    validate(cfg)
     setup_logging(cfg.server.log_level)
+    applied = apply_tuned(cfg)  # before validate: the tuned tree keys are checked like given ones
+    if applied:
+        logging.getLogger("specfw").info(applied)
+    validate(cfg)
     run_server(cfg)
+
+
+def bench_task(cfg) -> None:
+    from .bench.run import bench_task as run
+
+    setup_logging(cfg.server.log_level if cfg.server.log_level != "info" else "warning")
+    run(cfg)
+
+
+def tune_task(cfg) -> None:
+    from .bench.tune import tune_task as run
+
+    setup_logging(cfg.server.log_level if cfg.server.log_level != "info" else "warning")
+    run(cfg)
 
 
 def train_task(cfg) -> None:
@@ -214,7 +237,7 @@ def main(argv: list[str] | None = None) -> None:
     if command == "serve" and any(a == "--from-sglang" or a.startswith("--from-sglang=") for a in rest):
         rest = from_sglang(rest)
     sys.argv = [f"specfw {command}"] + rest
-    tasks = {"generate": generate_task, "serve": serve_task, "train": train_task}
+    tasks = {"generate": generate_task, "serve": serve_task, "train": train_task, "bench": bench_task, "tune": tune_task}
     _run_hydra(command, tasks[command])
 
 

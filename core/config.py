@@ -71,11 +71,20 @@ class SpeculativeConfig:
 
 
 @dataclass
+class TunedConfig:
+    """Tuned defaults (``specfw tune`` writes them, ``specfw serve`` reads them; core/tuned.py)."""
+    use: bool = True                      # serve: apply the tuned tree keys for this model, machine and algorithm when none of num_steps, topk, num_draft_tokens, adaptive_draft is given
+    dir: Optional[str] = None             # where tuned-defaults files live; null = $SPECFW_TUNED_DIR, else <cache>/tuned (~/.cache/specfw/tuned)
+    batch_size: int = 1                   # serve: use the entry of the largest tuned batch-size bucket <= this (1 = the latency regime)
+
+
+@dataclass
 class SpecfwConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     speculative: Any = MISSING            # one of the registered algorithms' schemas
+    tuned: TunedConfig = field(default_factory=TunedConfig)
 
 
 @dataclass
@@ -138,6 +147,9 @@ def validate(cfg) -> None:
     if e.max_queued_requests < 0:
         raise ConfigError("engine.max_queued_requests", f"must be >= 0, got {e.max_queued_requests}")
     positive("server.max_request_bytes", cfg.server.max_request_bytes)
+    tuned = getattr(cfg, "tuned", None)
+    if tuned is not None:
+        positive("tuned.batch_size", tuned.batch_size)
     if not 0 < cfg.server.port < 65536:
         raise ConfigError("server.port", f"must be in 1..65535, got {cfg.server.port}")
     if str(cfg.server.log_level).lower() not in LOG_LEVELS:

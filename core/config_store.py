@@ -15,7 +15,11 @@ def register_configs() -> ConfigStore:
     cs.store(name="generate_schema", node=GenerateConfig)
     cs.store(name="serve_schema", node=SpecfwConfig)
     cs.store(group="speculative", name="none", node=SpeculativeConfig(algorithm="none"))
+    from .bench.config import BenchConfig, TuneConfig
     from .train.config import TrainConfig
+
+    cs.store(name="bench_schema", node=BenchConfig)
+    cs.store(name="tune_schema", node=TuneConfig)
 
     cs.store(name="train_schema", node=TrainConfig)
     for t in plugin_manager().trainers.values():

@@ -6,6 +6,8 @@ import specfw  # noqa: F401  (sets MKL_CBWR before anything starts MKL)
 import torch
 
 torch.set_num_threads(int(os.environ.get("SPECFW_TEST_THREADS", "2")))
+# `specfw serve` applies tuned defaults from the user's cache (specfw tune): tests never see them
+os.environ["SPECFW_TUNED_DIR"] = __import__("tempfile").mkdtemp(prefix="specfw-tuned-")
 
 
 def make_cfg(**engine_kw):

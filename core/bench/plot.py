@@ -1,0 +1,87 @@
+"""The summary plot: tokens/s and accept length against each swept key (one line per
+algorithm), and speedup over plain decoding against concurrency (one line per run)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .records import BenchRecord
+
+SETTING_KEYS = ("num_steps", "topk", "num_draft_tokens", "adaptive_draft")
+
+
+def swept_keys(records: list[BenchRecord]) -> list[str]:
+    """Settings keys that take more than one value among the measured speculative runs."""
+    runs = [r for r in records if not r.skipped and r.algorithm != "none"]
+    keys = sorted({k for r in runs for k in r.settings if k != "shape"})
+    return [k for k in keys if len({str(r.settings.get(k)) for r in runs}) > 1]
+
+
+def _order(values):
+    def key(v):
+        try:
+            return (0, float(v), "")
+        except (TypeError, ValueError):
+            return (1, 0.0, str(v))
+
+    return sorted(values, key=key)
+
+
+def plot_summary(records: list[BenchRecord], path: Path, title: str) -> Path | None:
+    """Write the plot to ``path``; None when there is nothing to draw or matplotlib is missing."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    runs = [r for r in records if not r.skipped and r.tok_s]
+    if not runs:
+        return None
+    keys = swept_keys(runs)
+    nrows = len(keys) + 1
+    fig, axes = plt.subplots(nrows, 2, figsize=(11, 3.6 * nrows), squeeze=False)
+    bs0 = min(r.batch_size for r in runs)
+    for row, key in enumerate(keys):
+        tok_ax, acc_ax = axes[row]
+        for algo in dict.fromkeys(r.algorithm for r in runs if r.algorithm != "none"):
+            mine = [r for r in runs if r.algorithm == algo and r.batch_size == bs0]
+            xs = _order({str(r.settings.get(key)) for r in mine})
+            best = [max((r for r in mine if str(r.settings.get(key)) == x), key=lambda r: r.tok_s) for x in xs]
+            tok_ax.plot(xs, [r.tok_s for r in best], marker="o", label=algo)
+            acc_ax.plot(xs, [r.accept_length or 0.0 for r in best], marker="o", label=algo)
+        plain = [r.tok_s for r in runs if r.algorithm == "none" and r.batch_size == bs0]
+        if plain:
+            tok_ax.axhline(plain[0], color="gray", lw=0.8, ls="--", label="plain")
+        tok_ax.set_ylabel(f"tok/s (batch {bs0})")
+        acc_ax.set_ylabel("accept length")
+        for ax in (tok_ax, acc_ax):
+            ax.set_xlabel(f"speculative.{key} (best over the other keys)")
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+    spd = axes[-1][0]
+    for label in dict.fromkeys(r.label for r in runs if r.speedup is not None and r.algorithm != "none"):
+        mine = sorted((r for r in runs if r.label == label and r.speedup is not None), key=lambda r: r.batch_size)
+        spd.plot([r.batch_size for r in mine], [r.speedup for r in mine], marker="o", label=label[:48])
+    spd.axhline(1.0, color="k", lw=0.5)
+    spd.set_xlabel("concurrency (requests in flight)")
+    spd.set_xticks(sorted({r.batch_size for r in runs}))
+    spd.set_ylabel("speedup over plain decoding")
+    spd.grid(alpha=0.3)
+    if spd.lines[1:]:
+        spd.legend(fontsize=6)
+    tps = axes[-1][1]
+    for label in dict.fromkeys(r.label for r in runs):
+        mine = sorted((r for r in runs if r.label == label), key=lambda r: r.batch_size)
+        tps.plot([r.batch_size for r in mine], [r.tok_s for r in mine], marker="o", label=label[:48])
+    tps.set_xlabel("concurrency (requests in flight)")
+    tps.set_xticks(sorted({r.batch_size for r in runs}))
+    tps.set_ylabel("tok/s")
+    tps.grid(alpha=0.3)
+    tps.legend(fontsize=6)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,142 @@
+"""``specfw tune``: for the configured model, machine and algorithm, measure a small grid of tree
+settings per batch-size bucket on the tuning prompts, write the best of each bucket to the
+tuned-defaults file (``core/tuned.py``), then measure tuned vs auto defaults vs plain decoding on
+held-out prompts, in the same run."""
+
+from __future__ import annotations
+
+import copy
+import gc
+import itertools
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+from . import records as rec
+from .drive import run_engine
+from .run import build_engine, current_run_dir, plain_reference, skip_note, summarize, to_record, with_concurrency, _Tok
+
+TREE_KEYS = ("num_steps", "topk", "num_draft_tokens")
+
+
+def with_settings(cfg, point: dict):
+    """A copy of ``cfg`` whose speculative tree keys are ``point`` (empty: the auto defaults)."""
+    c = copy.deepcopy(cfg)
+    for k in (*TREE_KEYS, "adaptive_draft"):
+        c.speculative[k] = point.get(k, "auto" if k == "adaptive_draft" else None)
+    return c
+
+
+def grid(cfg) -> tuple[list[dict], list[tuple[dict, str]]]:
+    """The auto point ({}) and the grid's runnable points; the skipped ones with their note.
+    Keys the algorithm does not use (its ``unused_keys``, e.g. ngram's num_steps/topk) are left out."""
+    from ..plugins import plugin_manager
+
+    t = cfg.tune
+    algo = plugin_manager().algorithms[str(cfg.speculative.algorithm)]
+    keys = [k for k in TREE_KEYS if k not in getattr(algo.config_class, "unused_keys", ())]
+    modes = [str(v).lower() for v in t.adaptive_draft]
+    points, skipped = [{}], []
+    for combo in itertools.product(*[list(t[k]) for k in keys], modes):
+        point = dict(zip(keys, (int(v) for v in combo[:-1])), adaptive_draft=combo[-1])
+        note = skip_note(with_settings(cfg, point))
+        if note:
+            skipped.append((point, note))
+        elif point not in points:
+            points.append(point)
+    return points, skipped
+
+
+def describe(point: dict) -> str:
+    return " ".join(f"{k}={v}" for k, v in point.items()) or "auto defaults"
+
+
+def tune_task(cfg) -> None:
+    from .. import tuned
+    from ..config import validate
+    from ..sampling import SamplingParams
+    from .config import validate_tune
+    from .prompts import load_prompts, token_ids
+
+    validate_tune(cfg)
+    validate(cfg)
+    t = cfg.tune
+    sizes = [int(b) for b in t.batch_sizes]
+    with_concurrency(cfg, sizes)
+    run_dir, in_sweep = current_run_dir(t, "tune")
+    algo = str(cfg.speculative.algorithm)
+    params = SamplingParams(max_new_tokens=t.max_new_tokens, temperature=0)
+    tok = _Tok.for_model(cfg)
+    tune_ids = token_ids(tok, load_prompts(t.prompts, "tune.prompts"))
+    hold_ids = token_ids(tok, load_prompts(t.holdout, "tune.holdout")) if t.holdout.num_prompts else []
+    points, skipped = grid(cfg)
+    for point, note in skipped:
+        print(f"[tune] {algo}: skipped {describe(point)}: {note}", flush=True)
+        rec.append(run_dir / "records.jsonl", rec.skipped(f"{algo} {describe(point)}", algo, point, "in-process", t.prompts, t.max_new_tokens, note, "tune"))
+
+    def record(ps, phase):
+        def make(c, engine, label, bs, res, plain):
+            return to_record(c, engine, label, bs, res, plain, target="in-process", ps=ps, max_new_tokens=t.max_new_tokens, greedy=True, phase=phase)
+
+        return make
+
+    plain = plain_reference(cfg, run_dir, tune_ids, params, sizes, record(t.prompts, "tune"))
+    t0 = time.perf_counter()
+    measured: dict[int, list[tuple[dict, float]]] = {b: [] for b in sizes}
+    for point in tqdm(points, desc=f"tune {algo}: grid", unit="point"):
+        c = with_settings(cfg, point)
+        engine = build_engine(c, tune_ids)
+        for bs in sizes:
+            res = run_engine(engine, tune_ids, params, bs, f"{describe(point)} bs={bs}")
+            measured[bs].append((point, res.tok_s))
+            rec.append(run_dir / "records.jsonl", record(t.prompts, "tune")(c, engine, f"{algo} {describe(point)}", bs, res, plain[bs]))
+        del engine
+        gc.collect()
+    minutes = (time.perf_counter() - t0) / 60
+    best = {}
+    for bs in sizes:
+        point, tok_s = max(measured[bs], key=lambda m: m[1])
+        auto = next(s for p, s in measured[bs] if not p)
+        best[bs] = point
+        entry = tuned.TunedEntry(
+            num_steps=point.get("num_steps"),
+            topk=point.get("topk"),
+            num_draft_tokens=point.get("num_draft_tokens"),
+            adaptive_draft=point.get("adaptive_draft", "auto"),
+            tok_s=round(tok_s, 3),
+            auto_tok_s=round(auto, 3),
+            measured=dict(
+                dataset=t.prompts.dataset,
+                prompts=[int(t.prompts.start), int(t.prompts.num_prompts)],
+                max_new_tokens=int(t.max_new_tokens),
+                grid_points=len(points),
+                minutes=round(minutes, 2),
+                date=time.strftime("%Y-%m-%d"),
+            ),
+        )
+        path = tuned.write_entry(cfg, algo, bs, entry)
+        print(f"[tune] {algo} batch {bs}: best {describe(point)} {tok_s:.2f} tok/s (auto {auto:.2f}); written to {path}", flush=True)
+    if hold_ids:
+        if not any(best.values()):
+            print(f"[tune] {algo}: the auto defaults won every bucket; held-out: auto vs plain", flush=True)
+        holdout(cfg, run_dir, algo, hold_ids, params, sizes, best, record(t.holdout, "holdout"))
+    if not in_sweep:
+        summarize(run_dir)
+
+
+def holdout(cfg, run_dir: Path, algo: str, ids, params, sizes, best: dict, make_record) -> None:
+    """Plain, auto and tuned on the held-out prompts (tuned once per distinct best point)."""
+    plain = plain_reference(cfg, run_dir, ids, params, sizes, make_record)
+    for point in [{}] + [p for p in dict.fromkeys(map(lambda p: tuple(p.items()), best.values())) if p]:
+        point = dict(point)
+        c = with_settings(cfg, point)
+        engine = build_engine(c, ids)
+        for bs in sizes:
+            if point and best[bs] != point:
+                continue
+            label = f"{algo} {'tuned ' if point else ''}{describe(point)}"
+            res = run_engine(engine, ids, params, bs, f"held-out {label} bs={bs}")
+            rec.append(run_dir / "records.jsonl", make_record(c, engine, label, bs, res, plain[bs]))
+        del engine
+        gc.collect()
