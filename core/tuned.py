@@ -31,7 +31,7 @@ class TunedEntry:
     num_draft_tokens: Optional[int]
     adaptive_draft: str
     tok_s: float = 0.0  # on the tuning prompts, at the bucket's concurrency
-    auto_tok_s: float = 0.0  # the auto defaults on the same prompts
+    auto_tok_s: Optional[float] = None  # the auto defaults on the same prompts (None: not measured)
     measured: dict = field(default_factory=dict)  # prompts, max_new_tokens, grid size, time
 
     def overrides(self) -> dict:
@@ -142,5 +142,5 @@ def apply_tuned(cfg) -> str | None:
     shown = ", ".join(f"{k}={v}" for k, v in entry.overrides().items() if v is not None)
     return (
         f"tuned defaults applied for speculative={algorithm} (batch-size bucket {bucket}): {shown} "
-        f"(measured {entry.tok_s:.1f} tok/s vs {entry.auto_tok_s:.1f} with the auto defaults; {tuned_file(cfg)})"
+        f"(measured {entry.tok_s:.1f} tok/s" + (f" vs {entry.auto_tok_s:.1f} with the auto defaults" if entry.auto_tok_s else "") + f"; {tuned_file(cfg)})"
     )

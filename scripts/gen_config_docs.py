@@ -43,7 +43,8 @@ def table(cls, prefix: str, skip: tuple[str, ...] = ()) -> str:
 
 
 def render() -> str:
-    from specfw.config import EngineConfig, GenerateConfig, ModelConfig, ServerConfig
+    from specfw.bench.config import BenchOptions, PromptSet, TuneOptions
+    from specfw.config import EngineConfig, GenerateConfig, ModelConfig, ServerConfig, TunedConfig
     from specfw.plugins import plugin_manager
     from specfw.train.config import TrainConfig, TrainDataConfig
 
@@ -55,9 +56,12 @@ def render() -> str:
         "pick group options with `group=option` (`speculative=eagle3`, `model=demo_bf16`, `draft=eagle`).",
         "",
     ]
-    for title, cls, prefix in [("model", ModelConfig, "model."), ("engine", EngineConfig, "engine."), ("server", ServerConfig, "server.")]:
+    groups = [("model", ModelConfig, "model."), ("engine", EngineConfig, "engine."), ("server", ServerConfig, "server."), ("tuned", TunedConfig, "tuned.")]
+    for title, cls, prefix in groups:
         parts += [f"## `{title}`", "", table(cls, prefix), ""]
-    parts += ["## `specfw generate` (top level)", "", table(GenerateConfig, "", skip=("model", "engine", "server", "speculative")), ""]
+    parts += ["## `specfw generate` (top level)", "", table(GenerateConfig, "", skip=("model", "engine", "server", "speculative", "tuned")), ""]
+    parts += ["## `specfw bench`", "", table(BenchOptions, "bench.", skip=("prompts",)), "", "### `bench.prompts` (also `tune.prompts`, `tune.holdout`)", ""]
+    parts += [table(PromptSet, "bench.prompts."), "", "## `specfw tune`", "", table(TuneOptions, "tune.", skip=("prompts", "holdout")), ""]
     parts += ["## `speculative` options", "", "`speculative=none` (default) is plain decoding. Installed algorithms:", ""]
     for algo in plugin_manager().describe():
         if algo.package != "specfw":

@@ -29,7 +29,8 @@ def with_settings(cfg, point: dict):
 
 
 def grid(cfg) -> tuple[list[dict], list[tuple[dict, str]]]:
-    """The auto point ({}) and the grid's runnable points; the skipped ones with their note.
+    """The auto point ({}, unless ``tune.include_auto=false``) and the grid's runnable points;
+    the skipped ones with their note.
     Keys the algorithm does not use (its ``unused_keys``, e.g. ngram's num_steps/topk) are left out."""
     from ..plugins import plugin_manager
 
@@ -37,7 +38,7 @@ def grid(cfg) -> tuple[list[dict], list[tuple[dict, str]]]:
     algo = plugin_manager().algorithms[str(cfg.speculative.algorithm)]
     keys = [k for k in TREE_KEYS if k not in getattr(algo.config_class, "unused_keys", ())]
     modes = [str(v).lower() for v in t.adaptive_draft]
-    points, skipped = [{}], []
+    points, skipped = ([{}] if t.include_auto else []), []
     for combo in itertools.product(*[list(t[k]) for k in keys], modes):
         point = dict(zip(keys, (int(v) for v in combo[:-1])), adaptive_draft=combo[-1])
         note = skip_note(with_settings(cfg, point))
@@ -97,7 +98,7 @@ def tune_task(cfg) -> None:
     best = {}
     for bs in sizes:
         point, tok_s = max(measured[bs], key=lambda m: m[1])
-        auto = next(s for p, s in measured[bs] if not p)
+        auto = next((s for p, s in measured[bs] if not p), None)
         best[bs] = point
         entry = tuned.TunedEntry(
             num_steps=point.get("num_steps"),
@@ -105,7 +106,7 @@ def tune_task(cfg) -> None:
             num_draft_tokens=point.get("num_draft_tokens"),
             adaptive_draft=point.get("adaptive_draft", "auto"),
             tok_s=round(tok_s, 3),
-            auto_tok_s=round(auto, 3),
+            auto_tok_s=round(auto, 3) if auto is not None else None,
             measured=dict(
                 dataset=t.prompts.dataset,
                 prompts=[int(t.prompts.start), int(t.prompts.num_prompts)],
@@ -116,7 +117,8 @@ def tune_task(cfg) -> None:
             ),
         )
         path = tuned.write_entry(cfg, algo, bs, entry)
-        print(f"[tune] {algo} batch {bs}: best {describe(point)} {tok_s:.2f} tok/s (auto {auto:.2f}); written to {path}", flush=True)
+        auto_text = "-" if auto is None else f"{auto:.2f}"
+        print(f"[tune] {algo} batch {bs}: best {describe(point)} {tok_s:.2f} tok/s (auto {auto_text}); written to {path}", flush=True)
     if hold_ids:
         if not any(best.values()):
             print(f"[tune] {algo}: the auto defaults won every bucket; held-out: auto vs plain", flush=True)
