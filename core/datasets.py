@@ -58,7 +58,7 @@ def sharegpt_conversations(limit: int | None = None) -> list[list[dict]]:
 
 def jsonl_messages(path: str | Path) -> list[list[dict]]:
     """Chat contexts from a JSONL file: per line ``{"messages": [...]}`` (ending with a user turn),
-    ``{"prompt": str}`` or a plain string (one user turn)."""
+    ``{"prompt": str}``, ``{"question": str}`` (GSM8K's ``test.jsonl``) or a plain string (one user turn)."""
     out = []
     for line in Path(path).read_text(encoding="utf-8").split("\n"):  # not splitlines: U+2028 is text
         if line.strip():
@@ -69,5 +69,6 @@ def jsonl_messages(path: str | Path) -> list[list[dict]]:
                     raise ValueError(f"{path}: a 'messages' list must end with a user turn")
                 out.append(msgs)
             else:
-                out.append([{"role": "user", "content": obj if isinstance(obj, str) else obj["prompt"]}])
+                text = obj if isinstance(obj, str) else obj["prompt"] if "prompt" in obj else obj["question"]
+                out.append([{"role": "user", "content": text}])
     return out

@@ -10,6 +10,12 @@ from .records import BenchRecord
 SETTING_KEYS = ("num_steps", "topk", "num_draft_tokens", "adaptive_draft")
 
 
+def wrap(title: str, width: int = 110) -> str:
+    import textwrap
+
+    return "\n".join(textwrap.fill(line, width) for line in title.splitlines())
+
+
 def swept_keys(records: list[BenchRecord]) -> list[str]:
     """Settings keys that take more than one value among the measured speculative runs."""
     runs = [r for r in records if not r.skipped and r.algorithm != "none"]
@@ -80,7 +86,45 @@ def plot_summary(records: list[BenchRecord], path: Path, title: str) -> Path | N
     tps.set_ylabel("tok/s")
     tps.grid(alpha=0.3)
     tps.legend(fontsize=6)
-    fig.suptitle(title, fontsize=9)
+    fig.suptitle(wrap(title), fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def plot_holdout(records: list[BenchRecord], path: Path, title: str) -> Path | None:
+    """``specfw tune``'s held-out comparison: tokens/s of plain, auto and tuned per algorithm and
+    batch size, bars labelled with the speedup over plain and the accept length."""
+    held = [r for r in records if r.phase == "holdout" and not r.skipped and r.tok_s]
+    if not held:
+        return None
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    groups = [(a, b) for a in dict.fromkeys(r.algorithm for r in held if r.algorithm != "none") for b in sorted({r.batch_size for r in held})]
+    fig, ax = plt.subplots(figsize=(1.9 * len(groups) + 3, 4.2))
+    colors = {"plain": "gray", "auto": "tab:blue", "tuned": "tab:orange"}
+    for g, (algo, bs) in enumerate(groups):
+        plain = next((r for r in held if r.algorithm == "none" and r.batch_size == bs), None)
+        auto = next((r for r in held if r.algorithm == algo and r.batch_size == bs and "tuned" not in r.label), None)
+        tuned = next((r for r in held if r.algorithm == algo and r.batch_size == bs and "tuned" in r.label), auto)
+        for i, (kind, r) in enumerate((("plain", plain), ("auto", auto), ("tuned", tuned))):
+            if r is None:
+                continue
+            x = g * 4 + i
+            ax.bar(x, r.tok_s, color=colors[kind], label=kind if g == 0 else None)
+            note = f"{r.tok_s:.1f}" + (f"\n{r.speedup:.2f}x, acc {r.accept_length:.2f}" if r.speedup and r.accept_length else "")
+            ax.text(x, r.tok_s, note, ha="center", va="bottom", fontsize=7)
+    ax.set_xticks([g * 4 + 1 for g in range(len(groups))], [f"{a}\nbatch {b}" for a, b in groups])
+    ax.set_ylabel("tok/s on held-out prompts")
+    ax.set_title(wrap(title, 80 + 12 * len(groups)), fontsize=7)
+    ax.legend(fontsize=8, loc="lower right")
+    ax.margins(y=0.18)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

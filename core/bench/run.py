@@ -270,7 +270,7 @@ def run_url(cfg, run_dir: Path, label: str, sizes: list[int], common: dict) -> N
 
 def summarize(run_dir: Path) -> None:
     """Print the run's table (and write it to summary.txt) and draw summary.png."""
-    from .plot import plot_summary
+    from .plot import plot_holdout, plot_summary
 
     records = rec.load(run_dir / "records.jsonl")
     if not records:
@@ -291,6 +291,8 @@ def summarize(run_dir: Path) -> None:
     print("\n" + text, flush=True)
     (run_dir / "summary.txt").write_text(text + "\n")
     png = plot_summary(records, run_dir / "summary.png", head.strip())
+    if plot_holdout(records, run_dir / "holdout.png", "held-out prompts: plain, auto defaults, tuned\n" + head.strip()):
+        print(f"[bench] tuned vs auto on the held-out prompts: {run_dir / 'holdout.png'}", flush=True)
     print(
         f"[bench] records: {run_dir / 'records.jsonl'}; table: {run_dir / 'summary.txt'}" + (f"; plot: {png}" if png else " (no plot: matplotlib missing)"),
         flush=True,

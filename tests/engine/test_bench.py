@@ -173,3 +173,18 @@ def test_url_mode_against_live_server(tuned_server, tmp_path):
         assert r["tok_s"] > 0 and 0 < r["output_tokens"] <= 24 and r["ttft_ms"]["p50"] > 0
         assert r["accept_length"] and r["accept_length"] >= 1  # from specfw's /metrics
         assert r["equal_plain"] is None and r["peak_mem_mb"] is None
+
+
+def test_jsonl_prompt_sets(tmp_path):
+    """Messages, prompts, GSM8K-style questions and strings; start/num_prompts select; too few is an error naming the key."""
+    from specfw.bench.config import PromptSet
+    from specfw.bench.prompts import load_prompts
+    from specfw.config import ConfigError
+
+    lines = [{"messages": [{"role": "user", "content": "a"}]}, {"prompt": "b"}, {"question": "c", "answer": "#### 3"}, "d"]
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(json.dumps(x) for x in lines))
+    got = load_prompts(PromptSet(dataset="jsonl", path=str(path), start=1, num_prompts=3))
+    assert [p.messages[-1]["content"] for p in got] == ["b", "c", "d"]
+    with pytest.raises(ConfigError, match="bench.prompts.num_prompts: jsonl has 3 prompts from start=1 on, fewer than 4"):
+        load_prompts(PromptSet(dataset="jsonl", path=str(path), start=1, num_prompts=4))
