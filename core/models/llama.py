@@ -93,12 +93,16 @@ class DecoderLayer(nn.Module):
     def _forward_fused(self, x, fb: ForwardBatch, kv: KVPool, layer: int, cos, sin, ops) -> torch.Tensor:
         """The same layer with the backend's fused per-row glue (``Backend.fused_ops``): norm,
         rope + KV write, residual add + norm, silu * up -- one call each."""
+        # submodules through _modules and .forward: nn.Module's __getattr__ and __call__ cost ~0.35 ms
+        # of a 6.4 ms token on the demo model (30 layers x 5 linears; gguf + int8 activations, AMX Xeon)
+        m = self._modules
+        ln1, ln2 = m["input_layernorm"], m["post_attention_layernorm"]
         x = x.contiguous()
-        qkv = self.qkv_proj(ops.add_rms_norm(x, x.new_empty(0), self.input_layernorm.weight, self.input_layernorm.eps)[1])
+        qkv = m["qkv_proj"].forward(ops.add_rms_norm(x, x.new_empty(0), ln1.weight, ln1.eps)[1])
         q = ops.rope_write(qkv, cos, sin, kv.k[layer], kv.v[layer], fb.out_slots, self.n_heads, self.n_kv)
         o = fb.attn_plan(q, kv.k[layer], kv.v[layer], self.scale)
-        x, h = ops.add_rms_norm(x, self.o_proj(o.reshape(x.shape[0], self.q_size)), self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
-        return x + self.down_proj(ops.silu_mul(self.gate_up_proj(h)))
+        x, h = ops.add_rms_norm(x, m["o_proj"].forward(o.reshape(x.shape[0], self.q_size)), ln2.weight, ln2.eps)
+        return x + m["down_proj"].forward(ops.silu_mul(m["gate_up_proj"].forward(h)))
 
 
 class LlamaModel(nn.Module):
@@ -129,7 +133,7 @@ class LlamaModel(nn.Module):
         for i, layer in enumerate(self.layers):
             if i in fb.capture_layers:
                 captured[i] = x
-            x = layer(x, fb, kv, i, cos, sin, fused)
+            x = layer.forward(x, fb, kv, i, cos, sin, fused)
         hidden = x
         captured[len(self.layers)] = x
         aux = [captured[i] for i in fb.capture_layers]  # in the requested order (ids may repeat)
