@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 MAX_TEMPERATURE = 2.0  # OpenAI's range is [0, 2]
@@ -127,12 +128,21 @@ class TokenLogprob:
     top: list[tuple[int, float]]
 
 
+def greedy_tokens(logits: torch.Tensor) -> list[int] | int:
+    """The argmax of each row of ``logits`` [B, V] as Python ints (of one row [V]: an int), the first
+    index of the maximum on ties. fp32 CPU rows go through numpy: torch's argmax takes ~60 us for
+    a 49k-token row on 2 threads, numpy's ~4 us (every greedy step and verify reads one)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return np.argmax(logits.numpy(), axis=-1).tolist()
+    return logits.argmax(-1).tolist()
+
+
 def sample_one(logits: torch.Tensor, p: SamplingParams, gen: torch.Generator, prompt_ids: list[int], output_ids: list[int]) -> tuple[int, TokenLogprob | None]:
     """Pick the next token from one row of logits [V] (on any device; sampled on the host, where
     the request's generator is)."""
     logits = apply_penalties(logits.cpu()[None], p, prompt_ids, output_ids)[0]
     if p.greedy:
-        tok = int(torch.argmax(logits))
+        tok = greedy_tokens(logits.reshape(-1))
     else:
         tok = int(torch.multinomial(target_probs(logits[None], p)[0], 1, generator=gen))
     lp = None

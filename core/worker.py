@@ -10,7 +10,7 @@ import torch
 
 from .model_runner import ModelRunner, build_forward_batch
 from .request import Request
-from .sampling import TokenLogprob, sample_one
+from .sampling import TokenLogprob, greedy_tokens, sample_one
 from .scheduler import ScheduledBatch
 from .step import StepResult
 
@@ -18,7 +18,7 @@ from .step import StepResult
 def sample_rows(logits: torch.Tensor, reqs: list[Request]) -> list[tuple[int, TokenLogprob | None]]:
     """Sample one token per row of logits [B, V]."""
     if all(r.params.greedy and not r.params.has_penalties and not r.params.logprobs for r in reqs):
-        return [(t, None) for t in logits.argmax(-1).tolist()]
+        return [(t, None) for t in greedy_tokens(logits)]
     return [sample_one(logits[i], r.params, r.generator, r.prompt_ids, r.output_ids) for i, r in enumerate(reqs)]
 
 

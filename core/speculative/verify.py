@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from ..request import Request
-from ..sampling import apply_penalties, target_probs
+from ..sampling import apply_penalties, greedy_tokens, target_probs
 from .types import DraftTree, VerifyResult
 
 
@@ -29,7 +29,7 @@ def processed_logits(req: Request, tree: DraftTree, logits: torch.Tensor) -> tor
 
 def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> VerifyResult:
     """Follow the child whose token equals the target's argmax; the argmax where it stops is the bonus."""
-    best = logits.argmax(-1).tolist()
+    best = greedy_tokens(logits)
     toks = tree.tokens.tolist()
     node, path = 0, [0]
     while True:

@@ -89,3 +89,16 @@ def test_validation_names_the_field(field, value):
     with pytest.raises(SamplingParamsError) as e:
         SamplingParams(**{field: value}).validate()
     assert e.value.param == field and field in str(e.value)
+
+
+def test_greedy_tokens_is_torch_argmax_with_first_index_on_ties():
+    from specfw.sampling import greedy_tokens
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 49152, generator=g)
+    x[1, 7] = x[1, 9000] = x[1].max() + 1  # a tie: the first index
+    x[2, 300] = float("nan")  # a NaN row: torch's argmax takes the NaN as the maximum
+    assert greedy_tokens(x) == x.argmax(-1).tolist() and greedy_tokens(x)[1] == 7 and greedy_tokens(x)[2] == 300
+    assert greedy_tokens(x[3]) == int(x[3].argmax())
+    assert greedy_tokens(x[:, ::2]) == x[:, ::2].argmax(-1).tolist()  # a strided view
+    assert greedy_tokens(x.bfloat16()) == x.bfloat16().argmax(-1).tolist()  # other dtypes: torch's own
