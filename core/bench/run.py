@@ -201,6 +201,8 @@ def bench_task(cfg) -> None:
     b = cfg.bench
     run_dir, in_sweep = current_run_dir(b, "bench")
     label, sizes = job_label(cfg), [int(x) for x in b.batch_sizes]
+    if b.url:  # the server's own settings are not in this config
+        label = f"{b.url} {label}" if label != "speculative=none" else str(b.url)
     print(f"[bench] {label}", flush=True)
     common = dict(target=b.url or "in-process", ps=b.prompts, max_new_tokens=b.max_new_tokens, greedy=b.temperature == 0)
     note = skip_note(cfg)
