@@ -33,8 +33,13 @@ def _order(values):
     return sorted(values, key=key)
 
 
+def _label(v) -> str:
+    return "auto" if v is None or v == "None" else str(v)
+
+
 def plot_summary(records: list[BenchRecord], path: Path, title: str) -> Path | None:
-    """Write the plot to ``path``; None when there is nothing to draw or matplotlib is missing."""
+    """Write the plot to ``path``; None when there is nothing to draw or matplotlib is missing.
+    A ``specfw tune`` run plots its grid (phase ``tune``); the held-out runs have ``plot_holdout``."""
     try:
         import matplotlib
 
@@ -43,54 +48,68 @@ def plot_summary(records: list[BenchRecord], path: Path, title: str) -> Path | N
     except ImportError:
         return None
     runs = [r for r in records if not r.skipped and r.tok_s]
+    phase = "tune" if any(r.phase == "tune" for r in runs) else "bench"
+    runs = [r for r in runs if r.phase == phase]
     if not runs:
         return None
+    sizes = sorted({r.batch_size for r in runs})
     keys = swept_keys(runs)
-    nrows = len(keys) + 1
-    fig, axes = plt.subplots(nrows, 2, figsize=(11, 3.6 * nrows), squeeze=False)
-    bs0 = min(r.batch_size for r in runs)
+    nrows = len(keys) + (len(sizes) > 1)
+    if nrows == 0:
+        keys, nrows = ["num_draft_tokens"], 1
+    fig, axes = plt.subplots(nrows, 2, figsize=(11, 3.6 * nrows + 0.6), squeeze=False)
     for row, key in enumerate(keys):
-        tok_ax, acc_ax = axes[row]
-        for algo in dict.fromkeys(r.algorithm for r in runs if r.algorithm != "none"):
-            mine = [r for r in runs if r.algorithm == algo and r.batch_size == bs0]
-            xs = _order({str(r.settings.get(key)) for r in mine})
-            best = [max((r for r in mine if str(r.settings.get(key)) == x), key=lambda r: r.tok_s) for x in xs]
-            tok_ax.plot(xs, [r.tok_s for r in best], marker="o", label=algo)
-            acc_ax.plot(xs, [r.accept_length or 0.0 for r in best], marker="o", label=algo)
-        plain = [r.tok_s for r in runs if r.algorithm == "none" and r.batch_size == bs0]
-        if plain:
-            tok_ax.axhline(plain[0], color="gray", lw=0.8, ls="--", label="plain")
-        tok_ax.set_ylabel(f"tok/s (batch {bs0})")
-        acc_ax.set_ylabel("accept length")
-        for ax in (tok_ax, acc_ax):
-            ax.set_xlabel(f"speculative.{key} (best over the other keys)")
-            ax.grid(alpha=0.3)
-            ax.legend(fontsize=7)
-    spd = axes[-1][0]
-    for label in dict.fromkeys(r.label for r in runs if r.speedup is not None and r.algorithm != "none"):
-        mine = sorted((r for r in runs if r.label == label and r.speedup is not None), key=lambda r: r.batch_size)
-        spd.plot([r.batch_size for r in mine], [r.speedup for r in mine], marker="o", label=label[:48])
-    spd.axhline(1.0, color="k", lw=0.5)
-    spd.set_xlabel("concurrency (requests in flight)")
-    spd.set_xticks(sorted({r.batch_size for r in runs}))
-    spd.set_ylabel("speedup over plain decoding")
-    spd.grid(alpha=0.3)
-    if spd.lines[1:]:
-        spd.legend(fontsize=6)
-    tps = axes[-1][1]
-    for label in dict.fromkeys(r.label for r in runs):
-        mine = sorted((r for r in runs if r.label == label), key=lambda r: r.batch_size)
-        tps.plot([r.batch_size for r in mine], [r.tok_s for r in mine], marker="o", label=label[:48])
-    tps.set_xlabel("concurrency (requests in flight)")
-    tps.set_xticks(sorted({r.batch_size for r in runs}))
-    tps.set_ylabel("tok/s")
-    tps.grid(alpha=0.3)
-    tps.legend(fontsize=6)
+        _key_row(axes[row], runs, key, sizes[0])
+    if len(sizes) > 1:
+        _concurrency_row(axes[-1], runs, sizes)
     fig.suptitle(wrap(title), fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _key_row(axes, runs: list[BenchRecord], key: str, bs: int) -> None:
+    """tok/s and accept length against ``key`` at batch size ``bs``, one line per algorithm that
+    takes more than one value of it (best run at each value)."""
+    tok_ax, acc_ax = axes
+    for algo in dict.fromkeys(r.algorithm for r in runs if r.algorithm != "none"):
+        mine = [r for r in runs if r.algorithm == algo and r.batch_size == bs]
+        xs = _order({_label(r.settings.get(key)) for r in mine})
+        if len(xs) < 2:
+            continue
+        best = [max((r for r in mine if _label(r.settings.get(key)) == x), key=lambda r: r.tok_s) for x in xs]
+        tok_ax.plot(xs, [r.tok_s for r in best], marker="o", label=algo)
+        acc_ax.plot(xs, [r.accept_length or 0.0 for r in best], marker="o", label=algo)
+    plain = [r.tok_s for r in runs if r.algorithm == "none" and r.batch_size == bs]
+    if plain:
+        tok_ax.axhline(plain[0], color="gray", lw=0.8, ls="--", label="plain")
+    tok_ax.set_ylabel(f"tok/s (batch {bs})")
+    acc_ax.set_ylabel("accept length")
+    for ax in (tok_ax, acc_ax):
+        ax.set_xlabel(f"speculative.{key}\n(best run at each value; auto = the default)", fontsize=8)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+
+
+def _concurrency_row(axes, runs: list[BenchRecord], sizes: list[int]) -> None:
+    """Speedup over plain and tok/s against concurrency, one line per run label."""
+    spd, tps = axes
+    for label in dict.fromkeys(r.label for r in runs):
+        mine = sorted((r for r in runs if r.label == label), key=lambda r: r.batch_size)
+        tps.plot([r.batch_size for r in mine], [r.tok_s for r in mine], marker="o", label=label[:60])
+        if mine[0].algorithm != "none" and all(r.speedup is not None for r in mine):
+            spd.plot([r.batch_size for r in mine], [r.speedup for r in mine], marker="o", label=label[:60])
+    spd.axhline(1.0, color="k", lw=0.5)
+    spd.set_ylabel("speedup over plain decoding")
+    tps.set_ylabel("tok/s")
+    for ax in (spd, tps):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(b) for b in sizes])
+        ax.set_xlabel("concurrency (requests in flight)")
+        ax.grid(alpha=0.3)
+        if ax.lines:
+            ax.legend(fontsize=6)
 
 
 def plot_holdout(records: list[BenchRecord], path: Path, title: str) -> Path | None:

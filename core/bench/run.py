@@ -64,11 +64,11 @@ def current_run_dir(opts, prefix: str) -> tuple[Path, bool]:
 
 
 def job_label(cfg) -> str:
-    """The job's overrides other than bench.* / tune.* (``speculative=<algo>`` when none)."""
+    """The job's overrides other than bench.* / tune.* / model.path (``speculative=<algo>`` when none)."""
     from hydra.core.hydra_config import HydraConfig
 
     task = list(HydraConfig.get().overrides.task) if HydraConfig.initialized() else []
-    own = [o for o in task if not o.lstrip("+~").startswith(("bench.", "tune.", "hydra."))]
+    own = [o for o in task if not o.lstrip("+~").startswith(("bench.", "tune.", "hydra.", "model.path="))]  # the summary's header names the model
     return " ".join(own) or f"speculative={cfg.speculative.get('algorithm', 'none')}"
 
 
