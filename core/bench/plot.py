@@ -95,11 +95,12 @@ def _key_row(axes, runs: list[BenchRecord], key: str, bs: int) -> None:
 def _concurrency_row(axes, runs: list[BenchRecord], sizes: list[int]) -> None:
     """Speedup over plain and tok/s against concurrency, one line per run label."""
     spd, tps = axes
-    for label in dict.fromkeys(r.label for r in runs):
+    for i, label in enumerate(dict.fromkeys(r.label for r in runs)):
         mine = sorted((r for r in runs if r.label == label), key=lambda r: r.batch_size)
-        tps.plot([r.batch_size for r in mine], [r.tok_s for r in mine], marker="o", label=label[:60])
+        color = "gray" if mine[0].algorithm == "none" else f"C{i % 10}"  # one color per run in both panels
+        tps.plot([r.batch_size for r in mine], [r.tok_s for r in mine], marker="o", color=color, label=label[:60])
         if mine[0].algorithm != "none" and all(r.speedup is not None for r in mine):
-            spd.plot([r.batch_size for r in mine], [r.speedup for r in mine], marker="o", label=label[:60])
+            spd.plot([r.batch_size for r in mine], [r.speedup for r in mine], marker="o", color=color, label=label[:60])
     spd.axhline(1.0, color="k", lw=0.5)
     spd.set_ylabel("speedup over plain decoding")
     tps.set_ylabel("tok/s")

@@ -101,11 +101,11 @@ def skip_note(cfg) -> str | None:
     return None
 
 
-def settings_of(cfg, engine=None) -> dict:
+def settings_of(cfg, shape=None) -> dict:
+    """The speculative keys as given (None = auto) and, when known, the resolved tree shape."""
     out = {k: cfg.speculative.get(k) for k in (*SHAPE_KEYS, "adaptive_draft") if k in cfg.speculative}
-    if engine is not None and engine.tree_shape is not None:
-        s = engine.tree_shape
-        out["shape"] = [s.num_steps, s.topk, s.num_draft_tokens]
+    if shape is not None:
+        out["shape"] = [shape.num_steps, shape.topk, shape.num_draft_tokens]
     return out
 
 
@@ -128,14 +128,20 @@ def with_concurrency(cfg, batch_sizes) -> None:
         cfg.engine.max_running_requests = max(int(cfg.engine.max_running_requests), *[int(b) for b in batch_sizes])
 
 
-def build_engine(cfg, ids):
-    """An engine for ``cfg``, warmed up on the first prompt (kernels, plans, first allocations)."""
+def measure(cfg, ids, params, batch_size: int, desc: str) -> tuple[RunResult, object]:
+    """``ids`` through a fresh engine for ``cfg`` at ``batch_size`` (result, resolved tree shape).
+    Fresh per run: drafter state that outlives requests (ngram's trie) would otherwise carry one
+    run's outputs into the next run over the same prompts. The warm-up prompt is not in any set."""
     from ..engine import Engine
     from ..sampling import SamplingParams
 
     engine = Engine(cfg)
-    engine.generate([ids[0]], SamplingParams(max_new_tokens=4, temperature=0))
-    return engine
+    try:
+        engine.generate([engine.tokenizer("Warm-up: count to three.")["input_ids"]], SamplingParams(max_new_tokens=4, temperature=0))
+        return run_engine(engine, ids, params, batch_size, desc), engine.tree_shape
+    finally:
+        del engine
+        gc.collect()
 
 
 def plain_reference(cfg, run_dir: Path, ids, params, batch_sizes, make_record) -> dict[int, RunResult]:
@@ -146,30 +152,27 @@ def plain_reference(cfg, run_dir: Path, ids, params, batch_sizes, make_record) -
     setup = OmegaConf.to_yaml(OmegaConf.create({"model": OmegaConf.to_container(cfg.model), "engine": OmegaConf.to_container(cfg.engine)}))
     key = (str(run_dir), setup, tuple(map(tuple, ids)), repr(params))
     cached = _PLAIN.setdefault(key, {})
-    missing = [b for b in batch_sizes if b not in cached]
-    if missing:
-        pcfg = plain_config(cfg)
-        engine = build_engine(pcfg, ids)
-        for b in missing:
-            cached[b] = run_engine(engine, ids, params, b, f"plain bs={b}")
-            rec.append(run_dir / "records.jsonl", make_record(pcfg, engine, "plain", b, cached[b], None))
-        del engine
-        gc.collect()
+    pcfg = plain_config(cfg)
+    for b in batch_sizes:
+        if b not in cached:
+            cached[b], _ = measure(pcfg, ids, params, b, f"plain bs={b}")
+            rec.append(run_dir / "records.jsonl", make_record(pcfg, None, "plain", b, cached[b], None))
     return cached
 
 
-def to_record(cfg, engine, label, batch_size, res: RunResult, plain: RunResult | None, *, target, ps, max_new_tokens, greedy, phase="bench") -> BenchRecord:
+def to_record(cfg, shape, label, batch_size, res: RunResult, plain: RunResult | None, *, target, ps, max_new_tokens, greedy, phase="bench") -> BenchRecord:
+    """``shape``: the engine's resolved tree shape (None: plain, or a server's)."""
     from omegaconf import OmegaConf
 
     from ..machine import cpu_description
 
     equal = None
-    if plain is not None and greedy and engine is not None:
+    if plain is not None and greedy:
         equal = f"{sum(a == b for a, b in zip(res.outputs, plain.outputs))}/{len(res.outputs)}"
     return BenchRecord(
         label=label,
         algorithm=str(cfg.speculative.get("algorithm", "none")),
-        settings=settings_of(cfg, engine),
+        settings=settings_of(cfg, shape),
         target=target,
         dataset=ps.dataset,
         prompts=[int(ps.start), int(ps.num_prompts)],
@@ -193,9 +196,7 @@ def to_record(cfg, engine, label, batch_size, res: RunResult, plain: RunResult |
 
 def bench_task(cfg) -> None:
     from ..config import validate
-    from ..sampling import SamplingParams
     from .config import validate_bench
-    from .prompts import load_prompts, token_ids
 
     validate_bench(cfg)
     b = cfg.bench
@@ -210,30 +211,31 @@ def bench_task(cfg) -> None:
         print(f"[bench] skipped: {note}", flush=True)
         algo = str(cfg.speculative.get("algorithm"))
         rec.append(run_dir / "records.jsonl", rec.skipped(label, algo, settings_of(cfg), common["target"], b.prompts, b.max_new_tokens, note))
-    elif b.url:
-        validate(cfg)
-        run_url(cfg, run_dir, label, sizes, common)
     else:
         validate(cfg)
-        with_concurrency(cfg, sizes)
-        params = SamplingParams(max_new_tokens=b.max_new_tokens, temperature=b.temperature, ignore_eos=b.ignore_eos, seed=0 if b.temperature else None)
-        prompts = load_prompts(b.prompts)
-        spec = str(cfg.speculative.get("algorithm", "none")) != "none"
-
-        def make_record(c, engine, lab, bs, res, plain):
-            return to_record(c, engine, lab, bs, res, plain, **common)
-
-        ids = token_ids(_Tok.for_model(cfg), prompts)
-        plain = plain_reference(cfg, run_dir, ids, params, sizes, make_record) if (spec and b.compare_plain) or not spec else {}
-        if spec:
-            engine = build_engine(cfg, ids)
-            for bs in sizes:
-                res = run_engine(engine, ids, params, bs, f"{label} bs={bs}")
-                rec.append(run_dir / "records.jsonl", make_record(cfg, engine, label, bs, res, plain.get(bs)))
-            del engine
-            gc.collect()
+        (run_url if b.url else run_in_process)(cfg, run_dir, label, sizes, common)
     if not in_sweep:
         summarize(run_dir)
+
+
+def run_in_process(cfg, run_dir: Path, label: str, sizes: list[int], common: dict) -> None:
+    """Plain reference (shared by a sweep), then this job's engine at every concurrency level."""
+    from ..sampling import SamplingParams
+    from .prompts import load_prompts, token_ids
+
+    b = cfg.bench
+    with_concurrency(cfg, sizes)
+    params = SamplingParams(max_new_tokens=b.max_new_tokens, temperature=b.temperature, ignore_eos=b.ignore_eos, seed=0 if b.temperature else None)
+    ids = token_ids(_Tok.for_model(cfg), load_prompts(b.prompts))
+    spec = str(cfg.speculative.get("algorithm", "none")) != "none"
+
+    def make_record(c, shape, lab, bs, res, plain):
+        return to_record(c, shape, lab, bs, res, plain, **common)
+
+    plain = plain_reference(cfg, run_dir, ids, params, sizes, make_record) if b.compare_plain or not spec else {}
+    for bs in sizes if spec else []:
+        res, shape = measure(cfg, ids, params, bs, f"{label} bs={bs}")
+        rec.append(run_dir / "records.jsonl", make_record(cfg, shape, label, bs, res, plain.get(bs)))
 
 
 class _Tok:

@@ -6,7 +6,6 @@ held-out prompts, in the same run."""
 from __future__ import annotations
 
 import copy
-import gc
 import itertools
 import time
 from pathlib import Path
@@ -14,8 +13,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from . import records as rec
-from .drive import run_engine
-from .run import build_engine, current_run_dir, plain_reference, skip_note, summarize, to_record, with_concurrency, _Tok
+from .run import _Tok, current_run_dir, measure, plain_reference, skip_note, summarize, to_record, with_concurrency
 
 TREE_KEYS = ("num_steps", "topk", "num_draft_tokens")
 
@@ -77,8 +75,8 @@ def tune_task(cfg) -> None:
         rec.append(run_dir / "records.jsonl", rec.skipped(f"{algo} {describe(point)}", algo, point, "in-process", t.prompts, t.max_new_tokens, note, "tune"))
 
     def record(ps, phase):
-        def make(c, engine, label, bs, res, plain):
-            return to_record(c, engine, label, bs, res, plain, target="in-process", ps=ps, max_new_tokens=t.max_new_tokens, greedy=True, phase=phase)
+        def make(c, shape, label, bs, res, plain):
+            return to_record(c, shape, label, bs, res, plain, target="in-process", ps=ps, max_new_tokens=t.max_new_tokens, greedy=True, phase=phase)
 
         return make
 
@@ -87,13 +85,10 @@ def tune_task(cfg) -> None:
     measured: dict[int, list[tuple[dict, float]]] = {b: [] for b in sizes}
     for point in tqdm(points, desc=f"tune {algo}: grid", unit="point"):
         c = with_settings(cfg, point)
-        engine = build_engine(c, tune_ids)
         for bs in sizes:
-            res = run_engine(engine, tune_ids, params, bs, f"{describe(point)} bs={bs}")
+            res, shape = measure(c, tune_ids, params, bs, f"{describe(point)} bs={bs}")
             measured[bs].append((point, res.tok_s))
-            rec.append(run_dir / "records.jsonl", record(t.prompts, "tune")(c, engine, f"{algo} {describe(point)}", bs, res, plain[bs]))
-        del engine
-        gc.collect()
+            rec.append(run_dir / "records.jsonl", record(t.prompts, "tune")(c, shape, f"{algo} {describe(point)}", bs, res, plain[bs]))
     minutes = (time.perf_counter() - t0) / 60
     best = {}
     for bs in sizes:
@@ -133,12 +128,9 @@ def holdout(cfg, run_dir: Path, algo: str, ids, params, sizes, best: dict, make_
     for point in [{}] + [p for p in dict.fromkeys(map(lambda p: tuple(p.items()), best.values())) if p]:
         point = dict(point)
         c = with_settings(cfg, point)
-        engine = build_engine(c, ids)
         for bs in sizes:
             if point and best[bs] != point:
                 continue
             label = f"{algo} {'tuned ' if point else ''}{describe(point)}"
-            res = run_engine(engine, ids, params, bs, f"held-out {label} bs={bs}")
-            rec.append(run_dir / "records.jsonl", make_record(c, engine, label, bs, res, plain[bs]))
-        del engine
-        gc.collect()
+            res, shape = measure(c, ids, params, bs, f"held-out {label} bs={bs}")
+            rec.append(run_dir / "records.jsonl", make_record(c, shape, label, bs, res, plain[bs]))
