@@ -36,6 +36,8 @@ class ModelConfig:
     device: str = "auto"                  # auto | cpu | cuda | cuda:N: where weights, KV cache and activations live (auto: CUDA when torch sees one)
     context_length: Optional[int] = None  # max tokens per sequence; null = the model's max_position_embeddings
     served_model_name: Optional[str] = None  # name reported by /v1/models; null = directory name
+    load_format: str = "auto"             # auto (safetensors, else *.bin/*.pt; a .gguf path: GGUF) | safetensors | pt | gguf (path = a .gguf file or a directory with one) | dummy (random weights of the config's shapes, no weight file read: benchmarking); SGLang's --load-format
+    trust_remote_code: bool = False       # let transformers run the config/tokenizer code a model directory ships (auto_map); refused with an error otherwise. The weights always run on specfw's own model code
 
 
 @dataclass
@@ -100,6 +102,8 @@ class GenerateConfig(SpecfwConfig):
 
 
 LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
+LOAD_FORMATS = ("auto", "safetensors", "pt", "gguf", "dummy")  # model.load_format (SGLang's --load-format names)
+DRAFT_LOAD_FORMATS = ("auto", "safetensors", "pt", "dummy")  # speculative.draft_load_format: drafts read no GGUF
 
 
 def check_unknown_keys(node, prefix: str = "") -> None:
@@ -136,6 +140,9 @@ def validate(cfg) -> None:
     positive("engine.decode_log_interval", e.decode_log_interval)
     positive("model.context_length", cfg.model.context_length, allow_none=True)
     check_cpu_isa(str(getattr(e, "cpu_isa", "auto")))
+    lf = str(getattr(cfg.model, "load_format", "auto"))
+    if lf not in LOAD_FORMATS:
+        raise ConfigError("model.load_format", f"'{lf}' is not one of {list(LOAD_FORMATS)}")
     check_quantization(cfg)
     from .device import check_device_name
     check_device_name(str(cfg.model.device), "model.device")

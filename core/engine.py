@@ -94,6 +94,8 @@ class Engine:
             max_positions=cfg.model.context_length,
             device=self.device,
             quantization=str(getattr(cfg.model, "quantization", "none")),
+            load_format=str(getattr(cfg.model, "load_format", "auto")),
+            trust_remote_code=bool(getattr(cfg.model, "trust_remote_code", False)),
         )
         self.loaded, self.tokenizer, self.model_path = loaded, loaded.tokenizer, loaded.path
         self.dtype = DTYPES[dtype]

@@ -19,7 +19,8 @@ Model-based drafters
     ``DraftDecoderLayer`` (the one-layer draft decoder), ``RMSNorm``, ``Rotary``, draft KV
     (``KVPool``, ``SlotTable``), a draft model with its own runner (``load_model``,
     ``ModelRunner``, ``build_forward_batch``, ``ForwardBatch``), checkpoints
-    (``resolve_model_path``, ``load_state_dict``), and placement beside the target:
+    (``resolve_model_path``, ``load_state_dict``, ``draft_load_format``: the format
+    ``speculative.draft_load_format`` resolves to, ``dummy_weights_``: its random weights), and placement beside the target:
     ``place_on_target`` (device + the engine's kernel backend), ``target_dtype``,
     ``target_device``, ``draft_kv_slots``.
 
@@ -36,7 +37,7 @@ from .config import ConfigError
 from .forward_batch import ForwardBatch
 from .hookspecs import hookimpl
 from .kv_cache import KVPool, SlotTable
-from .model_loader import load_model, load_state_dict, resolve_model_path
+from .model_loader import dummy_weights_, load_model, load_state_dict, resolve_model_path
 from .model_runner import ModelRunner, build_forward_batch
 from .models.draft_layer import DraftDecoderLayer
 from .models.llama import RMSNorm, Rotary
@@ -76,6 +77,8 @@ __all__ = [
     "ForwardBatch",
     "resolve_model_path",
     "load_state_dict",
+    "draft_load_format",
+    "dummy_weights_",
     "place_on_target",
     "target_dtype",
     "target_device",
@@ -103,6 +106,14 @@ def target_dtype(ctx: SpecContext) -> torch.dtype:
 def target_device(ctx: SpecContext) -> torch.device:
     """Where the target runs: the hooks' hidden states and logits are there."""
     return ctx.runner.device
+
+
+def draft_load_format(ctx: SpecContext) -> str:
+    """How the drafter reads its weights: ``speculative.draft_load_format``, null = as
+    ``model.load_format`` (``auto`` for a GGUF target); ``dummy`` = ``dummy_weights_``, no file read."""
+    from .model_loader import draft_load_format as resolve
+
+    return resolve(ctx.config, ctx.engine_config.model)
 
 
 def draft_kv_slots(ctx: SpecContext, config: SpecAlgoConfig) -> int:

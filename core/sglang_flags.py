@@ -16,6 +16,8 @@ from dataclasses import dataclass, field
 # NextN/MTP layers, which is specfw's mtp)
 ALGORITHMS = {"EAGLE": "eagle", "EAGLE3": "eagle3", "STANDALONE": "standalone", "NGRAM": "ngram", "NEXTN": "mtp", "MTP": "mtp"}
 
+# switch → specfw key set to true
+SWITCH_KEYS = {"--trust-remote-code": "model.trust_remote_code"}
 # flag → specfw key (the value passes through)
 KEYS = {
     "--model-path": "model.path",
@@ -44,6 +46,8 @@ KEYS = {
     "--speculative-token-map": "speculative.token_map",
     "--speculative-attention-mode": "speculative.attention_mode",
     "--speculative-draft-model-quantization": "speculative.draft_model_quantization",
+    "--load-format": "model.load_format",
+    "--speculative-draft-load-format": "speculative.draft_load_format",
     "--speculative-ngram-min-match-window-size": "speculative.min_match_window_size",
     "--speculative-ngram-max-match-window-size": "speculative.max_match_window_size",
     "--speculative-ngram-min-bfs-breadth": "speculative.min_bfs_breadth",
@@ -58,13 +62,10 @@ NOT_HONOURED = {
     "--speculative-draft-attention-backend": "specfw has one attention path per device (GPU backends: issue 23)",
     "--speculative-moe-runner-backend": "specfw runs no MoE models",
     "--speculative-moe-a2a-backend": "specfw runs no MoE models",
-    "--speculative-draft-load-format": "drafts load from safetensors/pt as found in the directory",
-    "--load-format": "weights load from safetensors/pt/gguf as found in the directory",
     "--attention-backend": "specfw has one attention path per device (GPU backends: issue 23)",
     "--cuda-graph-max-bs": "no CUDA graphs in specfw yet (issue 23)",
     "--enable-torch-compile": "no torch.compile in specfw yet (issue 23)",
     "--torch-compile-max-bs": "no torch.compile in specfw yet (issue 23)",
-    "--enable-multi-layer-eagle": "mtp drafts from one NextN layer (speculative.mtp_layer)",
     "--tp-size": "no tensor parallelism in specfw yet (issue 22)",
     "--tp": "no tensor parallelism in specfw yet (issue 22)",
     "--dp-size": "one engine per process: run replicas behind sglang-router (issue 22)",
@@ -74,7 +75,6 @@ NOT_HONOURED = {
     "--stream-interval": "specfw streams every step's tokens",
     "--cuda-graph-bs": "no CUDA graphs in specfw yet (issue 23)",
     "--disable-cuda-graph": "no CUDA graphs in specfw yet (nothing to disable)",
-    "--trust-remote-code": "specfw runs its own Llama-family model code; no remote code is executed",
     "--ep-size": "specfw runs no MoE models",
 }
 # honoured as they stand: specfw already behaves so
@@ -111,6 +111,7 @@ class Translation:
     overrides: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
     environ: dict[str, str] = field(default_factory=dict)  # NAME=value items before the flags
+    multi_layer: bool = False  # --enable-multi-layer-eagle was given (resolved once every flag is read)
 
     def command(self) -> str:
         return "specfw serve " + " ".join(shlex.quote(o) for o in self.overrides)
@@ -145,7 +146,25 @@ def translate(flags: str | list[str]) -> Translation:
             i += 1
         i += 1
         _one(flag, value, out)
+    if out.multi_layer:
+        _multi_layer(out)
     return out
+
+
+def _multi_layer(out: Translation) -> None:
+    """``--enable-multi-layer-eagle``: SGLang runs it as EAGLE over the target's own NextN layers
+    (no draft model path), which is specfw's mtp with ``speculative.multi_layer``."""
+    algo = next((o.split("=", 1)[1] for o in out.overrides if o.startswith("speculative=")), None)
+    has_draft = any(o.startswith("speculative.draft_model_path=") for o in out.overrides)
+    if algo in ("eagle", "eagle3") and not has_draft:
+        out.overrides[out.overrides.index(f"speculative={algo}")] = "speculative=mtp"
+        algo = "mtp"
+    if algo == "mtp":
+        out.overrides.append("speculative.multi_layer=true")
+    else:
+        out.warnings.append(
+            f"--enable-multi-layer-eagle: not honoured: it applies to the target's own NextN layers (speculative=mtp), not speculative={algo or 'none'}"
+        )
 
 
 def _one(flag: str, value: str, out: Translation) -> None:
@@ -162,6 +181,10 @@ def _one(flag: str, value: str, out: Translation) -> None:
             out.overrides.append(f"model.dtype={DTYPES[value]}")
         else:
             out.warnings.append(f"--dtype {value}: not one of auto, {', '.join(DTYPES)}; ignored")
+    elif flag in SWITCH_KEYS:
+        out.overrides.append(f"{SWITCH_KEYS[flag]}=true")
+    elif flag == "--enable-multi-layer-eagle":
+        out.multi_layer = True
     elif flag == "--quantization" and value == "w8a8_int8":  # int8 weights per channel, int8 activations
         out.overrides += ["model.quantization=int8", "model.activation_quantization=int8"]
     elif flag in KEYS:

@@ -39,6 +39,7 @@ def max_draft_candidates(num_steps: int, topk: int) -> int:
 class SpecAlgoConfig(SpeculativeConfig):
     draft_model_path: Optional[str] = None      # draft weights (HF dir / hub id); algorithm-specific default
     draft_model_revision: Optional[str] = None  # hub revision of the draft ("main" when a hub id is given)
+    draft_load_format: Optional[str] = None     # null (as model.load_format) | auto | safetensors | pt | dummy (random draft weights of its config: benchmarking); SGLang's --speculative-draft-load-format
     num_steps: Optional[int] = None             # draft depth; null = auto (see docs)
     topk: Optional[int] = None                  # branching per step (SGLang speculative_eagle_topk); null = auto
     num_draft_tokens: Optional[int] = None      # tree size incl. root; null = auto
@@ -103,6 +104,9 @@ class SpecAlgoConfig(SpeculativeConfig):
             if getattr(self, k) != default:
                 raise ConfigError(f"speculative.{k}", f"is not used by speculative={self.algorithm}; "
                                                       f"leave it unset (got {getattr(self, k)!r})")
+        from ..config import DRAFT_LOAD_FORMATS
+        if self.draft_load_format is not None and str(self.draft_load_format) not in DRAFT_LOAD_FORMATS:
+            raise ConfigError("speculative.draft_load_format", f"'{self.draft_load_format}' is not one of {[None, *DRAFT_LOAD_FORMATS]}")
         from .verify_cost import MODES, adaptive_mode
         if adaptive_mode(self.adaptive_draft) not in MODES:
             raise ConfigError("speculative.adaptive_draft", f"'{self.adaptive_draft}' is not one of {list(MODES)}")

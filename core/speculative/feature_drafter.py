@@ -94,6 +94,12 @@ class FeatureDrafter:
         """One head forward over each request's pending pairs (from its draft KV length up to the
         pair whose token is the last in ``seq_ids``); returns (logits, hidden) at each request's
         last pair."""
+        logits, hidden, fb = self._extend_rows(reqs)
+        return logits, hidden[fb.logits_indices]
+
+    def _extend_rows(self, reqs):
+        """``_extend``'s forward: (logits at each request's last pair, output hidden of every pair,
+        the ForwardBatch, whose ``seqs`` give each request's rows)."""
         chunks, feats = [], []
         for r in reqs:
             st = self.states[r.rid]
@@ -109,7 +115,7 @@ class FeatureDrafter:
             feats.append(f)
         fb = build_forward_batch(chunks, last_only=True).to(self.device)
         logits, hidden = self.head_forward(fb.input_ids, torch.cat(feats), fb, from_target=True)
-        return logits, hidden[fb.logits_indices]
+        return logits, hidden, fb
 
     def _draft(self, reqs, plan):
         logits, last_hidden = self._extend(reqs)

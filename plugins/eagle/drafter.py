@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from specfw.sdk import ConfigError, FeatureDrafter, Rotary, draft_kv_slots, place_on_target, resolve_model_path, target_device, target_dtype
+from specfw.sdk import ConfigError, FeatureDrafter, Rotary, draft_kv_slots, draft_load_format, place_on_target, resolve_model_path, target_device, target_dtype
 
 from .model import load_eagle, load_token_map
 
@@ -25,7 +25,7 @@ class EagleDrafter(FeatureDrafter):
             ref = str(DEMO_DRAFT)
         path = resolve_model_path(ref, cfg.draft_model_revision)
         target = ctx.runner.model
-        self.head = place_on_target(ctx, load_eagle(Path(path), ctx.runner.hf_config, target_dtype(ctx)))
+        self.head = place_on_target(ctx, load_eagle(Path(path), ctx.runner.hf_config, target_dtype(ctx), draft_load_format(ctx)))
         self.target = target
         self.rotary = Rotary(self.head.config, ctx.runner.max_context, target_dtype(ctx)).to(target_device(ctx))
         self.lm_head = target.lm_head  # shared with the target

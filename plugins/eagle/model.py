@@ -23,9 +23,10 @@ class EagleHead(nn.Module):
         self.layers = nn.ModuleList([DraftDecoderLayer(cfg)])
 
 
-def load_eagle(path: Path, target_cfg, dtype: torch.dtype) -> EagleHead:
+def load_eagle(path: Path, target_cfg, dtype: torch.dtype, load_format: str = "auto") -> EagleHead:
+    """``load_format``: as ``speculative.draft_load_format`` (``dummy``: random weights, no file read)."""
     from transformers import LlamaConfig
-    from specfw.sdk import load_state_dict
+    from specfw.sdk import dummy_weights_, load_state_dict
 
     raw = json.loads((path / "config.json").read_text())
     cfg = LlamaConfig(**{k: v for k, v in raw.items() if k not in ("architectures", "model_type")})
@@ -33,7 +34,9 @@ def load_eagle(path: Path, target_cfg, dtype: torch.dtype) -> EagleHead:
         raise ConfigError("speculative.draft_model_path", f"EAGLE draft hidden_size {cfg.hidden_size} != target hidden_size {target_cfg.hidden_size}")
     if cfg.vocab_size != target_cfg.vocab_size:
         raise ConfigError("speculative.draft_model_path", f"EAGLE draft vocab_size {cfg.vocab_size} != target vocab_size {target_cfg.vocab_size}")
-    state = {k.removeprefix("model."): v for k, v in load_state_dict(path).items()}
+    if load_format == "dummy":
+        return dummy_weights_(EagleHead(cfg, bias=False)).to(dtype).eval().requires_grad_(False)
+    state = {k.removeprefix("model."): v for k, v in load_state_dict(path, load_format, "speculative.draft_load_format").items()}
     for k in [k for k in state if k.startswith(("embed_tokens.", "lm_head.", "norm.")) or ".input_layernorm." in k]:
         state.pop(k)  # the target's embeddings/head are used; EAGLE's layer has no input norm
     if "fc.weight" not in state or state["fc.weight"].shape != (cfg.hidden_size, 2 * cfg.hidden_size):

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from specfw.sdk import ConfigError, FeatureDrafter, Rotary, draft_kv_slots, place_on_target, resolve_model_path, target_device, target_dtype
+from specfw.sdk import ConfigError, FeatureDrafter, Rotary, draft_kv_slots, draft_load_format, place_on_target, resolve_model_path, target_device, target_dtype
 
 from .model import aux_layer_ids, load_eagle3
 
@@ -29,7 +29,7 @@ class Eagle3Drafter(FeatureDrafter):
             logger.warning("speculative.token_map is ignored for EAGLE-3 (the draft vocabulary comes from d2t)")
         path = resolve_model_path(cfg.draft_model_path or default_draft_path(ctx), cfg.draft_model_revision)
         target = ctx.runner.model
-        head = load_eagle3(Path(path), ctx.runner.hf_config, target_dtype(ctx))
+        head = load_eagle3(Path(path), ctx.runner.hf_config, target_dtype(ctx), draft_load_format(ctx))
         self.to_target = head.to_target_ids()  # host map, read per drafted token
         self.head = place_on_target(ctx, head)
         self.embed = target.embed_tokens

@@ -56,9 +56,10 @@ def aux_layer_ids(draft_cfg, num_target_layers: int, override: list[int] | None)
     return (2, L // 2, L - 3)
 
 
-def load_eagle3(path: Path, target_cfg, dtype: torch.dtype) -> Eagle3Head:
+def load_eagle3(path: Path, target_cfg, dtype: torch.dtype, load_format: str = "auto") -> Eagle3Head:
+    """``load_format``: as ``speculative.draft_load_format`` (``dummy``: random weights, identity ``d2t``, no file read)."""
     from transformers import LlamaConfig
-    from specfw.sdk import load_state_dict
+    from specfw.sdk import dummy_weights_, load_state_dict
 
     raw = json.loads((path / "config.json").read_text())
     cfg = LlamaConfig(**{k: v for k, v in raw.items() if k not in ("architectures", "model_type")})
@@ -74,9 +75,11 @@ def load_eagle3(path: Path, target_cfg, dtype: torch.dtype) -> Eagle3Head:
             "speculative.draft_model_path",
             f"EAGLE-3 draft hidden_size {cfg.hidden_size} != target hidden_size {target_cfg.hidden_size} (the head embeds tokens with the target's embeddings)",
         )
-    state = {k.removeprefix("model."): v for k, v in load_state_dict(path).items()}
-    state.pop("embed_tokens.weight", None)
     head = Eagle3Head(cfg, target_h, target_cfg.vocab_size)
+    if load_format == "dummy":  # d2t zeros: draft id i is target id i
+        return dummy_weights_(head).to(dtype).eval().requires_grad_(False)
+    state = {k.removeprefix("model."): v for k, v in load_state_dict(path, load_format, "speculative.draft_load_format").items()}
+    state.pop("embed_tokens.weight", None)
     if "d2t" not in state:
         if head.draft_vocab != target_cfg.vocab_size:
             raise ConfigError("speculative.draft_model_path", "EAGLE-3 draft with a reduced vocabulary lacks d2t")

@@ -10,9 +10,17 @@ from .config import MtpConfig, MtpTrainConfig
 from .drafter import MtpDrafter
 
 
+def _make_drafter(ctx):
+    if ctx.config.multi_layer:
+        from .multi_layer import MultiLayerMtpDrafter
+
+        return MultiLayerMtpDrafter(ctx)
+    return MtpDrafter(ctx)
+
+
 @hookimpl
 def specfw_register_algorithms(register):
-    register("mtp", MtpConfig, MtpDrafter, "MTP/NextN: the target's built-in multi-token-prediction layers draft")
+    register("mtp", MtpConfig, _make_drafter, "MTP/NextN: the target's built-in multi-token-prediction layers draft")
 
 
 def _make_trainer(cfg, teacher, examples):

@@ -11,8 +11,16 @@ from specfw.sdk import ConfigError, DraftTrainConfig, SpecAlgoConfig, TreeShape
 class MtpConfig(SpecAlgoConfig):
     # draft_model_path: null = the target checkpoint itself (its built-in NextN layers); or a
     # NextN-only checkpoint holding the same tensor names (as published for DeepSeek-V3/R1).
-    mtp_layer: int = 0                     # which NextN layer drafts (each step reuses it, as SGLang does)
+    mtp_layer: int = 0                     # which NextN layer drafts (each step reuses it, as SGLang does); with multi_layer, the first of the layers
+    multi_layer: bool = False              # SGLang's --enable-multi-layer-eagle: NextN layer mtp_layer+i drafts chain step i (each with its own KV), for checkpoints with several NextN layers; topk=1 only, num_steps <= the layers
     draft_kv_tokens: Optional[int] = None  # draft KV pool size in tokens; null = same as the target's pool
+
+    def validate(self) -> None:
+        super().validate()
+        if self.mtp_layer < 0:
+            raise ConfigError("speculative.mtp_layer", f"must be >= 0, got {self.mtp_layer}")
+        if self.multi_layer and self.topk not in (None, 1):
+            raise ConfigError("speculative.topk", f"speculative.multi_layer drafts a chain (one token per NextN layer): topk must be 1, got {self.topk}")
 
     def auto_shape(self, target_arch: str) -> TreeShape:
         """A chain of 3 (SGLang's recommendation for DeepSeek MTP): one NextN layer reused per step."""

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from specfw.sdk import FeatureDrafter, Rotary, draft_kv_slots, place_on_target, resolve_model_path, target_device, target_dtype
+from specfw.sdk import FeatureDrafter, Rotary, draft_kv_slots, draft_load_format, place_on_target, resolve_model_path, target_device, target_dtype
 
 from .model import load_mtp
 
@@ -24,11 +24,11 @@ class MtpDrafter(FeatureDrafter):
     def __init__(self, ctx):
         cfg = ctx.config
         path = Path(resolve_model_path(cfg.draft_model_path, cfg.draft_model_revision) if cfg.draft_model_path else ctx.target_path)
+        self.path, self.load_format = path, draft_load_format(ctx)
         target = ctx.runner.model
         # on the target's device, with the CPU's faster linears (the NextN lm_head included)
-        self.head = place_on_target(ctx, load_mtp(path, ctx.runner.hf_config, target_dtype(ctx), cfg.mtp_layer))
+        self.head = place_on_target(ctx, load_mtp(path, ctx.runner.hf_config, target_dtype(ctx), cfg.mtp_layer, self.load_format))
         self.target = target
-        self.lm_head = self.head.head if self.head.head is not None else target.lm_head
         self.rotary = Rotary(self.head.config, ctx.runner.max_context, target_dtype(ctx)).to(target_device(ctx))
         super().__init__(ctx, self.head.layer, draft_kv_slots(ctx, cfg))
         logger.info("mtp: NextN layer %d of %s (%s layout)", cfg.mtp_layer, path, self.head.layout)
@@ -39,7 +39,13 @@ class MtpDrafter(FeatureDrafter):
 
     @torch.inference_mode()
     def head_forward(self, tokens, features, fb, from_target):
-        x = self.head.fuse(self.target.embed_tokens(tokens), features)
-        out = self.head.layer(self.head.input_layernorm(x), x, fb, self.kv, self.rotary)
+        return self.layer_forward(self.head, self.kv, tokens, features, fb)
+
+    def layer_forward(self, head, kv, tokens, features, fb):
+        """One NextN layer over pairs (token, hidden) in its KV pool → (logits at ``fb.logits_indices``
+        (every row when None), output hidden of every row)."""
+        x = head.fuse(self.target.embed_tokens(tokens), features)
+        out = head.layer(head.input_layernorm(x), x, fb, kv, self.rotary)
         sel = out if fb.logits_indices is None else out.index_select(0, fb.logits_indices)
-        return self.lm_head(self.head.final_norm(sel)).float(), out
+        lm_head = head.head if head.head is not None else self.target.lm_head
+        return lm_head(head.final_norm(sel)).float(), out

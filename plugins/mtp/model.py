@@ -21,9 +21,10 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specfw.sdk import ConfigError, DraftDecoderLayer, RMSNorm
+from specfw.sdk import ConfigError, DraftDecoderLayer, RMSNorm, dummy_weights_
 
 KEY = "speculative.draft_model_path"
+FORMAT_KEY = "speculative.draft_load_format"
 DEEPSEEK, MIMO = "deepseek", "mimo"
 
 
@@ -92,33 +93,64 @@ def find_mtp_layers(keys, num_hidden_layers: int) -> dict[int, tuple[str, str]]:
     return found
 
 
-def _open_tensors(path: Path):
+def _open_tensors(path: Path, load_format: str = "auto") -> dict:
+    """{tensor name: a callable reading it}: safetensors are opened lazily per tensor; PyTorch
+    files (``pt``) are memory-mapped."""
     from safetensors import safe_open
 
+    from specfw.sdk import load_state_dict
+
     files = sorted(path.glob("*.safetensors"))
+    if load_format == "pt" or (load_format == "auto" and not files):
+        state = load_state_dict(path, "pt" if load_format == "pt" else "auto", FORMAT_KEY)
+        return {k: (lambda v=v: v) for k, v in state.items()}
     if not files:
-        raise ConfigError(KEY, f"{path}: no .safetensors files to read MTP layers from")
+        raise ConfigError(FORMAT_KEY, f"'{load_format}': {path} has no .safetensors files to read MTP layers from")
     where = {}
     for f in files:
         with safe_open(str(f), framework="pt") as fh:
             for k in fh.keys():
                 where[k] = f
-    return where
+
+    def reader(name, f):
+        def read():
+            with safe_open(str(f), framework="pt") as fh:
+                return fh.get_tensor(name)
+
+        return read
+
+    return {k: reader(k, f) for k, f in where.items()}
 
 
-def load_mtp(path: Path, target_cfg, dtype: torch.dtype, index: int = 0) -> MtpHead:
-    """The ``index``-th NextN layer of the checkpoint at ``path`` as an MtpHead."""
-    from safetensors import safe_open
-    from transformers import LlamaConfig
+def _dummy_layers(raw: dict, target_cfg) -> dict[int, tuple[str, str]]:
+    """``draft_load_format=dummy``: the NextN layers the config announces (``num_nextn_predict_layers``,
+    default 1) in the config's layout, with no tensor read."""
+    n = int(raw.get("num_nextn_predict_layers") or getattr(target_cfg, "num_nextn_predict_layers", None) or 1)
+    layout = MIMO if raw.get("model_type", getattr(target_cfg, "model_type", "")) == "mimo" else DEEPSEEK
+    L = raw.get("num_hidden_layers", target_cfg.num_hidden_layers)
+    return {i: (layout, f"model.layers.{L + i}." if layout == DEEPSEEK else f"model.mtp_layers.{i}.") for i in range(n)}
 
+
+def mtp_layers(path: Path, target_cfg, load_format: str = "auto") -> dict[int, tuple[str, str]]:
+    """{mtp index: (layout, prefix)} of the checkpoint at ``path`` (from its config for ``dummy``)."""
+    raw = json.loads((path / "config.json").read_text()) if (path / "config.json").exists() else {}
+    if load_format == "dummy":
+        return _dummy_layers(raw, target_cfg)
+    return find_mtp_layers(_open_tensors(path, load_format), raw.get("num_hidden_layers", target_cfg.num_hidden_layers))
+
+
+def load_mtp(path: Path, target_cfg, dtype: torch.dtype, index: int = 0, load_format: str = "auto") -> MtpHead:
+    """The ``index``-th NextN layer of the checkpoint at ``path`` as an MtpHead. ``load_format``:
+    as ``speculative.draft_load_format`` (``dummy``: random weights of the layout the config
+    implies, no tensor read)."""
     raw = json.loads((path / "config.json").read_text()) if (path / "config.json").exists() else {}
     hidden = raw.get("hidden_size", target_cfg.hidden_size)
     if hidden != target_cfg.hidden_size:
         raise ConfigError(KEY, f"MTP checkpoint hidden_size {hidden} != target hidden_size {target_cfg.hidden_size}")
     if raw.get("vocab_size", target_cfg.vocab_size) != target_cfg.vocab_size:
         raise ConfigError(KEY, f"MTP checkpoint vocab_size {raw['vocab_size']} != target vocab_size {target_cfg.vocab_size}")
-    where = _open_tensors(path)
-    layers = find_mtp_layers(where, raw.get("num_hidden_layers", target_cfg.num_hidden_layers))
+    where = {} if load_format == "dummy" else _open_tensors(path, load_format)
+    layers = _dummy_layers(raw, target_cfg) if load_format == "dummy" else find_mtp_layers(where, raw.get("num_hidden_layers", target_cfg.num_hidden_layers))
     if not layers:
         raise ConfigError(
             KEY,
@@ -128,16 +160,15 @@ def load_mtp(path: Path, target_cfg, dtype: torch.dtype, index: int = 0) -> MtpH
     if index not in layers:
         raise ConfigError("speculative.mtp_layer", f"{index} is not one of the checkpoint's MTP layers {sorted(layers)}")
     layout, prefix = layers[index]
-    attn_bias = prefix + "self_attn.q_proj.bias" in where
+    attn_bias = (prefix + "self_attn.q_proj.bias" in where) if where else bool(getattr(target_cfg, "attention_bias", False))
     names = _names(layout, prefix, attn_bias)
     tensors = {}
-    for own, name in names.items():
+    for own, name in names.items() if where else ():
         if name not in where:
             if own == "head.weight":
                 continue
             raise ConfigError(KEY, f"MTP layer {prefix}* in {path} lacks tensor '{name}'")
-        with safe_open(str(where[name]), framework="pt") as fh:
-            tensors[own] = fh.get_tensor(name)
+        tensors[own] = where[name]()
     keys = (
         "hidden_size",
         "intermediate_size",
@@ -149,8 +180,12 @@ def load_mtp(path: Path, target_cfg, dtype: torch.dtype, index: int = 0) -> MtpH
         "rope_parameters",
         "max_position_embeddings",
     )
+    from transformers import LlamaConfig
+
     cfg = LlamaConfig(**{k: getattr(target_cfg, k) for k in keys if getattr(target_cfg, k, None) is not None})
     head = MtpHead(cfg, layout, "head.weight" in tensors, attn_bias)
+    if load_format == "dummy":
+        return dummy_weights_(head, prefix=prefix).to(dtype).eval().requires_grad_(False)
     own = head.state_dict()
     for k, v in tensors.items():
         if tuple(v.shape) != tuple(own[k].shape):

@@ -22,6 +22,7 @@ from specfw.sdk import (
     beam_search,
     build_forward_batch,
     draft_kv_slots,
+    draft_load_format,
     hookimpl,
     load_model,
     target_device,
@@ -67,7 +68,17 @@ class StandaloneDrafter:
         ref = cfg.draft_model_path or default_draft(ctx)
         dtype = str(getattr(ctx.engine_config.model.dtype, "value", ctx.engine_config.model.dtype))
         revision = (cfg.draft_model_revision or "main") if cfg.draft_model_path and not Path(ref).exists() else None
-        loaded = load_model(ref, dtype=dtype, revision=revision, max_positions=ctx.runner.max_context, device=target_device(ctx))
+        model = ctx.engine_config.model
+        loaded = load_model(
+            ref,
+            dtype=dtype,
+            revision=revision,
+            max_positions=ctx.runner.max_context,
+            device=target_device(ctx),
+            load_format=draft_load_format(ctx),
+            trust_remote_code=bool(getattr(model, "trust_remote_code", False)),
+            format_key="speculative.draft_load_format",
+        )
         check_same_tokenizer(ctx.tokenizer, loaded.tokenizer, ref)
         if loaded.hf_config.vocab_size != ctx.runner.vocab_size:
             raise ConfigError("speculative.draft_model_path", f"draft vocab_size {loaded.hf_config.vocab_size} != target vocab_size {ctx.runner.vocab_size}")

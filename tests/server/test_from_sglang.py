@@ -78,6 +78,18 @@ def test_flags_not_honoured_are_named_and_nothing_is_dropped_silently():
     assert [w.split(":")[0] for w in t.warnings] == ["--no-such-flag", "--speculative-algorithm BOGUS", "--port"]
 
 
+def test_load_format_trust_remote_code_and_multi_layer_are_honoured():
+    t = translate("--load-format dummy --speculative-draft-load-format pt --trust-remote-code")
+    assert t.overrides == ["model.load_format=dummy", "speculative.draft_load_format=pt", "model.trust_remote_code=true"] and not t.warnings
+    # SGLang runs multi-layer MTP as EAGLE over the target's own NextN layers: specfw's mtp
+    t = translate("--speculative-algorithm EAGLE --enable-multi-layer-eagle --speculative-eagle-topk 1")
+    assert t.overrides == ["speculative=mtp", "speculative.topk=1", "speculative.multi_layer=true"] and not t.warnings
+    assert translate("--speculative-algorithm NEXTN --enable-multi-layer-eagle").overrides == ["speculative=mtp", "speculative.multi_layer=true"]
+    t = translate("--speculative-algorithm EAGLE3 --speculative-draft-model-path d --enable-multi-layer-eagle")
+    assert t.overrides == ["speculative=eagle3", "speculative.draft_model_path=d"]
+    assert t.warnings == ["--enable-multi-layer-eagle: not honoured: it applies to the target's own NextN layers (speculative=mtp), not speculative=eagle3"]
+
+
 def test_launcher_prefix_and_inline_environment():
     t = translate("SGLANG_ENABLE_SPEC_V2=True python3 -m sglang.launch_server --port 31000")
     assert t.environ == {"SGLANG_ENABLE_SPEC_V2": "True"} and t.overrides == ["server.port=31000"]
