@@ -168,3 +168,28 @@ def test_trust_remote_code_runs_the_directorys_tokenizer(remote_code_dir, tiny_m
     assert eng.tokenizer.decode(ids) == "HELLO WORLD"
     plain = Engine(make_cfg(model_path=str(tiny_model_dir), max_total_tokens=1024))  # specfw's model code runs the weights
     assert eng.generate(PROMPTS[:1], GREEDY)[0].token_ids == plain.generate(PROMPTS[:1], GREEDY)[0].token_ids
+
+
+def test_eagle_drafts_read_pt_and_dummy(tiny_model_dir, tiny_eagle_drafts, tmp_path):
+    """The trained tiny EAGLE head as a PyTorch pickle drafts exactly as its safetensors do; as
+    dummy (EAGLE-3 too) it loads from its config alone and greedy output stays plain."""
+    from specfw.engine import Engine
+    from specfw_plugins.eagle.config import EagleConfig
+    from specfw_plugins.eagle3.config import Eagle3Config
+
+    src = tiny_eagle_drafts["eagle"]
+    pt = _copy_without_weights(src, tmp_path / "eagle-pt")
+    torch.save(load_state_dict(src, "safetensors"), pt / "pytorch_model.bin")
+    e3 = _copy_without_weights(tiny_eagle_drafts["eagle3"], tmp_path / "e3")  # config only
+    plain = [o.token_ids for o in Engine(make_cfg(model_path=str(tiny_model_dir), max_total_tokens=2048)).generate(PROMPTS, GREEDY)]
+    runs = {}
+    for name, spec in {
+        "safetensors": EagleConfig(algorithm="eagle", draft_model_path=str(src), num_steps=3, topk=1, adaptive_draft="false"),
+        "pt": EagleConfig(algorithm="eagle", draft_model_path=str(pt), num_steps=3, topk=1, adaptive_draft="false", draft_load_format="pt"),
+        "dummy": EagleConfig(algorithm="eagle", draft_model_path=str(pt), num_steps=3, topk=1, adaptive_draft="false", draft_load_format="dummy"),
+        "dummy3": Eagle3Config(algorithm="eagle3", draft_model_path=str(e3), num_steps=2, topk=1, draft_load_format="dummy"),
+    }.items():
+        eng = Engine(make_cfg(model_path=str(tiny_model_dir), max_total_tokens=2048, max_running_requests=4, speculative=spec))
+        assert [o.token_ids for o in eng.generate(PROMPTS, GREEDY)] == plain, name
+        runs[name] = (eng.stats.verify_forwards, eng.stats.accepted_draft_tokens)
+    assert runs["pt"] == runs["safetensors"]
