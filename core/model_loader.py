@@ -141,7 +141,7 @@ def dummy_weights_(module: torch.nn.Module, seed: int = DUMMY_SEED, prefix: str 
         for name, p in module.named_parameters():
             if p.is_floating_point():
                 g = torch.Generator().manual_seed(seed + zlib.crc32((prefix + name).encode()))
-                p.copy_(torch.empty(p.shape, dtype=torch.float32).uniform_(-1e-3, 1e-3, generator=g))
+                p.uniform_(-1e-3, 1e-3, generator=g)
     return module
 
 
