@@ -37,6 +37,8 @@ class ModelConfig:
     context_length: Optional[int] = None  # max tokens per sequence; null = the model's max_position_embeddings
     served_model_name: Optional[str] = None  # name reported by /v1/models; null = directory name
     load_format: str = "auto"             # auto (safetensors, else *.bin/*.pt; a .gguf path: GGUF) | safetensors | pt | gguf (path = a .gguf file or a directory with one) | dummy (random weights of the config's shapes, no weight file read: benchmarking); SGLang's --load-format
+    tp_size: int = 1                      # tensor parallel ranks (SGLang's --tp-size): heads split by whole KV groups, the MLP by blocks of 32, vocabulary-parallel embedding and lm_head; spawned on this machine, or one per torchrun rank (docs/scale-out.md)
+    tp_backend: str = "auto"              # torch.distributed backend of the TP ranks: auto (nccl on CUDA, gloo on CPUs) | gloo | nccl
     trust_remote_code: bool = False       # let transformers run the config/tokenizer code a model directory ships (auto_map); refused with an error otherwise. The weights always run on specfw's own model code
 
 
@@ -144,6 +146,10 @@ def validate(cfg) -> None:
     if lf not in LOAD_FORMATS:
         raise ConfigError("model.load_format", f"'{lf}' is not one of {list(LOAD_FORMATS)}")
     check_quantization(cfg)
+    positive("model.tp_size", getattr(cfg.model, "tp_size", 1))
+    tpb = str(getattr(cfg.model, "tp_backend", "auto"))
+    if tpb not in TP_BACKENDS:
+        raise ConfigError("model.tp_backend", f"'{tpb}' is not one of {list(TP_BACKENDS)}")
     from .device import check_device_name
     check_device_name(str(cfg.model.device), "model.device")
     f = getattr(e, "mem_fraction_static", None)
@@ -167,6 +173,7 @@ def validate(cfg) -> None:
         spec.resolve_shape("")   # the shape rules; auto defaults are re-resolved for the real target
 
 
+TP_BACKENDS = ("auto", "gloo", "nccl")
 CPU_ISAS = ("auto", "avx512", "avx2", "portable", "none")
 
 

@@ -29,6 +29,7 @@ from .sampling import SamplingParams, TokenLogprob
 from .scheduler import ScheduledBatch, Scheduler, StepUpdate
 from .stats import EngineStats, Load
 from .step import StepResult
+from .tp import shard_model, start_leader, tp_size
 from .worker import PlainWorker
 
 logger = logging.getLogger("specfw")
@@ -78,6 +79,20 @@ def _kv_bytes(engine_cfg, device) -> float:
     return kv_budget_from_fraction(device, fraction) if fraction else engine_cfg.kv_cache_memory_gb * 2**30
 
 
+def load_target(cfg, device: torch.device):
+    """The target as ``cfg.model`` says (every TP rank loads it the same way, then keeps its shard)."""
+    return load_model(
+        cfg.model.path,
+        dtype=str(getattr(cfg.model.dtype, "value", cfg.model.dtype)),
+        revision=cfg.model.revision,
+        max_positions=cfg.model.context_length,
+        device=device,
+        quantization=str(getattr(cfg.model, "quantization", "none")),
+        load_format=str(getattr(cfg.model, "load_format", "auto")),
+        trust_remote_code=bool(getattr(cfg.model, "trust_remote_code", False)),
+    )
+
+
 class Engine:
     def __init__(self, cfg, worker_factory=None):
         """``cfg``: a SpecfwConfig (OmegaConf or dataclass). ``worker_factory(engine)`` builds the
@@ -87,16 +102,7 @@ class Engine:
             torch.set_num_threads(cfg.engine.num_threads)
         dtype = str(getattr(cfg.model.dtype, "value", cfg.model.dtype))
         self.device = resolve_device(str(getattr(cfg.model, "device", "auto")))
-        loaded = load_model(
-            cfg.model.path,
-            dtype=dtype,
-            revision=cfg.model.revision,
-            max_positions=cfg.model.context_length,
-            device=self.device,
-            quantization=str(getattr(cfg.model, "quantization", "none")),
-            load_format=str(getattr(cfg.model, "load_format", "auto")),
-            trust_remote_code=bool(getattr(cfg.model, "trust_remote_code", False)),
-        )
+        loaded = load_target(cfg, self.device)
         self.loaded, self.tokenizer, self.model_path = loaded, loaded.tokenizer, loaded.path
         self.dtype = DTYPES[dtype]
         self.tree_shape = speculative_tree_shape(cfg, loaded.hf_config)
@@ -108,8 +114,13 @@ class Engine:
         num_slots = cfg.engine.max_total_tokens or KVPool.slots_for_budget(
             _kv_bytes(cfg.engine, self.device), loaded.model.num_layers, layer0.n_kv, layer0.head_dim, self.dtype
         )
+        self.tp = None
+        if tp_size(cfg) > 1:  # the other ranks load, shard and wait for "init" (core/tp)
+            self.tp = start_leader(cfg, self.device)
+            shard_model(loaded.model, loaded.hf_config, self.tp)
+            self.tp.send("init", num_slots, dtype, (1, typical_rows))
         self.backend = backend_from_config(cfg.engine, self.device, cfg)
-        self.runner = ModelRunner(loaded.model, loaded.hf_config, num_slots, self.dtype, backend=self.backend, timed_rows=(1, typical_rows))
+        self.runner = ModelRunner(loaded.model, loaded.hf_config, num_slots, self.dtype, backend=self.backend, timed_rows=(1, typical_rows), tp=self.tp)
         self.stats = EngineStats(decode_log_interval=cfg.engine.decode_log_interval)
         self.worker = worker_factory(self) if worker_factory else self._default_worker()
         self.scheduler = Scheduler(
@@ -133,6 +144,12 @@ class Engine:
             num_slots,
             type(self.worker).__name__,
         )
+
+    def close(self) -> None:
+        """Stop the other tensor-parallel ranks (nothing to do for a one-rank engine)."""
+        if self.tp is not None:
+            self.tp.stop()
+            self.tp = None
 
     def _default_worker(self):
         from .plugins import build_worker

@@ -3,6 +3,7 @@ into ForwardBatches (built on the host) and runs them on the device."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import torch
@@ -10,6 +11,7 @@ import torch
 from .backends import Backend, default_backend as plain_or_kernels
 from .forward_batch import ForwardBatch, ForwardOutput, SeqSpan
 from .kv_cache import KVPool
+from .tp.kv import ShardedKVPool
 
 logger = logging.getLogger(__name__)
 PLAIN_BATCH_ROWS = 8  # a typical plain decode batch, for choosing batch-invariant row plans
@@ -17,13 +19,22 @@ PLAIN_BATCH_ROWS = 8  # a typical plain decode batch, for choosing batch-invaria
 
 class ModelRunner:
     def __init__(
-        self, model, hf_config, num_slots: int, dtype: torch.dtype, backend: Backend | None = None, timed_rows: tuple[int, ...] = (1, PLAIN_BATCH_ROWS)
+        self,
+        model,
+        hf_config,
+        num_slots: int,
+        dtype: torch.dtype,
+        backend: Backend | None = None,
+        timed_rows: tuple[int, ...] = (1, PLAIN_BATCH_ROWS),
+        tp=None,
     ):
         """``backend`` (``specfw.backends``) owns every kernel choice; default: the best for the
         model's device, not batch invariant. ``timed_rows``: the row counts of typical forwards,
         for which a backend that needs row plans (torch's ops) picks the fastest one: one-row
         decode steps and either a batch of concurrent ones (plain decoding) or a draft tree
-        (speculative: ``num_draft_tokens``). The runner works on the device the model's weights are on."""
+        (speculative: ``num_draft_tokens``). The runner works on the device the model's weights are on.
+        ``tp``: the leader's ``TPGroup`` when the model is a shard (``model.tp_size`` > 1): every
+        forward and KV move then runs on every rank (``specfw.tp``)."""
         self.device = next(model.parameters()).device
         self.backend = backend or plain_or_kernels(self.device)
         self.backend.prepare_target(model)
@@ -37,7 +48,11 @@ class ModelRunner:
         self.model = model
         self.hf_config = hf_config
         layer0 = model.layers[0]
-        self.kv = KVPool(model.num_layers, layer0.n_kv, layer0.head_dim, num_slots, dtype=dtype, device=self.device)
+        self.tp = tp
+        pool = KVPool if tp is None else ShardedKVPool
+        self.kv = pool(model.num_layers, layer0.n_kv, layer0.head_dim, num_slots, dtype=dtype, device=self.device)
+        if tp is not None:
+            self.kv.group = tp
         self.vocab_size = hf_config.vocab_size
         self.max_context = model.rotary.cos.shape[0]
 
@@ -55,11 +70,16 @@ class ModelRunner:
     def forward(self, fb: ForwardBatch) -> ForwardOutput:
         T = fb.num_tokens
         padded = self.backend.forward_rows(T, self.kv.dtype)
-        if padded == T:
-            return self.model(fb.to(self.device), self.kv)
-        out = self.model(_pad(fb, padded, self.kv.scratch_slot).to(self.device), self.kv)
-        out.hidden = out.hidden[:T]
-        out.aux_hidden = [a[:T] for a in out.aux_hidden]
+        if padded != T:
+            fb = _pad(fb, padded, self.kv.scratch_slot)
+        if self.tp is None:
+            out = self.model(fb.to(self.device), self.kv)
+        else:
+            with self.tp.running("forward", dataclasses.replace(fb, attn_plan=None)):
+                out = self.model(fb.to(self.device), self.kv)
+        if padded != T:
+            out.hidden = out.hidden[:T]
+            out.aux_hidden = [a[:T] for a in out.aux_hidden]
         return out
 
 

@@ -74,6 +74,20 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None, bi
     return QuantWeight(c, s, m, bits, offset, group, n, k)
 
 
+def _unblocked(t: torch.Tensor, n: int) -> torch.Tensor:
+    """[NB, X, 16] -> [N, X] (``_blocked``'s inverse)."""
+    return t.transpose(1, 2).reshape(-1, t.shape[1])[:n]
+
+
+def unpack(qw: QuantWeight) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """``pack``'s inverse: codes [N, K], scale [N, K/group], minv or None."""
+    c = qw.codes
+    if qw.bits == 4:
+        c = torch.stack([c & 0x0F, c >> 4], dim=2).reshape(c.shape[0], -1, BLOCK)
+    minv = _unblocked(qw.minv, qw.out_features) if qw.minv.numel() else None
+    return _unblocked(c, qw.out_features), _unblocked(qw.scale, qw.out_features), minv
+
+
 def quantize(w: torch.Tensor, scheme: str) -> QuantWeight:
     """An fp32/bf16 weight [N, K] quantized at load (``int8`` or ``int4``)."""
     w = w.detach().float()

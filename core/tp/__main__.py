@@ -1,0 +1,7 @@
+"""``python -m specfw.tp RANK WORLD INIT BACKEND THREADS``: a follower rank started by ``launch.start_leader``."""
+
+import sys
+
+from .launch import follower_main
+
+follower_main(sys.argv[1:])

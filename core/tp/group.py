@@ -1,0 +1,97 @@
+"""``TPGroup``: the ranks of one tensor-parallel engine and the three things they do together.
+
+* **Commands.** Rank 0 (the leader) runs the engine: scheduler, drafter, sampling, server. The
+  other ranks (followers) hold a shard of the target and its KV pool and do what the leader's
+  target does, in the same order: ``run(op, *args)`` on the leader broadcasts the command
+  (``forward`` of a ForwardBatch, ``move`` of KV slots, ``call`` of one sharded module, ``stop``)
+  and every follower executes it (``follower.py``). Calls made while a command is running (the
+  layers inside a forward) send nothing.
+* **All-reduce** of row-parallel partial sums, as an all-gather followed by a sum in rank
+  order: every element is added in one fixed order whatever the number of rows, so a row's
+  bits never depend on the rest of the forward (greedy speculation stays exact under TP). A
+  ring all-reduce would chunk the tensor by its size, and with it the order of the additions.
+* **Gather** of vocabulary-parallel logits: each rank's columns, concatenated.
+
+gloo on CPUs, nccl on CUDA (``model.tp_backend``). The process group's timeout is long on purpose:
+an idle server's followers wait for their next command; if the leader dies, its sockets close
+and the followers' wait fails, which ends them.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+IDLE_TIMEOUT = timedelta(days=365)
+
+
+class TPGroup:
+    def __init__(self, rank: int, world: int):
+        self.rank, self.world = rank, world
+        self.busy = False  # the leader is inside a command the followers run too
+
+    @classmethod
+    def join(cls, rank: int, world: int, init_method: str, backend: str) -> "TPGroup":
+        """Join (or form) the process group; blocks until every rank has joined."""
+        if not dist.is_initialized():
+            dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=IDLE_TIMEOUT)
+        return cls(dist.get_rank(), dist.get_world_size())
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    # ---- commands -----------------------------------------------------------------------
+    @contextmanager
+    def running(self, op: str, *args):
+        """Leader: start ``op`` on every follower (unless one is already running) and run the
+        leader's part inside the block."""
+        if not self.leader or self.busy:
+            yield
+            return
+        dist.broadcast_object_list([(op, args)], src=0)
+        self.busy = True
+        try:
+            yield
+        finally:
+            self.busy = False
+
+    def send(self, op: str, *args) -> None:
+        """Leader: a command with no part of the leader's own inside it (``stop``)."""
+        with self.running(op, *args):
+            pass
+
+    def next_command(self) -> tuple[str, tuple]:
+        """Follower: wait for the leader's next command."""
+        box = [None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+
+    # ---- collectives --------------------------------------------------------------------
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks, added in rank order (batch invariant; see the module docstring)."""
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world)]
+        dist.all_gather(parts, x)
+        out = parts[0]
+        for p in parts[1:]:
+            out = out + p
+        return out
+
+    def gather_columns(self, x: torch.Tensor, width: int) -> torch.Tensor:
+        """Every rank's ``x`` [T, w] (same w: shards padded to equal width) side by side, cut to
+        ``width`` columns."""
+        x = x.contiguous()
+        parts = [torch.empty_like(x) for _ in range(self.world)]
+        dist.all_gather(parts, x)
+        return torch.cat(parts, dim=-1)[..., :width]
+
+    def barrier(self) -> None:
+        dist.barrier()
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()

@@ -1,0 +1,126 @@
+"""Starting the ranks of a tensor-parallel engine (``model.tp_size`` > 1).
+
+* **Spawned** (``specfw serve model.tp_size=N``): the engine's process is rank 0; it starts
+  ranks 1..N-1 on this machine (``python -m specfw.tp``, the config on their stdin), splits ``engine.num_threads`` (else
+  the machine's cores) evenly over the ranks, and forms the group over TCP on 127.0.0.1.
+* **torchrun** (multi-node, or one node by hand): ``torchrun --nproc-per-node N [--nnodes ..]
+  -m specfw serve model.tp_size=N``; ranks come from ``RANK`` / ``WORLD_SIZE`` (``env://``);
+  rank 0 serves, every other rank runs ``follower.run_follower``.
+
+``model.tp_backend``: ``auto`` = nccl on CUDA, gloo on CPUs.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import os
+import socket
+import subprocess
+import sys
+
+import torch
+
+from ..config import ConfigError
+from .group import TPGroup
+
+logger = logging.getLogger(__name__)
+
+
+def tp_size(cfg) -> int:
+    return int(getattr(cfg.model, "tp_size", 1) or 1)
+
+
+def under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "MASTER_ADDR" in os.environ
+
+
+def torchrun_follower(cfg) -> bool:
+    """True on a torchrun rank other than 0 of a TP engine: it runs ``serve_as_follower``, not an engine."""
+    return tp_size(cfg) > 1 and under_torchrun() and int(os.environ["RANK"]) != 0
+
+
+def dist_backend(cfg, device: torch.device) -> str:
+    name = str(getattr(cfg.model, "tp_backend", "auto"))
+    return ("nccl" if device.type == "cuda" else "gloo") if name == "auto" else name
+
+
+def _check_world(cfg) -> int:
+    world = tp_size(cfg)
+    if under_torchrun() and int(os.environ["WORLD_SIZE"]) != world:
+        raise ConfigError("model.tp_size", f"{world}, but torchrun started {os.environ['WORLD_SIZE']} ranks (WORLD_SIZE); give the same number")
+    return world
+
+
+def start_leader(cfg, device: torch.device) -> TPGroup:
+    """Rank 0: join the torchrun group, or spawn the other ranks and form the group."""
+    world = _check_world(cfg)
+    backend = dist_backend(cfg, device)
+    if under_torchrun():
+        return TPGroup.join(0, world, "env://", backend)
+    threads = max(1, (cfg.engine.num_threads or os.cpu_count() or 1) // world)
+    torch.set_num_threads(threads)
+    init = f"tcp://127.0.0.1:{_free_port()}"
+    from omegaconf import OmegaConf
+
+    plain = OmegaConf.to_container(cfg if OmegaConf.is_config(cfg) else OmegaConf.structured(cfg), resolve=True, enum_to_str=True)
+    procs = []
+    for r in range(1, world):  # a fresh interpreter per rank (python -m specfw.tp), the config on its stdin
+        p = subprocess.Popen([sys.executable, "-m", "specfw.tp", str(r), str(world), init, backend, str(threads)], stdin=subprocess.PIPE)
+        p.stdin.write(json.dumps(plain).encode())
+        p.stdin.close()
+        procs.append(p)
+    group = TPGroup.join(0, world, init, backend)
+    logger.info("tensor parallel: %d ranks (%s, %d threads each) on this machine", world, backend, threads)
+
+    def stop():
+        try:
+            group.send("stop")
+        except Exception:  # noqa: BLE001 - the followers may be gone already
+            pass
+        for p in procs:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
+        group.close()
+
+    group.stop = stop
+    atexit.register(stop)
+    return group
+
+
+def serve_as_follower(cfg) -> None:
+    """A torchrun rank other than 0."""
+    from .follower import run_follower, tp_device
+
+    world = _check_world(cfg)
+    rank = int(os.environ["RANK"])
+    group = TPGroup.join(rank, world, "env://", dist_backend(cfg, tp_device(cfg, rank)))
+    if cfg.engine.num_threads:
+        torch.set_num_threads(cfg.engine.num_threads)
+    run_follower(cfg, group)
+
+
+def follower_main(argv: list[str]) -> None:
+    """``python -m specfw.tp RANK WORLD INIT BACKEND THREADS`` with the config as JSON on stdin."""
+    from omegaconf import OmegaConf
+
+    from .follower import run_follower
+
+    rank, world, init, backend, threads = int(argv[0]), int(argv[1]), argv[2], argv[3], int(argv[4])
+    cfg = OmegaConf.create(json.loads(sys.stdin.read()))
+    logging.basicConfig(level=logging.INFO, format=f"[tp{rank}] %(levelname)s %(name)s: %(message)s")
+    torch.set_num_threads(threads)
+    group = TPGroup.join(rank, world, init, backend)
+    try:
+        run_follower(cfg, group)
+    except Exception as exc:  # noqa: BLE001 - a leader that went away ends the follower quietly
+        logger.info("tp rank %d stops: %s: %s", rank, type(exc).__name__, exc)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
