@@ -77,6 +77,17 @@ def sweep_label() -> str | None:
     return f"[job {hc.job.num}] {' '.join(hc.overrides.task)}"
 
 
+def follow_torchrun(cfg) -> bool:
+    """Under torchrun with ``model.tp_size`` > 1, ranks other than 0 hold a shard and follow rank 0
+    (which runs the engine): True once such a rank is done."""
+    from .tp import serve_as_follower, torchrun_follower
+
+    if not torchrun_follower(cfg):
+        return False
+    serve_as_follower(cfg)
+    return True
+
+
 def generate_task(cfg) -> None:
     from .config import validate
     from .engine import Engine
@@ -90,6 +101,8 @@ def generate_task(cfg) -> None:
         max_new_tokens=cfg.max_new_tokens, temperature=cfg.temperature, top_p=cfg.top_p, top_k=cfg.top_k, min_p=cfg.min_p, seed=cfg.seed
     ).validate()
     setup_logging(cfg.server.log_level if cfg.server.log_level != "info" else "warning")
+    if follow_torchrun(cfg):
+        return
     engine = Engine(cfg)
     prompt = engine.tokenize_chat([{"role": "user", "content": cfg.prompt}]) if cfg.chat else cfg.prompt
     t0 = time.perf_counter()
@@ -113,6 +126,8 @@ def serve_task(cfg) -> None:
     if applied:
         logging.getLogger("specfw").info(applied)
     validate(cfg)
+    if follow_torchrun(cfg):
+        return
     run_server(cfg)
 
 

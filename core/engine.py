@@ -29,7 +29,7 @@ from .sampling import SamplingParams, TokenLogprob
 from .scheduler import ScheduledBatch, Scheduler, StepUpdate
 from .stats import EngineStats, Load
 from .step import StepResult
-from .tp import shard_model, start_leader, tp_size
+from .tp import partition, shard_model, start_leader, tp_size
 from .worker import PlainWorker
 
 logger = logging.getLogger("specfw")
@@ -116,6 +116,7 @@ class Engine:
         )
         self.tp = None
         if tp_size(cfg) > 1:  # the other ranks load, shard and wait for "init" (core/tp)
+            partition(loaded.hf_config, 0, tp_size(cfg))  # a model that cannot be split fails before any rank starts
             self.tp = start_leader(cfg, self.device)
             shard_model(loaded.model, loaded.hf_config, self.tp)
             self.tp.send("init", num_slots, dtype, (1, typical_rows))
@@ -144,6 +145,12 @@ class Engine:
             num_slots,
             type(self.worker).__name__,
         )
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
     def close(self) -> None:
         """Stop the other tensor-parallel ranks (nothing to do for a one-rank engine)."""

@@ -35,6 +35,8 @@ KEYS = {
     "--max-prefill-tokens": "engine.max_prefill_tokens",
     "--max-total-tokens": "engine.max_total_tokens",
     "--mem-fraction-static": "engine.mem_fraction_static",
+    "--tp-size": "model.tp_size",
+    "--tp": "model.tp_size",
     "--speculative-draft-model-path": "speculative.draft_model_path",
     "--speculative-draft": "speculative.draft_model_path",
     "--speculative-draft-model-revision": "speculative.draft_model_revision",
@@ -66,8 +68,6 @@ NOT_HONOURED = {
     "--cuda-graph-max-bs": "no CUDA graphs in specfw yet (issue 23)",
     "--enable-torch-compile": "no torch.compile in specfw yet (issue 23)",
     "--torch-compile-max-bs": "no torch.compile in specfw yet (issue 23)",
-    "--tp-size": "no tensor parallelism in specfw yet (issue 22)",
-    "--tp": "no tensor parallelism in specfw yet (issue 22)",
     "--dp-size": "one engine per process: run replicas behind sglang-router (issue 22)",
     "--dp": "one engine per process: run replicas behind sglang-router (issue 22)",
     "--enable-dp-attention": "no data-parallel attention in specfw",
@@ -83,7 +83,7 @@ ALREADY = {
     "--disable-overlap-schedule": "specfw has no overlap scheduler",
     "--skip-server-warmup": "specfw does not warm the server up",
 }
-PARALLEL = {"--tp-size", "--tp", "--dp-size", "--dp", "--ep-size"}
+PARALLEL = {"--dp-size", "--dp", "--ep-size"}
 SWITCHES = {
     "--enable-torch-compile",
     "--enable-multi-layer-eagle",

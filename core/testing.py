@@ -98,6 +98,7 @@ def check_lossless(
     max_new_tokens: int = 24,
     model_dir: str | Path | None = None,
     require_accepts: bool = True,
+    tp_size: int = 1,
 ) -> LosslessReport:
     """Assert greedy speculative output == plain greedy output for ``algorithm`` (a registered
     name) with ``overrides`` (keys of its config dataclass, e.g. ``{"num_steps": 4, "topk": 1}``).
@@ -129,18 +130,19 @@ def check_lossless(
     def engine(dtype, batch, speculative):
         return Engine(
             SpecfwConfig(
-                model=ModelConfig(path=model, dtype=dtype), engine=EngineConfig(max_running_requests=batch, max_total_tokens=4096), speculative=speculative
+                model=ModelConfig(path=model, dtype=dtype, tp_size=tp_size), engine=EngineConfig(max_running_requests=batch, max_total_tokens=4096), speculative=speculative
             )
         )
 
     for dtype in dtypes:
-        plain = [o.token_ids for o in engine(dtype, 1, SpeculativeConfig()).generate(prompts, greedy)]
+        with engine(dtype, 1, SpeculativeConfig()) as eng:
+            plain = [o.token_ids for o in eng.generate(prompts, greedy)]
         for batch in batch_sizes:
-            eng = engine(dtype, batch, spec)
-            if batch == 1:
-                got = [eng.generate([p], greedy)[0].token_ids for p in prompts]
-            else:
-                got = [o.token_ids for o in eng.generate(prompts, greedy)]
+            with engine(dtype, batch, spec) as eng:
+                if batch == 1:
+                    got = [eng.generate([p], greedy)[0].token_ids for p in prompts]
+                else:
+                    got = [o.token_ids for o in eng.generate(prompts, greedy)]
             for i, (a, b) in enumerate(zip(got, plain)):
                 if a != b:
                     at = next((j for j, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))

@@ -24,7 +24,8 @@ def run_follower(cfg, group: TPGroup) -> None:
     op, (num_slots, dtype, timed_rows) = group.next_command()
     assert op == "init", op
     runner = ModelRunner(loaded.model, loaded.hf_config, num_slots, DTYPES[dtype], backend=backend_from_config(cfg.engine, device, cfg), timed_rows=timed_rows)
-    logger.info("tp rank %d/%d ready: %d KV heads of %d, kv_slots=%d", group.rank, group.world, loaded.model.layers[0].n_kv, loaded.hf_config.num_key_value_heads, num_slots)
+    kv_heads = loaded.model.layers[0].n_kv
+    logger.info("tp rank %d/%d ready: %d KV heads of %d, kv_slots=%d", group.rank, group.world, kv_heads, loaded.hf_config.num_key_value_heads, num_slots)
     model, kv = runner.model, runner.kv
     while True:
         op, args = group.next_command()

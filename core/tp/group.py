@@ -34,10 +34,11 @@ class TPGroup:
         self.busy = False  # the leader is inside a command the followers run too
 
     @classmethod
-    def join(cls, rank: int, world: int, init_method: str, backend: str) -> "TPGroup":
-        """Join (or form) the process group; blocks until every rank has joined."""
+    def join(cls, rank: int, world: int, init_method: str, backend: str, store=None) -> "TPGroup":
+        """Join (or form) the process group (through ``store`` when given); blocks until every rank has joined."""
         if not dist.is_initialized():
-            dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world, timeout=IDLE_TIMEOUT)
+            where = {"store": store} if store is not None else {"init_method": init_method}
+            dist.init_process_group(backend, rank=rank, world_size=world, timeout=IDLE_TIMEOUT, **where)
         return cls(dist.get_rank(), dist.get_world_size())
 
     @property
@@ -91,6 +92,10 @@ class TPGroup:
 
     def barrier(self) -> None:
         dist.barrier()
+
+    def stop(self) -> None:
+        """Leader: end the followers (``launch.start_leader`` replaces this with one that also waits for them)."""
+        self.close()
 
     def close(self) -> None:
         if dist.is_initialized():

@@ -19,13 +19,17 @@ import os
 import socket
 import subprocess
 import sys
+import time
+from datetime import timedelta
 
 import torch
+import torch.distributed as dist
 
 from ..config import ConfigError
 from .group import TPGroup
 
 logger = logging.getLogger(__name__)
+RENDEZVOUS_TIMEOUT = timedelta(minutes=10)  # spawned ranks announce themselves before loading the model
 
 
 def tp_size(cfg) -> int:
@@ -57,24 +61,35 @@ def start_leader(cfg, device: torch.device) -> TPGroup:
     """Rank 0: join the torchrun group, or spawn the other ranks and form the group."""
     world = _check_world(cfg)
     backend = dist_backend(cfg, device)
+    if dist.is_initialized():
+        raise RuntimeError("model.tp_size: one tensor-parallel engine per process (close() the other Engine first)")
+    procs: list[subprocess.Popen] = []
     if under_torchrun():
-        return TPGroup.join(0, world, "env://", backend)
-    threads = max(1, (cfg.engine.num_threads or os.cpu_count() or 1) // world)
-    torch.set_num_threads(threads)
-    init = f"tcp://127.0.0.1:{_free_port()}"
-    from omegaconf import OmegaConf
+        group = TPGroup.join(0, world, "env://", backend)
+    else:
+        threads = max(1, (cfg.engine.num_threads or os.cpu_count() or 1) // world)
+        torch.set_num_threads(threads)
+        port = _free_port()
+        store = dist.TCPStore("127.0.0.1", port, world, is_master=True, timeout=RENDEZVOUS_TIMEOUT, wait_for_workers=False)
+        from omegaconf import OmegaConf
 
-    plain = OmegaConf.to_container(cfg if OmegaConf.is_config(cfg) else OmegaConf.structured(cfg), resolve=True, enum_to_str=True)
-    procs = []
-    for r in range(1, world):  # a fresh interpreter per rank (python -m specfw.tp), the config on its stdin
-        p = subprocess.Popen([sys.executable, "-m", "specfw.tp", str(r), str(world), init, backend, str(threads)], stdin=subprocess.PIPE)
-        p.stdin.write(json.dumps(plain).encode())
-        p.stdin.close()
-        procs.append(p)
-    group = TPGroup.join(0, world, init, backend)
-    logger.info("tensor parallel: %d ranks (%s, %d threads each) on this machine", world, backend, threads)
+        plain = OmegaConf.to_container(cfg if OmegaConf.is_config(cfg) else OmegaConf.structured(cfg), resolve=True, enum_to_str=True)
+        for r in range(1, world):  # a fresh interpreter per rank (python -m specfw.tp), the config on its stdin
+            p = subprocess.Popen([sys.executable, "-m", "specfw.tp", str(r), str(world), str(port), backend, str(threads)], stdin=subprocess.PIPE, start_new_session=True)
+            p.stdin.write(json.dumps(plain).encode())
+            p.stdin.close()
+            procs.append(p)
+        _await_followers(store, procs)
+        group = TPGroup.join(0, world, "", backend, store=store)
+        logger.info("tensor parallel: %d ranks (%s, %d threads each) on this machine", world, backend, threads)
+
+    stopped = []
 
     def stop():
+        if stopped:
+            return
+        stopped.append(True)
+        atexit.unregister(stop)
         try:
             group.send("stop")
         except Exception:  # noqa: BLE001 - the followers may be gone already
@@ -86,7 +101,7 @@ def start_leader(cfg, device: torch.device) -> TPGroup:
                 p.kill()
         group.close()
 
-    group.stop = stop
+    group.stop, group.processes = stop, procs
     atexit.register(stop)
     return group
 
@@ -103,17 +118,35 @@ def serve_as_follower(cfg) -> None:
     run_follower(cfg, group)
 
 
+def _await_followers(store, procs: list[subprocess.Popen]) -> None:
+    """Wait until every spawned rank has announced itself; a rank that exits first is an error
+    now, not a hang at the rendezvous."""
+    deadline = time.monotonic() + RENDEZVOUS_TIMEOUT.total_seconds()
+    keys = [f"specfw-tp-up-{r}" for r in range(1, len(procs) + 1)]
+    while not store.check(keys):
+        for r, p in enumerate(procs, 1):
+            if p.poll() is not None:
+                for q in procs:
+                    q.kill()
+                raise RuntimeError(f"model.tp_size: tensor-parallel rank {r} exited with code {p.returncode} before joining (its log is above)")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"model.tp_size: the tensor-parallel ranks did not join within {RENDEZVOUS_TIMEOUT}")
+        time.sleep(0.05)
+
+
 def follower_main(argv: list[str]) -> None:
-    """``python -m specfw.tp RANK WORLD INIT BACKEND THREADS`` with the config as JSON on stdin."""
+    """``python -m specfw.tp RANK WORLD PORT BACKEND THREADS`` with the config as JSON on stdin."""
     from omegaconf import OmegaConf
 
     from .follower import run_follower
 
-    rank, world, init, backend, threads = int(argv[0]), int(argv[1]), argv[2], argv[3], int(argv[4])
+    rank, world, port, backend, threads = int(argv[0]), int(argv[1]), int(argv[2]), argv[3], int(argv[4])
     cfg = OmegaConf.create(json.loads(sys.stdin.read()))
     logging.basicConfig(level=logging.INFO, format=f"[tp{rank}] %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(threads)
-    group = TPGroup.join(rank, world, init, backend)
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=RENDEZVOUS_TIMEOUT)
+    store.set(f"specfw-tp-up-{rank}", "1")
+    group = TPGroup.join(rank, world, "", backend, store=store)
     try:
         run_follower(cfg, group)
     except Exception as exc:  # noqa: BLE001 - a leader that went away ends the follower quietly

@@ -66,7 +66,9 @@ def test_algorithms_dtype_and_switches():
     assert t.overrides == ["speculative=eagle3", "model.dtype=bfloat16", "speculative.topk=1"] and not t.warnings
     assert translate("--speculative-algorithm NEXTN").overrides == ["speculative=mtp"]
     assert translate("--dtype auto").overrides == []
-    assert translate("--tp-size 1 --dp 1").warnings == []  # one rank: what specfw does
+    assert translate("--dp 1").warnings == []  # one engine: what specfw does
+    t = translate("--tp-size 2")
+    assert t.warnings == [] and "model.tp_size=2" in t.overrides
     assert translate("--quantization w8a8_int8").overrides == ["model.quantization=int8", "model.activation_quantization=int8"]
 
 
