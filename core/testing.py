@@ -130,7 +130,9 @@ def check_lossless(
     def engine(dtype, batch, speculative):
         return Engine(
             SpecfwConfig(
-                model=ModelConfig(path=model, dtype=dtype, tp_size=tp_size), engine=EngineConfig(max_running_requests=batch, max_total_tokens=4096), speculative=speculative
+                model=ModelConfig(path=model, dtype=dtype, tp_size=tp_size),
+                engine=EngineConfig(max_running_requests=batch, max_total_tokens=4096),
+                speculative=speculative,
             )
         )
 

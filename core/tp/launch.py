@@ -75,7 +75,8 @@ def start_leader(cfg, device: torch.device) -> TPGroup:
 
         plain = OmegaConf.to_container(cfg if OmegaConf.is_config(cfg) else OmegaConf.structured(cfg), resolve=True, enum_to_str=True)
         for r in range(1, world):  # a fresh interpreter per rank (python -m specfw.tp), the config on its stdin
-            p = subprocess.Popen([sys.executable, "-m", "specfw.tp", str(r), str(world), str(port), backend, str(threads)], stdin=subprocess.PIPE, start_new_session=True)
+            argv = [sys.executable, "-m", "specfw.tp", str(r), str(world), str(port), backend, str(threads)]
+            p = subprocess.Popen(argv, stdin=subprocess.PIPE, start_new_session=True)
             p.stdin.write(json.dumps(plain).encode())
             p.stdin.close()
             procs.append(p)
