@@ -3,7 +3,7 @@ endpoints ``sglang-router`` (SGLang's Rust router, ``pip install specfw[router]`
 workers, with SGLang's names and shapes.
 
 * ``GET /server_info`` (``/get_server_info`` is the older name, served by ``native_api``): the model
-  id and the parallel layout (one rank: ``tp_size = dp_size = 1``) the router registers a worker with;
+  id and the parallel layout (``tp_size`` = ``model.tp_size``, ``dp_size`` = 1) the router registers a worker with;
 * ``GET /model_info``: as ``/get_model_info``;
 * ``GET /get_load``, ``GET /v1/loads``: one entry per data-parallel rank (here one), SGLang's fields,
   for load-aware policies;
@@ -36,7 +36,7 @@ def worker_identity(raw: Request) -> dict:
         "served_model_name": st.model_name,
         "model_path": str(e.model_path),
         "tokenizer_path": str(e.model_path),
-        "tp_size": 1,
+        "tp_size": int(getattr(e.cfg.model, "tp_size", 1) or 1),
         "dp_size": 1,
         "load_balance_method": "round_robin",
         "disaggregation_mode": "null",
