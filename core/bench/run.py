@@ -140,6 +140,7 @@ def measure(cfg, ids, params, batch_size: int, desc: str) -> tuple[RunResult, ob
         engine.generate([engine.tokenizer("Warm-up: count to three.")["input_ids"]], SamplingParams(max_new_tokens=4, temperature=0))
         return run_engine(engine, ids, params, batch_size, desc), engine.tree_shape
     finally:
+        engine.close()  # a TP engine's other ranks end here (the next run starts its own)
         del engine
         gc.collect()
 
