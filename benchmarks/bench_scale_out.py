@@ -96,7 +96,8 @@ def main():
 
     torch.set_num_threads(args.threads)
     print(f"CPU: {cpu_description()}")
-    print(f"demo target, {args.quantization} weights, MT-bench {args.prompts} first turns x {args.max_new_tokens} tokens, greedy, {args.threads} threads in total")
+    setup = f"MT-bench {args.prompts} first turns x {args.max_new_tokens} tokens, greedy, {args.threads} threads in total"
+    print(f"demo target, {args.quantization} weights, {setup}")
     prompts = mtbench_first_turns(args.prompts)
     one, one_b1, one_bn = engine_run(args, 1, prompts)
     two, two_b1, two_bn = engine_run(args, 2, prompts)
