@@ -5,7 +5,8 @@ threads in total) and data-parallel replicas (1 vs 2 ``specfw serve`` behind sgl
     .venv/bin/python benchmarks/bench_scale_out.py [--prompts 24] [--max-new-tokens 64] [--concurrency 16]
         [--threads 2] [--quantization none] [--skip-replicas]
 
-Prints the CPU, then per setting tokens/s at batch 1 (TP only) and at ``--concurrency`` requests in
+TP=2 runs twice: ``model.tp_backend=gloo`` (every collective over loopback TCP) and ``auto`` (spawned
+ranks all-gather through shared memory). Prints the CPU, then per setting tokens/s at batch 1 (TP only) and at ``--concurrency`` requests in
 flight, and how many TP=2 greedy outputs equal TP=1's (the partial sums of o_proj/down_proj are
 added in another order, so bits may differ) with their mean common-prefix length.
 """
@@ -22,14 +23,14 @@ from concurrent.futures import ThreadPoolExecutor
 from tqdm import tqdm
 
 
-def engine_run(args, tp: int, prompts_text: list[str]):
+def engine_run(args, tp: int, prompts_text: list[str], tp_backend: str = "auto"):
     from specfw.config import EngineConfig, ModelConfig, SpecfwConfig, SpeculativeConfig
     from specfw.engine import Engine
     from specfw.sampling import SamplingParams
 
     act = "int8" if args.quantization != "none" else "none"
     cfg = SpecfwConfig(
-        model=ModelConfig(tp_size=tp, quantization=args.quantization, activation_quantization=act),
+        model=ModelConfig(tp_size=tp, tp_backend=tp_backend, quantization=args.quantization, activation_quantization=act),
         engine=EngineConfig(max_running_requests=args.concurrency, num_threads=args.threads),
         speculative=SpeculativeConfig(),
     )
@@ -38,7 +39,7 @@ def engine_run(args, tp: int, prompts_text: list[str]):
         prompts = [eng.tokenize_chat([{"role": "user", "content": q}]) for q in prompts_text]
         eng.generate(prompts[:1], SamplingParams(max_new_tokens=4, temperature=0))  # warm-up
         t0, single = time.perf_counter(), []
-        for p in tqdm(prompts, desc=f"TP={tp} batch 1", leave=False):
+        for p in tqdm(prompts, desc=f"TP={tp} {tp_backend} batch 1", leave=False):
             single.append(eng.generate([p], greedy)[0].token_ids)
         t1 = time.perf_counter()
         batched = eng.generate(prompts, greedy)
@@ -100,12 +101,15 @@ def main():
     print(f"demo target, {args.quantization} weights, {setup}")
     prompts = mtbench_first_turns(args.prompts)
     one, one_b1, one_bn = engine_run(args, 1, prompts)
+    _, gloo_b1, gloo_bn = engine_run(args, 2, prompts, "gloo")
     two, two_b1, two_bn = engine_run(args, 2, prompts)
     same = sum(a == b for a, b in zip(one, two))
     prefix = [next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))) for a, b in zip(one, two)]
     print(f"\n| setting | batch 1 tok/s | {args.concurrency} in flight tok/s |\n|---|---|---|")
     print(f"| TP=1 ({args.threads} threads) | {one_b1:.1f} | {one_bn:.1f} |")
-    print(f"| TP=2 ({args.threads // 2} thread(s) per rank, gloo) | {two_b1:.1f} ({two_b1 / one_b1:.2f}x) | {two_bn:.1f} ({two_bn / one_bn:.2f}x) |")
+    per_rank = f"{args.threads // 2} thread(s) per rank"
+    print(f"| TP=2 ({per_rank}, tp_backend=gloo) | {gloo_b1:.1f} ({gloo_b1 / one_b1:.2f}x) | {gloo_bn:.1f} ({gloo_bn / one_bn:.2f}x) |")
+    print(f"| TP=2 ({per_rank}, tp_backend=auto: shared memory) | {two_b1:.1f} ({two_b1 / one_b1:.2f}x) | {two_bn:.1f} ({two_bn / one_bn:.2f}x) |")
     if not args.skip_replicas:
         r1 = cluster_run(args, 1, prompts)
         r2 = cluster_run(args, 2, prompts)

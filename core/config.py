@@ -38,7 +38,7 @@ class ModelConfig:
     served_model_name: Optional[str] = None  # name reported by /v1/models; null = directory name
     load_format: str = "auto"             # auto (safetensors, else *.bin/*.pt; a .gguf path: GGUF) | safetensors | pt | gguf (path = a .gguf file or a directory with one) | dummy (random weights of the config's shapes, no weight file read: benchmarking); SGLang's --load-format
     tp_size: int = 1                      # tensor parallel ranks (SGLang's --tp-size): heads split by whole KV groups, the MLP by blocks of 32, vocabulary-parallel embedding and lm_head; spawned on this machine, or one per torchrun rank (docs/scale-out.md)
-    tp_backend: str = "auto"              # torch.distributed backend of the TP ranks: auto (nccl on CUDA, gloo on CPUs) | gloo | nccl
+    tp_backend: str = "auto"              # collectives of the TP ranks: auto (nccl on CUDA; gloo on CPUs, with all-gathers through shared memory for ranks spawned on one x86 machine) | gloo | nccl
     trust_remote_code: bool = False       # let transformers run the config/tokenizer code a model directory ships (auto_map); refused with an error otherwise. The weights always run on specfw's own model code
 
 

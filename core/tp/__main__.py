@@ -1,4 +1,4 @@
-"""``python -m specfw.tp RANK WORLD PORT BACKEND THREADS``: a follower rank started by ``launch.start_leader``."""
+"""``python -m specfw.tp RANK WORLD PORT BACKEND THREADS SHM``: a follower rank started by ``launch.start_leader``."""
 
 import sys
 

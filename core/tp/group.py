@@ -12,7 +12,8 @@
   ring all-reduce would chunk the tensor by its size, and with it the order of the additions.
 * **Gather** of vocabulary-parallel logits: each rank's columns, concatenated.
 
-gloo on CPUs, nccl on CUDA (``model.tp_backend``). The process group's timeout is long on purpose:
+gloo on CPUs, nccl on CUDA (``model.tp_backend``); ranks spawned on one x86 machine gather through
+shared memory instead (``shm.py``). The process group's timeout is long on purpose:
 an idle server's followers wait for their next command; if the leader dies, its sockets close
 and the followers' wait fails, which ends them.
 """
@@ -32,6 +33,7 @@ class TPGroup:
     def __init__(self, rank: int, world: int):
         self.rank, self.world = rank, world
         self.busy = False  # the leader is inside a command the followers run too
+        self.shm = None  # shm.ShmCollectives: all-gathers through shared memory (ranks spawned on one machine)
 
     @classmethod
     def join(cls, rank: int, world: int, init_method: str, backend: str, store=None) -> "TPGroup":
@@ -72,23 +74,26 @@ class TPGroup:
         return box[0]
 
     # ---- collectives --------------------------------------------------------------------
-    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        """The sum over ranks, added in rank order (batch invariant; see the module docstring)."""
+    def _all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
         x = x.contiguous()
+        if self.shm is not None and self.shm.fits(x):
+            return self.shm.all_gather(x)
         parts = [torch.empty_like(x) for _ in range(self.world)]
         dist.all_gather(parts, x)
-        out = parts[0]
-        for p in parts[1:]:
+        return parts
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum over ranks, added in rank order (batch invariant; see the module docstring)."""
+        parts = self._all_gather(x)
+        out = parts[0] + parts[1] if self.world > 1 else parts[0].clone()
+        for p in parts[2:]:
             out = out + p
         return out
 
     def gather_columns(self, x: torch.Tensor, width: int) -> torch.Tensor:
         """Every rank's ``x`` [T, w] (same w: shards padded to equal width) side by side, cut to
         ``width`` columns."""
-        x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.world)]
-        dist.all_gather(parts, x)
-        return torch.cat(parts, dim=-1)[..., :width]
+        return torch.cat(self._all_gather(x), dim=-1)[..., :width]
 
     def barrier(self) -> None:
         dist.barrier()
@@ -98,5 +103,8 @@ class TPGroup:
         self.close()
 
     def close(self) -> None:
+        if self.shm is not None:
+            self.shm.close()
+            self.shm = None
         if dist.is_initialized():
             dist.destroy_process_group()

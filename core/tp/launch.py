@@ -7,7 +7,8 @@
   -m specfw serve model.tp_size=N``; ranks come from ``RANK`` / ``WORLD_SIZE`` (``env://``);
   rank 0 serves, every other rank runs ``follower.run_follower``.
 
-``model.tp_backend``: ``auto`` = nccl on CUDA, gloo on CPUs.
+``model.tp_backend``: ``auto`` = nccl on CUDA, gloo on CPUs (spawned ranks on one x86 machine
+all-gather through shared memory, ``shm.py``); ``gloo`` / ``nccl`` force one for everything.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from ..config import ConfigError
+from . import shm
 from .group import TPGroup
 
 logger = logging.getLogger(__name__)
@@ -74,15 +76,25 @@ def start_leader(cfg, device: torch.device) -> TPGroup:
         from omegaconf import OmegaConf
 
         plain = OmegaConf.to_container(cfg if OmegaConf.is_config(cfg) else OmegaConf.structured(cfg), resolve=True, enum_to_str=True)
+        shm_path = "-"
+        if str(getattr(cfg.model, "tp_backend", "auto")) == "auto" and device.type == "cpu" and shm.supported():
+            shm_path = shm.path_for(str(port))
+            shm.create(shm_path, world)
         for r in range(1, world):  # a fresh interpreter per rank (python -m specfw.tp), the config on its stdin
-            argv = [sys.executable, "-m", "specfw.tp", str(r), str(world), str(port), backend, str(threads)]
+            argv = [sys.executable, "-m", "specfw.tp", str(r), str(world), str(port), backend, str(threads), shm_path]
             p = subprocess.Popen(argv, stdin=subprocess.PIPE, start_new_session=True)
             p.stdin.write(json.dumps(plain).encode())
             p.stdin.close()
             procs.append(p)
-        _await_followers(store, procs)
-        group = TPGroup.join(0, world, "", backend, store=store)
-        logger.info("tensor parallel: %d ranks (%s, %d threads each) on this machine", world, backend, threads)
+        try:
+            _await_followers(store, procs)  # every rank has mapped the shared file by now
+            group = TPGroup.join(0, world, "", backend, store=store)
+            group.shm = shm.ShmCollectives(shm_path, 0, world) if shm_path != "-" else None
+        finally:
+            if shm_path != "-":
+                os.unlink(shm_path)  # the mappings stay; nothing is left in /dev/shm
+        how = f"{backend}, all-gathers through shared memory" if group.shm else backend
+        logger.info("tensor parallel: %d ranks (%s, %d threads each) on this machine", world, how, threads)
 
     stopped = []
 
@@ -136,18 +148,21 @@ def _await_followers(store, procs: list[subprocess.Popen]) -> None:
 
 
 def follower_main(argv: list[str]) -> None:
-    """``python -m specfw.tp RANK WORLD PORT BACKEND THREADS`` with the config as JSON on stdin."""
+    """``python -m specfw.tp RANK WORLD PORT BACKEND THREADS SHM`` with the config as JSON on stdin
+    (SHM: the shared file of ``shm.py``, or ``-``)."""
     from omegaconf import OmegaConf
 
     from .follower import run_follower
 
-    rank, world, port, backend, threads = int(argv[0]), int(argv[1]), int(argv[2]), argv[3], int(argv[4])
+    rank, world, port, backend, threads, shm_path = int(argv[0]), int(argv[1]), int(argv[2]), argv[3], int(argv[4]), argv[5]
     cfg = OmegaConf.create(json.loads(sys.stdin.read()))
     logging.basicConfig(level=logging.INFO, format=f"[tp{rank}] %(levelname)s %(name)s: %(message)s")
     torch.set_num_threads(threads)
     store = dist.TCPStore("127.0.0.1", port, world, is_master=False, timeout=RENDEZVOUS_TIMEOUT)
+    mapped = shm.ShmCollectives(shm_path, rank, world) if shm_path != "-" else None
     store.set(f"specfw-tp-up-{rank}", "1")
     group = TPGroup.join(rank, world, "", backend, store=store)
+    group.shm = mapped
     try:
         run_follower(cfg, group)
     except Exception as exc:  # noqa: BLE001 - a leader that went away ends the follower quietly

@@ -33,8 +33,10 @@ def test_two_ranks_compute_the_one_rank_model(tiny_model_dir):
     """Same tokens, log-probabilities equal up to the reordered sums (o_proj and down_proj add two
     partial sums; the embedding and the logits are exact)."""
     one, _ = _run(tiny_model_dir, 1)
-    two, procs = _run(tiny_model_dir, 2)
+    two, procs = _run(tiny_model_dir, 2)  # tp_backend=auto: shared-memory all-gathers here
+    gloo, _ = _run(tiny_model_dir, 2, model_tp_backend="gloo")
     assert len(procs) == 1
+    assert gloo == two  # same sums in the same order, whatever carries the bytes
     for (ta, la), (tb, lb) in zip(one, two):
         assert ta == tb
         assert len(la) == len(ta) and la == pytest.approx(lb, abs=1e-4)

@@ -57,3 +57,35 @@ def test_a_shard_boundary_inside_a_quantization_group_is_refused():
     qw = quantize(torch.randn(16, 128), "int4")
     with pytest.raises(ConfigError, match="splits a quantization group"):
         take_quant(qw, None, slice(0, 48))
+
+
+@pytest.mark.skipif(not __import__("specfw.tp.shm", fromlist=["supported"]).supported(), reason="shared-memory collectives are x86 + /dev/shm only")
+def test_shared_memory_all_gather_between_two_ranks_over_many_rounds(tmp_path):
+    """Two ranks (threads here, processes in use) mapping one file: every round each sees both
+    tensors of that round, never a slot of the round before (parity double buffering)."""
+    import threading
+
+    from specfw.tp import shm
+
+    path = str(tmp_path / "tp-shm")
+    shm.create(path, 2)
+    ranks = [shm.ShmCollectives(path, r, 2) for r in range(2)]
+    seen = {0: [], 1: []}
+
+    def run(r):
+        for i in range(300):
+            x = torch.full((3, 5), float(1000 * r + i))
+            parts = ranks[r].all_gather(x)
+            seen[r].append((float(parts[0][0, 0]), float(parts[1][2, 4])))
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    expected = [(float(i), float(1000 + i)) for i in range(300)]
+    assert seen[0] == expected and seen[1] == expected
+    big = torch.zeros(shm.SLOT_BYTES // 4 + 1)
+    assert not ranks[0].fits(big)  # larger tensors go through gloo
+    for r in ranks:
+        r.close()
