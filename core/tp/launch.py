@@ -69,32 +69,7 @@ def start_leader(cfg, device: torch.device) -> TPGroup:
     if under_torchrun():
         group = TPGroup.join(0, world, "env://", backend)
     else:
-        threads = max(1, (cfg.engine.num_threads or os.cpu_count() or 1) // world)
-        torch.set_num_threads(threads)
-        port = _free_port()
-        store = dist.TCPStore("127.0.0.1", port, world, is_master=True, timeout=RENDEZVOUS_TIMEOUT, wait_for_workers=False)
-        from omegaconf import OmegaConf
-
-        plain = OmegaConf.to_container(cfg if OmegaConf.is_config(cfg) else OmegaConf.structured(cfg), resolve=True, enum_to_str=True)
-        shm_path = "-"
-        if str(getattr(cfg.model, "tp_backend", "auto")) == "auto" and device.type == "cpu" and shm.supported():
-            shm_path = shm.path_for(str(port))
-            shm.create(shm_path, world)
-        for r in range(1, world):  # a fresh interpreter per rank (python -m specfw.tp), the config on its stdin
-            argv = [sys.executable, "-m", "specfw.tp", str(r), str(world), str(port), backend, str(threads), shm_path]
-            p = subprocess.Popen(argv, stdin=subprocess.PIPE, start_new_session=True)
-            p.stdin.write(json.dumps(plain).encode())
-            p.stdin.close()
-            procs.append(p)
-        try:
-            _await_followers(store, procs)  # every rank has mapped the shared file by now
-            group = TPGroup.join(0, world, "", backend, store=store)
-            group.shm = shm.ShmCollectives(shm_path, 0, world) if shm_path != "-" else None
-        finally:
-            if shm_path != "-":
-                os.unlink(shm_path)  # the mappings stay; nothing is left in /dev/shm
-        how = f"{backend}, all-gathers through shared memory" if group.shm else backend
-        logger.info("tensor parallel: %d ranks (%s, %d threads each) on this machine", world, how, threads)
+        group = _spawn_ranks(cfg, device, world, backend, procs)
 
     stopped = []
 
@@ -116,6 +91,38 @@ def start_leader(cfg, device: torch.device) -> TPGroup:
 
     group.stop, group.processes = stop, procs
     atexit.register(stop)
+    return group
+
+
+def _spawn_ranks(cfg, device: torch.device, world: int, backend: str, procs: list) -> TPGroup:
+    """Ranks 1..world-1 as ``python -m specfw.tp`` on this machine (appended to ``procs``); the group
+    formed through a TCPStore on 127.0.0.1, with shared-memory all-gathers where ``shm.supported()``."""
+    from omegaconf import OmegaConf
+
+    threads = max(1, (cfg.engine.num_threads or os.cpu_count() or 1) // world)
+    torch.set_num_threads(threads)
+    port = _free_port()
+    store = dist.TCPStore("127.0.0.1", port, world, is_master=True, timeout=RENDEZVOUS_TIMEOUT, wait_for_workers=False)
+    plain = OmegaConf.to_container(cfg if OmegaConf.is_config(cfg) else OmegaConf.structured(cfg), resolve=True, enum_to_str=True)
+    shm_path = "-"
+    if str(getattr(cfg.model, "tp_backend", "auto")) == "auto" and device.type == "cpu" and shm.supported():
+        shm_path = shm.path_for(str(port))
+        shm.create(shm_path, world)
+    for r in range(1, world):  # a fresh interpreter per rank, the config on its stdin
+        argv = [sys.executable, "-m", "specfw.tp", str(r), str(world), str(port), backend, str(threads), shm_path]
+        p = subprocess.Popen(argv, stdin=subprocess.PIPE, start_new_session=True)
+        p.stdin.write(json.dumps(plain).encode())
+        p.stdin.close()
+        procs.append(p)
+    try:
+        _await_followers(store, procs)  # every rank has mapped the shared file by now
+        group = TPGroup.join(0, world, "", backend, store=store)
+        group.shm = shm.ShmCollectives(shm_path, 0, world) if shm_path != "-" else None
+    finally:
+        if shm_path != "-":
+            os.unlink(shm_path)  # the mappings stay; nothing is left in /dev/shm
+    how = f"{backend}, all-gathers through shared memory" if group.shm else backend
+    logger.info("tensor parallel: %d ranks (%s, %d threads each) on this machine", world, how, threads)
     return group
 
 

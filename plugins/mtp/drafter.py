@@ -18,12 +18,24 @@ from specfw.sdk import FeatureDrafter, Rotary, draft_kv_slots, draft_load_format
 from .model import load_mtp
 
 logger = logging.getLogger(__name__)
+DEMO_DRAFT = Path(__file__).parent / "demo_draft"
+
+
+def nextn_path(ctx) -> Path:
+    """Where the NextN layer comes from: ``speculative.draft_model_path``; else, for the demo target
+    (which has none of its own), the committed demo layer; else the target's own checkpoint."""
+    cfg = ctx.config
+    if cfg.draft_model_path:
+        return Path(resolve_model_path(cfg.draft_model_path, cfg.draft_model_revision))
+    if (DEMO_DRAFT / "config.json").exists() and ctx.engine_config.model.path in (None, "", "demo"):
+        return DEMO_DRAFT
+    return Path(ctx.target_path)
 
 
 class MtpDrafter(FeatureDrafter):
     def __init__(self, ctx):
         cfg = ctx.config
-        path = Path(resolve_model_path(cfg.draft_model_path, cfg.draft_model_revision) if cfg.draft_model_path else ctx.target_path)
+        path = nextn_path(ctx)
         self.path, self.load_format = path, draft_load_format(ctx)
         target = ctx.runner.model
         # on the target's device, with the CPU's faster linears (the NextN lm_head included)
