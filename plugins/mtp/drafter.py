@@ -4,7 +4,8 @@ Pair i = (token t_{i+1}, the target's final hidden state at i) → the NextN lay
 the target's lm_head (or the layer's own ``shared_head.head``) predict t_{i+2}; deeper steps feed
 the layer's own output hidden back, reusing the one layer (SGLang does the same with DeepSeek's
 single NextN layer). Drafting, the KV of the layer and tree search are the shared
-``FeatureDrafter``'s."""
+``FeatureDrafter``'s. The demo target has no NextN layer: a committed one (``demo_draft/``,
+docs/drafts.md) is its default."""
 
 from __future__ import annotations
 

@@ -245,3 +245,21 @@ def test_mtp_trainer_unrolls_the_chain(tiny_model_dir):
         dense = tr.head.layer.forward_dense(tr.head.input_layernorm(x), x, torch.arange(10).expand(2, 10), tr.rotary)
         step0 = unrolled_layer_step(tr.head.layer, tr.head.input_layernorm(x), x, 0, [], [], tr.rotary)
     torch.testing.assert_close(step0, dense, rtol=1e-5, atol=1e-5)
+
+
+def test_demo_target_drafts_with_the_committed_nextn_layer(demo_engine):
+    """`specfw serve speculative=mtp` with no path on the demo target (which has no NextN layer of
+    its own) loads plugins/mtp/demo_draft; greedy == plain on MT-bench chats, batch 1 and 2."""
+    from specfw.datasets import mtbench_first_turns
+    from specfw.engine import Engine
+    from specfw_plugins.mtp.drafter import DEMO_DRAFT
+
+    assert (DEMO_DRAFT / "config.json").exists() and (DEMO_DRAFT / "model.safetensors").exists()
+    params = SamplingParams(max_new_tokens=32, temperature=0)
+    chats = [demo_engine.tokenize_chat([{"role": "user", "content": q}]) for q in mtbench_first_turns(2)]
+    ref = [o.token_ids for o in demo_engine.generate(chats, params)]
+    with Engine(make_cfg(max_total_tokens=4096, max_running_requests=2, speculative=MtpConfig(algorithm="mtp"))) as eng:
+        assert eng.worker.runtime.path == DEMO_DRAFT
+        assert [eng.generate([c], params)[0].token_ids for c in chats] == ref
+        assert [o.token_ids for o in eng.generate(chats, params)] == ref
+        assert eng.stats.verify_forwards > 0
