@@ -21,8 +21,10 @@ def run_follower(cfg, group: TPGroup) -> None:
     device = tp_device(cfg, group.rank)
     loaded = load_target(cfg, device)
     shard_model(loaded.model, loaded.hf_config, group)
-    op, (num_slots, dtype, timed_rows) = group.next_command()
-    assert op == "init", op
+    op, args = group.next_command()
+    if op != "init":
+        raise RuntimeError(f"tp rank {group.rank}: expected the leader's 'init', got {op!r}")
+    num_slots, dtype, timed_rows = args
     runner = ModelRunner(loaded.model, loaded.hf_config, num_slots, DTYPES[dtype], backend=backend_from_config(cfg.engine, device, cfg), timed_rows=timed_rows)
     kv_heads = loaded.model.layers[0].n_kv
     logger.info("tp rank %d/%d ready: %d KV heads of %d, kv_slots=%d", group.rank, group.world, kv_heads, loaded.hf_config.num_key_value_heads, num_slots)

@@ -2,7 +2,7 @@
 
 * **Commands.** Rank 0 (the leader) runs the engine: scheduler, drafter, sampling, server. The
   other ranks (followers) hold a shard of the target and its KV pool and do what the leader's
-  target does, in the same order: ``run(op, *args)`` on the leader broadcasts the command
+  target does, in the same order: ``running(op, *args)`` on the leader broadcasts the command
   (``forward`` of a ForwardBatch, ``move`` of KV slots, ``call`` of one sharded module, ``stop``)
   and every follower executes it (``follower.py``). Calls made while a command is running (the
   layers inside a forward) send nothing.
@@ -20,6 +20,7 @@ and the followers' wait fails, which ends them.
 
 from __future__ import annotations
 
+import subprocess
 from contextlib import contextmanager
 from datetime import timedelta
 
@@ -34,6 +35,8 @@ class TPGroup:
         self.rank, self.world = rank, world
         self.busy = False  # the leader is inside a command the followers run too
         self.shm = None  # shm.ShmCollectives: all-gathers through shared memory (ranks spawned on one machine)
+        self.processes: list = []  # the leader's spawned ranks (``launch.py``), waited for by ``stop``
+        self._stopped = False
 
     @classmethod
     def join(cls, rank: int, world: int, init_method: str, backend: str, store=None) -> "TPGroup":
@@ -95,11 +98,20 @@ class TPGroup:
         ``width`` columns."""
         return torch.cat(self._all_gather(x), dim=-1)[..., :width]
 
-    def barrier(self) -> None:
-        dist.barrier()
-
     def stop(self) -> None:
-        """Leader: end the followers (``launch.start_leader`` replaces this with one that also waits for them)."""
+        """Leader: end the followers (``stop`` command), wait for spawned ones, leave the group. Once."""
+        if self._stopped:
+            return
+        self._stopped = True
+        try:
+            self.send("stop")
+        except Exception:  # noqa: BLE001 - the followers may be gone already
+            pass
+        for p in self.processes:
+            try:
+                p.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                p.kill()
         self.close()
 
     def close(self) -> None:

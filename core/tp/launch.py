@@ -65,37 +65,16 @@ def start_leader(cfg, device: torch.device) -> TPGroup:
     backend = dist_backend(cfg, device)
     if dist.is_initialized():
         raise RuntimeError("model.tp_size: one tensor-parallel engine per process (close() the other Engine first)")
-    procs: list[subprocess.Popen] = []
     if under_torchrun():
         group = TPGroup.join(0, world, "env://", backend)
     else:
-        group = _spawn_ranks(cfg, device, world, backend, procs)
-
-    stopped = []
-
-    def stop():
-        if stopped:
-            return
-        stopped.append(True)
-        atexit.unregister(stop)
-        try:
-            group.send("stop")
-        except Exception:  # noqa: BLE001 - the followers may be gone already
-            pass
-        for p in procs:
-            try:
-                p.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        group.close()
-
-    group.stop, group.processes = stop, procs
-    atexit.register(stop)
+        group = _spawn_ranks(cfg, device, world, backend)
+    atexit.register(group.stop)  # a no-op once Engine.close() has stopped it
     return group
 
 
-def _spawn_ranks(cfg, device: torch.device, world: int, backend: str, procs: list) -> TPGroup:
-    """Ranks 1..world-1 as ``python -m specfw.tp`` on this machine (appended to ``procs``); the group
+def _spawn_ranks(cfg, device: torch.device, world: int, backend: str) -> TPGroup:
+    """Ranks 1..world-1 as ``python -m specfw.tp`` on this machine (``group.processes``); the group
     formed through a TCPStore on 127.0.0.1, with shared-memory all-gathers where ``shm.supported()``."""
     from omegaconf import OmegaConf
 
@@ -108,6 +87,7 @@ def _spawn_ranks(cfg, device: torch.device, world: int, backend: str, procs: lis
     if str(getattr(cfg.model, "tp_backend", "auto")) == "auto" and device.type == "cpu" and shm.supported():
         shm_path = shm.path_for(str(port))
         shm.create(shm_path, world)
+    procs = []
     for r in range(1, world):  # a fresh interpreter per rank, the config on its stdin
         argv = [sys.executable, "-m", "specfw.tp", str(r), str(world), str(port), backend, str(threads), shm_path]
         p = subprocess.Popen(argv, stdin=subprocess.PIPE, start_new_session=True)
@@ -118,6 +98,7 @@ def _spawn_ranks(cfg, device: torch.device, world: int, backend: str, procs: lis
         _await_followers(store, procs)  # every rank has mapped the shared file by now
         group = TPGroup.join(0, world, "", backend, store=store)
         group.shm = shm.ShmCollectives(shm_path, 0, world) if shm_path != "-" else None
+        group.processes = procs
     finally:
         if shm_path != "-":
             os.unlink(shm_path)  # the mappings stay; nothing is left in /dev/shm

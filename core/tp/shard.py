@@ -126,16 +126,18 @@ class _Named(nn.Module):
     """A module the leader may call outside a forward (a drafter using the target's embedding or
     lm_head): the followers then run the same call (``TPGroup.running("call", ...)``)."""
 
-    tp_name = ""
+    def __init__(self, group: TPGroup, tp_name: str):
+        super().__init__()
+        self.group, self.tp_name = group, tp_name  # tp_name: the module's path in the model, for the followers
 
     def _running(self, method: str, *args):
         return self.group.running("call", self.tp_name, method, *args)
 
 
 class VocabParallelEmbedding(_Named):
-    def __init__(self, embedding: nn.Embedding, part: Partition, group: TPGroup):
-        super().__init__()
-        self.group, self.start, self.width = group, part.vocab_start, part.vocab_width
+    def __init__(self, embedding: nn.Embedding, part: Partition, group: TPGroup, tp_name: str):
+        super().__init__(group, tp_name)
+        self.start, self.width = part.vocab_start, part.vocab_width
         self.num_embeddings = embedding.num_embeddings
         self.weight = nn.Parameter(_padded_rows(embedding.weight.detach(), self.start, self.width), requires_grad=False)
 
@@ -148,9 +150,9 @@ class VocabParallelEmbedding(_Named):
 
 
 class VocabParallelHead(_Named):
-    def __init__(self, linear: nn.Linear, part: Partition, group: TPGroup):
-        super().__init__()
-        self.group, self.vocab = group, linear.out_features
+    def __init__(self, linear: nn.Linear, part: Partition, group: TPGroup, tp_name: str):
+        super().__init__(group, tp_name)
+        self.vocab = linear.out_features
         rows = torch.arange(part.vocab_start, part.vocab_start + part.vocab_width).clamp(max=self.vocab - 1)
         # the last rank's ids past the vocabulary repeat the last id: their columns are cut after the gather
         shard = _take(linear, rows)
@@ -179,10 +181,8 @@ def shard_model(model: nn.Module, hf_config, group: TPGroup) -> Partition:
     part = partition(hf_config, group.rank, group.world)
     for layer in model.layers:
         _shard_layer(layer, part, group)
-    model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, part, group)
-    model.lm_head = VocabParallelHead(model.lm_head, part, group)
-    model.embed_tokens.tp_name, model.lm_head.tp_name = "embed_tokens", "lm_head"
-    model.tp_group = group
+    model.embed_tokens = VocabParallelEmbedding(model.embed_tokens, part, group, "embed_tokens")
+    model.lm_head = VocabParallelHead(model.lm_head, part, group, "lm_head")
     return part
 
 

@@ -7,6 +7,7 @@ import sys
 import pytest
 
 from conftest import make_cfg
+from server_helpers import free_port
 from specfw.config import ConfigError
 from specfw.sampling import SamplingParams
 
@@ -24,7 +25,7 @@ def _run(model_dir, tp_size, **kw):
             for o in eng.step():
                 logprobs[o.rid] += [t.logprob for t in o.logprobs]
         outs = [(list(r.output_ids), logprobs[r.rid]) for r in reqs]
-        procs = list(getattr(eng.tp, "processes", []))
+        procs = list(eng.tp.processes) if eng.tp else []
         assert eng.runner.allocator.num_used == 0
     return outs, procs
 
@@ -78,18 +79,10 @@ def test_torchrun_launches_the_ranks(tiny_model_dir):
     with Engine(make_cfg(model_path=str(tiny_model_dir), max_total_tokens=4096)) as eng:
         chat = eng.tokenize_chat([{"role": "user", "content": prompt}])
         expected = eng.generate([chat], SamplingParams(max_new_tokens=10, temperature=0))[0].text
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(_free_port()), "-m", "specfw.cli", "generate"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--master-port", str(free_port()), "-m", "specfw.cli", "generate"]
     done = subprocess.run(cmd + args + ["model.tp_size=2"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     assert expected and done.stdout == expected + "\n", (expected, done.stdout)
-
-
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_demo_model_gguf_int8_activations_eagle3_over_two_ranks():
