@@ -6,6 +6,7 @@ schema, and one request failing alone inside a running batch."""
 import json
 import math
 import socket
+import threading
 
 import httpx2
 import pytest
@@ -257,7 +258,9 @@ def test_server_fails_only_the_poisoned_request_in_a_running_batch(server, http)
     batch of 4 streams: it ends with a 500 error event, the other 3 finish with the text they have alone."""
     body = {"prompt": [5, 6, 7], "max_tokens": 40, "temperature": 0, "ignore_eos": True}
     alone = http.post(COMPL, json=body).json()["choices"][0]["text"]
-    eng = server.engine
+    eng, bridge = server.engine, server.state.bridge
+    gate = threading.Event()
+    bridge.call(lambda engine: gate.wait(60))  # hold the engine thread so the 4 streams are admitted together
     socks = []
     for i in range(4):
         s = socket.create_connection(("127.0.0.1", server.port), timeout=60)
@@ -268,14 +271,20 @@ def test_server_fails_only_the_poisoned_request_in_a_running_batch(server, http)
             + data
         )
         socks.append(s)
-    assert wait_until(lambda: server.state.bridge.snapshot.running == 4, 30)
+    assert wait_until(lambda: sum(kind == "submit" for kind, _ in list(bridge._cmds)) == 4, 30)
 
     def poison(engine):
-        victim = engine.scheduler.running[1]
-        victim.params.temperature = math.nan  # sampling it now raises inside the worker
-        poison.rid = victim.rid
+        """Runs between steps on the engine thread until the 4 are decoding together, then poisons one."""
+        running = engine.scheduler.running
+        if len(running) == 4 and all(len(r.output_ids) >= 2 for r in running):
+            victim = running[1]
+            victim.params.temperature = math.nan  # sampling it now raises inside the worker
+            poison.rid = victim.rid
+        elif engine.has_work:
+            bridge.call(poison)
 
-    server.state.bridge.call(poison)
+    bridge.call(poison)
+    gate.set()
     bodies = []
     for s in socks:
         buf = b""
