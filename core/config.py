@@ -56,6 +56,7 @@ class EngineConfig:
     cpu_packed_gemm: bool = True          # CPU: fp32 MKL-packed + transposed weight copies (~2x weight memory); bf16 oneDNN-blocked weights
     cpu_bf16_kernel: bool = True          # CPU bf16 linears on specfw's own kernel: AMX tiles with AMX-BF16, else vdpbf16ps with AVX512-BF16 (compiled on first use, ~30 s; else the generic kernels)
     batch_invariant: bool = True          # a token's numerics never depend on batch or draft tree (exact greedy spec == plain, also in bf16)
+    overlap_schedule: bool = False        # SGLang's overlap scheduler (SpecV2; also SGLANG_ENABLE_SPEC_V2=True): step N computes on a thread while step N-1 is detokenized and streamed; speculative: topk=1 chains only; off by default (docs/overlap.md)
 
 
 @dataclass
@@ -167,6 +168,8 @@ def validate(cfg) -> None:
         raise ConfigError("server.port", f"must be in 1..65535, got {cfg.server.port}")
     if str(cfg.server.log_level).lower() not in LOG_LEVELS:
         raise ConfigError("server.log_level", f"'{cfg.server.log_level}' is not one of {list(LOG_LEVELS)}")
+    from .overlap import check_overlap
+    check_overlap(cfg)
     spec = speculative_config(cfg)
     if hasattr(spec, "resolve_shape"):
         spec.validate()

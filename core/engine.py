@@ -23,6 +23,7 @@ from .device import kv_budget_from_fraction, resolve_device
 from .kv_cache import KVPool
 from .model_loader import DTYPES, load_model
 from .model_runner import PLAIN_BATCH_ROWS, ModelRunner
+from .overlap import OverlapScheduler, chain_for_overlap, check_overlap, overlap_requested
 from .quarantine import Quarantine
 from .request import Request
 from .sampling import SamplingParams, TokenLogprob
@@ -68,7 +69,7 @@ def speculative_tree_shape(cfg, hf_config):
     from .config import speculative_config
     from .speculative.config import resolve_tree_shape
 
-    spec = speculative_config(cfg)
+    spec = chain_for_overlap(speculative_config(cfg), cfg)
     return resolve_tree_shape(spec, hf_config) if hasattr(spec, "resolve_shape") else None
 
 
@@ -98,6 +99,7 @@ class Engine:
         """``cfg``: a SpecfwConfig (OmegaConf or dataclass). ``worker_factory(engine)`` builds the
         worker; default: the speculative worker from the plugin registry, or plain decoding."""
         self.cfg = cfg
+        check_overlap(cfg)
         if cfg.engine.num_threads:
             torch.set_num_threads(cfg.engine.num_threads)
         dtype = str(getattr(cfg.model.dtype, "value", cfg.model.dtype))
@@ -136,6 +138,7 @@ class Engine:
         self.eos_token_ids = tuple(sorted({i for i in [self.tokenizer.eos_token_id, getattr(loaded.hf_config, "eos_token_id", None)] if isinstance(i, int)}))
         self._detok: dict[str, IncrementalDetokenizer] = {}
         self.model_name = cfg.model.served_model_name or self.model_path.name
+        self.overlap = OverlapScheduler(self) if overlap_requested(cfg) else None
         logger.info(
             "engine ready: model=%s dtype=%s device=%s kernels=%s kv_slots=%d worker=%s",
             self.model_name,
@@ -153,7 +156,9 @@ class Engine:
         self.close()
 
     def close(self) -> None:
-        """Stop the other tensor-parallel ranks (nothing to do for a one-rank engine)."""
+        """Stop the overlap scheduler's compute thread and the other tensor-parallel ranks."""
+        if self.overlap is not None:
+            self.overlap.close()
         if self.tp is not None:
             self.tp.stop()
             self.tp = None
@@ -190,10 +195,12 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return self.scheduler.has_work
+        return self.scheduler.has_work or (self.overlap is not None and self.overlap.has_work)
 
     # ---- the step -----------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        if self.overlap is not None:  # the same step, its compute beside the last step's outputs (core/overlap.py)
+            return self.overlap.step()
         batch = self.scheduler.schedule()
         if batch is None:
             return []
@@ -230,7 +237,10 @@ class Engine:
             return []
         return [self._finish(batch.reqs[0], "error", error=f"{type(exc).__name__}: {exc}")]
 
-    def _outputs(self, batch: ScheduledBatch, results: list[StepResult], updates: list[StepUpdate]) -> list[RequestOutput]:
+    def _outputs(self, batch: ScheduledBatch, results: list[StepResult], updates: list[StepUpdate], retire=None) -> list[RequestOutput]:
+        """The step's ``RequestOutput``s. A finishing request's final output is made here; ``retire``
+        (default: at once) takes it out of the scheduler and the worker (the overlap scheduler
+        defers that until the step computing beside this returned)."""
         outs = []
         now = time.monotonic()
         for req, res, upd in zip(batch.reqs, results, updates):
@@ -242,29 +252,42 @@ class Engine:
                 req.spec_accepted_tokens += res.num_accepted
             new, reason = upd.new_tokens, upd.finish_reason
             detok = self._detok[req.rid]
-            if detok.update(req.output_ids):  # a stop string
+            if detok.update(req.output_ids[: upd.num_output]):  # a stop string
                 reason = "stop"
             logprobs = res.logprobs[: len(new)]
-            if reason is not None:
+            if reason is None:
+                outs.append(self._output(req, new, detok.delta(False), False, None, logprobs, upd.num_output))
+            elif retire is None:
                 outs.append(self._finish(req, reason, new, logprobs))
             else:
-                outs.append(self._output(req, new, detok.delta(False), False, None, logprobs))
+                retire(req, reason, None, upd.num_output)
+                outs.append(self._final_output(req, reason, new, logprobs, upd.num_output))
         return outs
 
     def _finish(self, req: Request, reason: str, new: list[int] | None = None, logprobs=None, error=None) -> RequestOutput:
-        """Final output of a request (the scheduler finishes it: out of the running set, KV freed)."""
+        """Final output of a request, retired at once (out of the queues, KV freed, worker state released)."""
+        self._retire(req, reason, error)
+        return self._final_output(req, reason, new, logprobs)
+
+    def _retire(self, req: Request, reason: str, error: str | None = None) -> None:
+        """The scheduler finishes the request (out of the waiting queue or running set, KV freed), the
+        worker drops its state."""
+        self.scheduler.remove(req.rid)
         self.scheduler.finish(req, reason, error)
         self.quarantine.forget(req)
         self.worker.release(req)
+        self.stats.on_finish(req)
+
+    def _final_output(self, req: Request, reason: str, new, logprobs, num_output: int | None = None, error: str | None = None) -> RequestOutput:
         detok = self._detok.pop(req.rid, None)
         delta = detok.delta(True) if detok else ""
-        self.stats.on_finish(req)
         req.final_text = detok.text if detok else ""
-        return self._output(req, new or [], delta, True, reason, logprobs or [])
+        return self._output(req, new or [], delta, True, reason, logprobs or [], num_output, error)
 
-    def _output(self, req, new, delta, finished, reason, logprobs) -> RequestOutput:
+    def _output(self, req, new, delta, finished, reason, logprobs, num_output: int | None = None, error: str | None = None) -> RequestOutput:
         meta = {"spec_verify_ct": req.spec_verify_ct, "spec_accept_length": round(req.spec_accept_length, 4)} if req.spec_verify_ct else {}
-        return RequestOutput(req.rid, new, delta, finished, reason, req.error, list(logprobs), len(req.prompt_ids), len(req.output_ids), meta)
+        n = len(req.output_ids) if num_output is None else num_output
+        return RequestOutput(req.rid, new, delta, finished, reason, error or req.error, list(logprobs), len(req.prompt_ids), n, meta)
 
     # ---- offline convenience ------------------------------------------------------------
     def generate(self, prompts: list[str | list[int]], params: SamplingParams | list[SamplingParams], progress: bool = False) -> list[Completion]:

@@ -53,10 +53,12 @@ class ScheduledBatch:
 
 @dataclass
 class StepUpdate:
-    """What ``update`` did for one request: the tokens appended and, if it finished, why."""
+    """What ``update`` did for one request: the tokens appended, its output length after them and,
+    if it finished, why."""
 
     new_tokens: list[int]
     finish_reason: str | None = None
+    num_output: int = 0
 
 
 class Scheduler:
@@ -206,7 +208,7 @@ class Scheduler:
                 reason = "length"
             if reason is not None:
                 self.finish(req, reason)
-            updates.append(StepUpdate(new, reason))
+            updates.append(StepUpdate(new, reason, len(req.output_ids)))
         self.in_flight = None
         return updates
 

@@ -137,6 +137,10 @@ def apply_tuned(cfg) -> str | None:
     if found is None:
         return None
     bucket, entry = found
+    from .overlap import overlap_requested
+
+    if overlap_requested(cfg) and entry.topk not in (None, 1):
+        return None  # the overlap scheduler takes chains only; its auto shape is a chain
     for k, v in entry.overrides().items():
         cfg.speculative[k] = v
     shown = ", ".join(f"{k}={v}" for k, v in entry.overrides().items() if v is not None)

@@ -110,6 +110,10 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, torch::Te
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // the GIL is released while a kernel runs: another Python thread (the overlap scheduler's
+  // engine thread, the server's event loop) may run meanwhile; arguments and results are
+  // converted with the GIL held
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("pack", &pack, "pack a [N, K] bf16 weight for linear()");
-  m.def("linear", &linear, "batch-invariant bf16 linear (AVX512-BF16)");
+  m.def("linear", &linear, "batch-invariant bf16 linear (AVX512-BF16)", nogil);
 }

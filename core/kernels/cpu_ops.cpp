@@ -599,11 +599,15 @@ std::string isa() { return SPECFW_ISA; }
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  // the GIL is released while a kernel runs: another Python thread (the overlap scheduler's
+  // engine thread, the server's event loop) may run meanwhile; arguments and results are
+  // converted with the GIL held
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("isa", &isa, "the instruction set this build was compiled for");
   m.def("pack", &pack, "pack a [N, K] fp32/bf16 weight for linear()");
-  m.def("linear", &linear, "batch-invariant linear over a packed weight");
-  m.def("attention", &attention, "batch-invariant attention of one-row queries over the KV pool");
-  m.def("add_rms_norm", &add_rms_norm, "(x + residual, RMSNorm(x + residual) * weight); residual optional");
-  m.def("rope_write", &rope_write, "rope on q and k heads; k and v written to the KV pool; returns q");
-  m.def("silu_mul", &silu_mul, "silu(gate) * up");
+  m.def("linear", &linear, "batch-invariant linear over a packed weight", nogil);
+  m.def("attention", &attention, "batch-invariant attention of one-row queries over the KV pool", nogil);
+  m.def("add_rms_norm", &add_rms_norm, "(x + residual, RMSNorm(x + residual) * weight); residual optional", nogil);
+  m.def("rope_write", &rope_write, "rope on q and k heads; k and v written to the KV pool; returns q", nogil);
+  m.def("silu_mul", &silu_mul, "silu(gate) * up", nogil);
 }

@@ -375,7 +375,11 @@ std::string isa() {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("linear", &linear, "batch-invariant linear with int8 activations and 4/8-bit weight codes");
-  m.def("quantize_rows", &quantize_rows, "int8 codes and per-32 scales of each row");
+  // the GIL is released while a kernel runs: another Python thread (the overlap scheduler's
+  // engine thread, the server's event loop) may run meanwhile; arguments and results are
+  // converted with the GIL held
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("linear", &linear, "batch-invariant linear with int8 activations and 4/8-bit weight codes", nogil);
+  m.def("quantize_rows", &quantize_rows, "int8 codes and per-32 scales of each row", nogil);
   m.def("isa", &isa, "the instruction set this build targets");
 }

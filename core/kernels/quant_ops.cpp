@@ -313,7 +313,11 @@ std::string isa() {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("qlinear", &qlinear, "batch-invariant weight-only quantized linear");
+  // the GIL is released while a kernel runs: another Python thread (the overlap scheduler's
+  // engine thread, the server's event loop) may run meanwhile; arguments and results are
+  // converted with the GIL held
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("qlinear", &qlinear, "batch-invariant weight-only quantized linear", nogil);
   m.def("dequantize", &dequantize, "the fp32 weight of packed codes");
   m.def("isa", &isa, "the instruction set this build targets");
 }

@@ -61,8 +61,6 @@ class SpeculativeWorker:
             or _env_flag("SPECFW_FORCE_GREEDY_VERIFY")
             or (algorithm.name == "ngram" and _env_flag("SGLANG_NGRAM_FORCE_GREEDY_VERIFY")),
         )
-        if _env_flag("SGLANG_ENABLE_SPEC_V2"):
-            logger.warning("SGLANG_ENABLE_SPEC_V2 is set but not honoured: specfw has no overlap scheduler yet")
         # per-engine hook relay: core defaults + the active algorithm's runtime + observers
         self.pm = pluggy.PluginManager(hookspecs.PROJECT)
         self.pm.add_hookspecs(hookspecs)

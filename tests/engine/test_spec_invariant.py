@@ -178,3 +178,24 @@ def test_greedy_speculative_equals_plain_tensor_parallel(name, tiny_model_dir, t
         assert [eng.generate([p], GREEDY)[0].token_ids for p in prompts] == tp_plain_reference, f"{name} {spec}: batch 1 diverged"
         assert [o.token_ids for o in eng.generate(prompts, GREEDY)] == tp_plain_reference, f"{name} {spec}: batch 4 diverged"
         assert eng.stats.verify_forwards > 0 and eng.runner.allocator.num_used == 0
+
+
+# ---- the overlap scheduler (engine.overlap_schedule, SGLang's SpecV2: topk=1 chains) -------------
+@pytest.mark.parametrize("name", ["none", "eagle", "eagle3", "mtp", "standalone"])
+def test_greedy_overlap_schedule_equals_plain(name, tiny_model_dir, tiny_draft_dir, tiny_eagle_drafts, prompts, plain_references):
+    """Step N computing while step N-1's outputs are made changes no token: batch 1 and 4 == plain
+    greedy without overlap, for plain decoding and every chain-drafting algorithm."""
+    from specfw.engine import Engine
+    from specfw.speculative.config import SpecAlgoConfig
+
+    spec = None
+    if name != "none":
+        spec = next(c for c in _configs(name, tiny_draft_dir, tiny_eagle_drafts) if c.topk == 1 and (c.num_steps or 0) > 1)
+        assert isinstance(spec, SpecAlgoConfig)
+    with Engine(make_cfg(model_path=str(tiny_model_dir), max_total_tokens=4096, max_running_requests=4, overlap_schedule=True, speculative=spec)) as eng:
+        assert eng.overlap is not None
+        assert [eng.generate([p], GREEDY)[0].token_ids for p in prompts] == plain_references["float32"], f"{name}: batch 1 diverged"
+        assert [o.token_ids for o in eng.generate(prompts, GREEDY)] == plain_references["float32"], f"{name}: batch 4 diverged"
+        assert eng.runner.allocator.num_used == 0 and not eng.has_work
+        if spec is not None:
+            assert eng.stats.accepted_draft_tokens > 0

@@ -70,6 +70,7 @@ def test_algorithms_dtype_and_switches():
     t = translate("--tp-size 2")
     assert t.warnings == [] and "model.tp_size=2" in t.overrides
     assert translate("--quantization w8a8_int8").overrides == ["model.quantization=int8", "model.activation_quantization=int8"]
+    assert translate("--disable-overlap-schedule").overrides == ["engine.overlap_schedule=false"]
 
 
 def test_flags_not_honoured_are_named_and_nothing_is_dropped_silently():
@@ -120,7 +121,10 @@ def test_documented_launch_command_serves_a_chat_completion(example, monkeypatch
         cfg = compose("serve", overrides=t.overrides + ["engine.num_threads=2", "engine.max_total_tokens=2048"])
     validate(cfg)
     assert cfg.speculative.algorithm in ("eagle", "eagle3", "standalone", "ngram")
-    with ServerThread(create_app(Engine(cfg))) as server:
+    engine = Engine(cfg)
+    assert (engine.overlap is not None) == ("SGLANG_ENABLE_SPEC_V2" in t.environ)  # SpecV2: the overlap scheduler, a chain
+    assert engine.overlap is None or engine.tree_shape.topk == 1
+    with ServerThread(create_app(engine)) as server:
         c = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
         r = c.chat.completions.create(model="default", messages=[{"role": "user", "content": "Count to five."}], max_tokens=6, temperature=0)
         assert r.usage.completion_tokens > 0 and r.choices[0].message.content

@@ -1,0 +1,76 @@
+"""The overlap scheduler on and off, in one run (issue 20): real ``specfw serve`` processes (uvicorn
+on 127.0.0.1, streamed chat completions through the OpenAI-style API), MT-bench first turns,
+greedy, at 1 and at ``--concurrency`` requests in flight, for plain decoding and for a topk=1
+EAGLE-3 chain (the overlap scheduler takes chains only). One server at a time on the machine.
+
+    .venv/bin/python benchmarks/bench_overlap.py [--prompts 16] [--max-new-tokens 64] [--concurrency 16]
+        [--threads 2] [--model-args model.quantization=gguf model.activation_quantization=int8]
+
+Prints the CPU, then per setting tokens/s off and on and the ratio, and whether every stream's
+text with the scheduler on equals the text with it off.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from bench_server import serve  # noqa: E402
+
+SETTINGS = {
+    "plain": [],
+    "eagle3 chain (5,1,6)": ["speculative=eagle3", "speculative.num_steps=5", "speculative.topk=1"],
+}
+
+
+def measure(extra: list[str], threads: int, prompts, args) -> dict:
+    from specfw.bench.client import run_server
+
+    proc, port = serve(extra, threads)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        run_server(url, prompts[:1], 4, 0.0, True, 1, desc="warm-up")
+        out = {}
+        for conc, n in ((1, args.prompts), (args.concurrency, args.prompts * 2)):
+            r = run_server(url, prompts[:n], args.max_new_tokens, 0.0, True, conc, desc=f"{' '.join(extra) or 'plain'} x{conc}")
+            out[conc] = r
+        return out
+    finally:
+        proc.terminate()
+        proc.wait(30)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--concurrency", type=int, default=16)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--model-args", nargs="*", default=["model.quantization=gguf", "model.activation_quantization=int8"])
+    args = ap.parse_args()
+
+    from types import SimpleNamespace
+
+    from specfw.bench.prompts import load_prompts
+    from specfw.machine import cpu_description
+
+    prompts = load_prompts(SimpleNamespace(dataset="mtbench", path=None, start=0, num_prompts=args.prompts * 2))
+    common = [*args.model_args, f"engine.max_running_requests={args.concurrency}", "tuned.use=false"]
+    rows = []
+    for name, extra in SETTINGS.items():
+        off = measure(common + extra + ["engine.overlap_schedule=false"], args.threads, prompts, args)
+        on = measure(common + extra + ["engine.overlap_schedule=true"], args.threads, prompts, args)
+        for conc in off:
+            a, b = off[conc], on[conc]
+            rows.append((name, conc, a.output_tokens / a.seconds, b.output_tokens / b.seconds, a.outputs == b.outputs, a.accept_length))
+    print(f"\nMT-bench first turns x {args.max_new_tokens} tokens, greedy, streamed through specfw serve, {args.threads} threads, {' '.join(args.model_args) or 'fp32'}")
+    print(f"on {cpu_description()}")
+    print(f"{'setting':24s} {'in flight':>9s} {'off tok/s':>10s} {'on tok/s':>10s} {'on/off':>7s}  same text  accept")
+    for name, conc, a, b, same, acc in rows:
+        print(f"{name:24s} {conc:9d} {a:10.1f} {b:10.1f} {b / a:6.2f}x  {str(same):9s}  {acc or '':.4}")
+
+
+if __name__ == "__main__":
+    main()
