@@ -65,7 +65,8 @@ def main() -> None:
         for conc in off:
             a, b = off[conc], on[conc]
             rows.append((name, conc, a.output_tokens / a.seconds, b.output_tokens / b.seconds, a.outputs == b.outputs, a.accept_length))
-    print(f"\nMT-bench first turns x {args.max_new_tokens} tokens, greedy, streamed through specfw serve, {args.threads} threads, {' '.join(args.model_args) or 'fp32'}")
+    model = " ".join(args.model_args) or "fp32"
+    print(f"\nMT-bench first turns x {args.max_new_tokens} tokens, greedy, streamed through specfw serve, {args.threads} threads, {model}")
     print(f"on {cpu_description()}")
     print(f"{'setting':24s} {'in flight':>9s} {'off tok/s':>10s} {'on tok/s':>10s} {'on/off':>7s}  same text  accept")
     for name, conc, a, b, same, acc in rows:

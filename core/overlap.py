@@ -29,8 +29,6 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-import torch
-
 from .config import ConfigError
 
 logger = logging.getLogger("specfw")
@@ -76,11 +74,12 @@ def check_overlap(cfg) -> None:
     if not overlap_requested(cfg):
         return
     if int(getattr(cfg.model, "tp_size", 1)) > 1:
-        raise ConfigError("engine.overlap_schedule", f"needs model.tp_size=1 (got {cfg.model.tp_size}); allowed: overlap_schedule=false with tensor parallelism")
+        raise ConfigError("engine.overlap_schedule", f"needs model.tp_size=1 (got {cfg.model.tp_size}); allowed with tensor parallelism: false")
     if _algorithm(cfg) == "none":
         return
     if _builds_trees(cfg):
-        raise ConfigError("engine.overlap_schedule", f"speculative={_algorithm(cfg)} drafts trees, the overlap scheduler takes topk=1 chains only; allowed: false")
+        algo = _algorithm(cfg)
+        raise ConfigError("engine.overlap_schedule", f"speculative={algo} drafts trees, the overlap scheduler takes topk=1 chains; allowed: false")
     topk = cfg.speculative.get("topk") if hasattr(cfg.speculative, "get") else getattr(cfg.speculative, "topk", None)
     if topk is not None and int(topk) != 1:
         raise ConfigError("speculative.topk", f"the overlap scheduler (engine.overlap_schedule / {ENV}) takes chains only: allowed 1, got {topk}")

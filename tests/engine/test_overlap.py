@@ -20,7 +20,8 @@ def _engine(model_dir, overlap: bool, spec=None, **kw):
 
 
 def _standalone(draft_dir, **shape):
-    return plugin_manager().algorithms["standalone"].config_class(algorithm="standalone", draft_model_path=str(draft_dir), **(shape or {"num_steps": 3, "topk": 1}))
+    shape = shape or {"num_steps": 3, "topk": 1}
+    return plugin_manager().algorithms["standalone"].config_class(algorithm="standalone", draft_model_path=str(draft_dir), **shape)
 
 
 def _stream(eng, prompts, params):
@@ -112,7 +113,8 @@ def test_rules_name_the_key(tiny_model_dir, tiny_draft_dir):
     from specfw.config import validate
 
     with pytest.raises(ConfigError, match=r"speculative\.topk.*allowed 1, got 4"):
-        validate(make_cfg(model_path=str(tiny_model_dir), overlap_schedule=True, speculative=_standalone(tiny_draft_dir, num_steps=3, topk=4, num_draft_tokens=8)))
+        tree = _standalone(tiny_draft_dir, num_steps=3, topk=4, num_draft_tokens=8)
+        validate(make_cfg(model_path=str(tiny_model_dir), overlap_schedule=True, speculative=tree))
     ngram = plugin_manager().algorithms["ngram"].config_class(algorithm="ngram")
     with pytest.raises(ConfigError, match=r"engine\.overlap_schedule.*ngram"):
         validate(make_cfg(model_path=str(tiny_model_dir), overlap_schedule=True, speculative=ngram))
