@@ -6,13 +6,15 @@ EAGLE-3 chain (the overlap scheduler takes chains only). One server at a time on
     .venv/bin/python benchmarks/bench_overlap.py [--prompts 16] [--max-new-tokens 64] [--concurrency 16]
         [--threads 2] [--model-args model.quantization=gguf model.activation_quantization=int8]
 
-Prints the CPU, then per setting tokens/s off and on and the ratio, and whether every stream's
-text with the scheduler on equals the text with it off.
+Off and on are measured alternately ``--rounds`` times (a fresh server each); prints the CPU, then
+per setting the median tokens/s off and on and their ratio, and whether every stream's text in
+every run equals the first run's with the scheduler off.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import sys
 from pathlib import Path
 
@@ -48,6 +50,7 @@ def main() -> None:
     ap.add_argument("--max-new-tokens", type=int, default=64)
     ap.add_argument("--concurrency", type=int, default=16)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=3, help="off/on measured alternately this many times; medians reported")
     ap.add_argument("--model-args", nargs="*", default=["model.quantization=gguf", "model.activation_quantization=int8"])
     args = ap.parse_args()
 
@@ -60,14 +63,18 @@ def main() -> None:
     common = [*args.model_args, f"engine.max_running_requests={args.concurrency}", "tuned.use=false"]
     rows = []
     for name, extra in SETTINGS.items():
-        off = measure(common + extra + ["engine.overlap_schedule=false"], args.threads, prompts, args)
-        on = measure(common + extra + ["engine.overlap_schedule=true"], args.threads, prompts, args)
-        for conc in off:
-            a, b = off[conc], on[conc]
-            rows.append((name, conc, a.output_tokens / a.seconds, b.output_tokens / b.seconds, a.outputs == b.outputs, a.accept_length))
+        runs = {False: [], True: []}
+        for _ in range(args.rounds):  # alternate, so that drifts of the machine hit both alike
+            for on in (False, True):
+                runs[on].append(measure(common + extra + [f"engine.overlap_schedule={str(on).lower()}"], args.threads, prompts, args))
+        for conc in runs[False][0]:
+            rate = {on: statistics.median(r[conc].output_tokens / r[conc].seconds for r in runs[on]) for on in runs}
+            same = all(r[conc].outputs == runs[False][0][conc].outputs for on in runs for r in runs[on])
+            rows.append((name, conc, rate[False], rate[True], same, runs[True][0][conc].accept_length))
     model = " ".join(args.model_args) or "fp32"
     print(f"\nMT-bench first turns x {args.max_new_tokens} tokens, greedy, streamed through specfw serve, {args.threads} threads, {model}")
     print(f"on {cpu_description()}")
+    print(f"medians of {args.rounds} alternating rounds")
     print(f"{'setting':24s} {'in flight':>9s} {'off tok/s':>10s} {'on tok/s':>10s} {'on/off':>7s}  same text  accept")
     for name, conc, a, b, same, acc in rows:
         print(f"{name:24s} {conc:9d} {a:10.1f} {b:10.1f} {b / a:6.2f}x  {str(same):9s}  {acc or '':.4}")
