@@ -138,13 +138,16 @@ class OverlapScheduler:
             batch = eng.quarantine.narrow(batch, eng.scheduler)
         outputs = self.pool.submit(self._drain) if self.pending is not None else None  # step N-1's outputs ...
         t0, error = time.perf_counter(), None
-        if batch.reqs:
-            try:  # ... while step N computes here
-                results = eng.worker.run(batch)
-                updates = eng.scheduler.update(batch, results)
-            except Exception as exc:  # noqa: BLE001 - one request's failure must not end the others
-                error = exc
-        outs = outputs.result() if outputs is not None else []
+        try:
+            if batch.reqs:
+                try:  # ... while step N computes here
+                    results = eng.worker.run(batch)
+                except Exception as exc:  # noqa: BLE001 - one request's failure must not end the others
+                    error = exc
+                else:
+                    updates = eng.scheduler.update(batch, results)  # raising past the engine, as without overlap
+        finally:
+            outs = outputs.result() if outputs is not None else []
         self._settle()
         outs += [eng._finish(r, "length") for r in batch.starved if r.rid in eng._detok]
         if not batch.reqs:

@@ -133,3 +133,33 @@ def test_sglang_env_var_turns_it_on_for_chains_only(tiny_model_dir, tiny_draft_d
     with _engine(tiny_model_dir, False, ngram) as eng:
         assert eng.overlap is None
     assert "drafts trees: the overlap scheduler stays off" in caplog.text
+
+
+def test_served_streams_equal_the_sequential_engine(tiny_model_dir, tiny_draft_dir):
+    """A real uvicorn server with the overlap scheduler, 4 concurrent streamed completions through
+    the openai client (a standalone chain): each stream's text and usage equal the engine's without
+    overlap, and the server ends idle."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import openai
+
+    from server_helpers import ServerThread, engine_idle
+    from specfw.server.app import create_app
+
+    prompts = [[1000 + 7 * i, 20, 1000, 20 + i] for i in range(4)]
+    with _engine(tiny_model_dir, False) as ref_eng:
+        ref = ref_eng.generate(prompts, LONG)
+    eng = _engine(tiny_model_dir, True, _standalone(tiny_draft_dir))
+    with ServerThread(create_app(eng)) as server:
+        server.engine = eng
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+
+        def stream(p):
+            chunks = client.completions.create(model="default", prompt=p, max_tokens=24, temperature=0, stream=True, extra_body={"ignore_eos": True})
+            return "".join(c.choices[0].text for c in chunks if c.choices)
+
+        with ThreadPoolExecutor(4) as pool:
+            texts = list(pool.map(stream, prompts))
+        assert texts == [c.text for c in ref]
+        assert engine_idle(server) and eng.stats.verify_forwards > 0
+    eng.close()
