@@ -15,7 +15,9 @@ The core itself registers :mod:`specfw.speculative.defaults`, whose ``specfw_bui
 ``specfw_verify`` are ``trylast``: an algorithm that only drafts gets tree building and
 verification for free; one that returns a result from those hooks overrides them.
 
-All per-step hooks run on the engine thread. Model tensors (``hidden``, ``aux_hidden``,
+All per-step hooks run on the engine thread, one at a time, also under the overlap scheduler
+(``engine.overlap_schedule``: only output making moves to another thread; ``specfw_release`` of a
+request that finished meanwhile is called after the step returned). Model tensors (``hidden``, ``aux_hidden``,
 ``logits``) are on the runner's device (``ctx.runner.device``); ``DraftCandidates`` and
 ``DraftTree`` are host (CPU) tensors, like every other piece of scheduling metadata
 (``specfw.device``).
