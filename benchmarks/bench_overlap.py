@@ -7,8 +7,8 @@ EAGLE-3 chain (the overlap scheduler takes chains only). One server at a time on
         [--threads 2] [--model-args model.quantization=gguf model.activation_quantization=int8]
 
 Off and on are measured alternately ``--rounds`` times (a fresh server each); prints the CPU, then
-per setting the median tokens/s off and on and their ratio, and whether every stream's text in
-every run equals the first run's with the scheduler off.
+per setting the median tokens/s off and on and their ratio, whether every stream's text in every
+run equals the first run's with the scheduler off, and the median TTFT and inter-token latency.
 """
 
 from __future__ import annotations
@@ -70,14 +70,17 @@ def main() -> None:
         for conc in runs[False][0]:
             rate = {on: statistics.median(r[conc].output_tokens / r[conc].seconds for r in runs[on]) for on in runs}
             same = all(r[conc].outputs == runs[False][0][conc].outputs for on in runs for r in runs[on])
-            rows.append((name, conc, rate[False], rate[True], same, runs[True][0][conc].accept_length))
+            ttft = {on: 1000 * statistics.median(statistics.median(r[conc].ttft) for r in runs[on]) for on in runs}
+            itl = {on: 1000 * statistics.median(statistics.median(r[conc].itl) for r in runs[on]) for on in runs}
+            rows.append((name, conc, rate[False], rate[True], same, runs[True][0][conc].accept_length, ttft, itl))
     model = " ".join(args.model_args) or "fp32"
     print(f"\nMT-bench first turns x {args.max_new_tokens} tokens, greedy, streamed through specfw serve, {args.threads} threads, {model}")
     print(f"on {cpu_description()}")
     print(f"medians of {args.rounds} alternating rounds")
-    print(f"{'setting':24s} {'in flight':>9s} {'off tok/s':>10s} {'on tok/s':>10s} {'on/off':>7s}  same text  accept")
-    for name, conc, a, b, same, acc in rows:
-        print(f"{name:24s} {conc:9d} {a:10.1f} {b:10.1f} {b / a:6.2f}x  {str(same):9s}  {acc or '':.4}")
+    print(f"{'setting':24s} {'in flight':>9s} {'off tok/s':>10s} {'on tok/s':>10s} {'on/off':>7s}  same text  accept  TTFT p50 off/on ms  ITL p50 off/on ms")
+    for name, conc, a, b, same, acc, ttft, itl in rows:
+        lat = f"{ttft[False]:8.1f} / {ttft[True]:6.1f}  {itl[False]:7.1f} / {itl[True]:6.1f}"
+        print(f"{name:24s} {conc:9d} {a:10.1f} {b:10.1f} {b / a:6.2f}x  {str(same):9s}  {acc or '':6.4}  {lat}")
 
 
 if __name__ == "__main__":

@@ -198,9 +198,12 @@ class Engine:
         return self.scheduler.has_work or (self.overlap is not None and self.overlap.has_work)
 
     # ---- the step -----------------------------------------------------------------------
-    def step(self) -> list[RequestOutput]:
+    def step(self, deliver=None) -> list[RequestOutput]:
+        """One step; returns its outputs. ``deliver(outputs)``, if given, may be called from another
+        thread during the step with outputs not returned (the overlap scheduler streams step N-1's
+        outputs while step N computes; without it ``deliver`` is not used)."""
         if self.overlap is not None:  # the same step, its compute beside the last step's outputs (core/overlap.py)
-            return self.overlap.step()
+            return self.overlap.step(deliver)
         batch = self.scheduler.schedule()
         if batch is None:
             return []

@@ -125,7 +125,9 @@ class OverlapScheduler:
         self.pool.shutdown(wait=True)
 
     # ---- one call = one step ------------------------------------------------------------
-    def step(self) -> list:
+    def step(self, deliver=None) -> list:
+        """One step; step N-1's outputs go to ``deliver`` from the output thread as soon as they are
+        made (streamed while step N computes), or are returned with this step's other outputs."""
         eng = self.engine
         batch = eng.scheduler.schedule()
         if batch is None:
@@ -136,7 +138,7 @@ class OverlapScheduler:
             eng.worker.release(r)
         if batch.reqs:
             batch = eng.quarantine.narrow(batch, eng.scheduler)
-        outputs = self.pool.submit(self._drain) if self.pending is not None else None  # step N-1's outputs ...
+        outputs = self.pool.submit(self._drain, deliver) if self.pending is not None else None  # step N-1's outputs ...
         t0, error = time.perf_counter(), None
         try:
             if batch.reqs:
@@ -165,8 +167,9 @@ class OverlapScheduler:
         return outs
 
     # ---- output thread (or the engine thread when nothing computes) -----------------------
-    def _drain(self) -> list:
-        """The pending step's outputs; finishing requests are retired after the running step."""
+    def _drain(self, deliver=None) -> list:
+        """The pending step's outputs (handed to ``deliver`` at once if given); finishing requests
+        are retired after the running step."""
         done, self.pending = self.pending, None
         if done is None:
             return []
@@ -174,7 +177,11 @@ class OverlapScheduler:
         live = [i for i, r in enumerate(done.batch.reqs) if r.rid in eng._detok]  # not aborted meanwhile
         pick = lambda xs: [xs[i] for i in live]  # noqa: E731
         batch = type(done.batch)(done.batch.kind, pick(done.batch.reqs))
-        return eng._outputs(batch, pick(done.results), pick(done.updates), retire=self._retire_later)
+        outs = eng._outputs(batch, pick(done.results), pick(done.updates), retire=self._retire_later)
+        if deliver is None or not outs:
+            return outs
+        deliver(outs)
+        return []
 
     def _retire_later(self, req, reason: str, error: str | None, num_output: int) -> None:
         self.retiring.append((req, reason, error, num_output))

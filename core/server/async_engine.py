@@ -346,7 +346,7 @@ class AsyncEngine:
 
     def _step(self) -> None:
         try:
-            outs = self.engine.step()
+            outs = self.engine.step(deliver=self._deliver_during_step)
         except Exception as e:  # noqa: BLE001 - fail the affected requests, keep serving
             self.step_failures += 1
             self.last_error = f"{type(e).__name__}: {e}"
@@ -356,19 +356,25 @@ class AsyncEngine:
         self._take_snapshot()  # before delivery: a client that got its answer sees fresh metrics
         self._deliver(outs)
 
-    def _deliver(self, outs: list[RequestOutput]) -> None:
+    def _deliver(self, outs: list[RequestOutput], abort: Callable | None = None) -> None:
         per_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
         for out in outs:
             sink = self._sinks.pop(out.rid, None) if out.finished else self._sinks.get(out.rid)
             if sink is not None:
                 per_loop[sink.loop].append((sink.group, sink.index, out))
-        self._dispatch(per_loop)
+        self._dispatch(per_loop, abort)
 
-    def _dispatch(self, per_loop) -> None:
+    def _deliver_during_step(self, outs: list[RequestOutput]) -> None:
+        """The overlap scheduler's output thread streams the last step's outputs while the engine
+        thread computes (the sinks are only changed between steps); a request to abort is posted
+        as a command, not aborted from this thread."""
+        self._deliver(outs, abort=self.abort)
+
+    def _dispatch(self, per_loop, abort: Callable | None = None) -> None:
         for loop, items in per_loop.items():
             if not _call_soon(loop, _put_many, items):
                 # that event loop is gone: nobody will read these requests any more
-                self.abort_now([out.rid for _, _, out in items if not isinstance(out, EngineFailure) and not out.finished])
+                (abort or self.abort_now)([out.rid for _, _, out in items if not isinstance(out, EngineFailure) and not out.finished])
 
     def _fail_after_step_error(self, exc: Exception) -> None:
         sched = self.engine.scheduler

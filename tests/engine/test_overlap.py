@@ -163,3 +163,29 @@ def test_served_streams_equal_the_sequential_engine(tiny_model_dir, tiny_draft_d
         assert texts == [c.text for c in ref]
         assert engine_idle(server) and eng.stats.verify_forwards > 0
     eng.close()
+
+
+def test_deliver_streams_the_last_step_from_the_output_thread(tiny_model_dir):
+    """``Engine.step(deliver=...)``: step N-1's outputs reach ``deliver`` on the output thread while
+    step N computes; together with what ``step`` returns they are every output, once, in order."""
+    import threading
+
+    with _engine(tiny_model_dir, False) as ref_eng:
+        ref = [c.token_ids for c in ref_eng.generate(PROMPTS, LONG)]
+    with _engine(tiny_model_dir, True) as eng:
+        reqs = [eng.add_request(eng.make_request(p, LONG)) for p in PROMPTS]
+        seen, threads, finished = {r.rid: [] for r in reqs}, set(), []
+
+        def take(outs):
+            for o in outs:
+                seen[o.rid].extend(o.new_token_ids)
+                finished.extend([o.rid] if o.finished else [])
+
+        def deliver(outs):
+            threads.add(threading.current_thread().name)
+            take(outs)
+
+        while eng.has_work:
+            take(eng.step(deliver=deliver))
+        assert threads and all(t.startswith("specfw-outputs") for t in threads)
+        assert [seen[r.rid] for r in reqs] == ref and sorted(finished) == sorted(r.rid for r in reqs)
