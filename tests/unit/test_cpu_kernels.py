@@ -232,3 +232,39 @@ def test_kernel_linear_packs_bf16_valued_fp32_weights_as_bf16_with_the_same_bits
     assert torch.equal(narrow(x), ops.linear(x, wide_ref, 70, lin.bias.detach()))
     lin2 = nn.Linear(200, 70)
     assert KernelLinear(lin2, ops, cpu_isa()).packed.dtype == torch.float32
+
+
+@isas
+def test_a_kernel_releases_the_gil_while_it_runs(isa):
+    """Another Python thread runs during a kernel call (the overlap scheduler's output thread and
+    the server's event loop rely on it): it records times in the middle third of the call, where
+    a GIL-holding call leaves it none (with a 0.1 ms switch interval it can only run at the edges)."""
+    import sys
+    import threading
+    import time
+
+    ops = _ops(isa)
+    w, x = torch.randn(4096, 4096), torch.randn(256, 4096)
+    packed = ops.pack(w)
+    ticks, stop = [], threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            ticks.append(time.perf_counter())
+
+    interval = sys.getswitchinterval()
+    sys.setswitchinterval(1e-4)
+    t = threading.Thread(target=spin)
+    t.start()
+    try:
+        time.sleep(0.01)
+        start = time.perf_counter()
+        ops.linear(x, packed, 4096, torch.empty(0))
+        end = time.perf_counter()
+    finally:
+        stop.set()
+        t.join()
+        sys.setswitchinterval(interval)
+    third = (end - start) / 3
+    assert third > 0.005, "the call was too short to tell"
+    assert any(start + third < tick < end - third for tick in ticks), "no other thread ran during the kernel: it holds the GIL"
