@@ -201,28 +201,52 @@ class Engine:
     def step(self, deliver=None) -> list[RequestOutput]:
         """One step; returns its outputs. ``deliver(outputs)``, if given, may be called from another
         thread during the step with outputs not returned (the overlap scheduler streams step N-1's
-        outputs while step N computes; without it ``deliver`` is not used)."""
-        if self.overlap is not None:  # the same step, its compute beside the last step's outputs (core/overlap.py)
-            return self.overlap.step(deliver)
+        outputs while step N computes, core/overlap.py; without it ``deliver`` is not used)."""
+        overlap = self.overlap
         batch = self.scheduler.schedule()
         if batch is None:
-            return []
+            return overlap.flush() if overlap else []
         for r in batch.retracted:
             self.worker.release(r)
-        outs = [self._finish(r, "length") for r in batch.starved]
+        if batch.reqs:
+            batch = self.quarantine.narrow(batch, self.scheduler)
+        if overlap:
+            overlap.start(deliver)  # step N-1's outputs on the output thread, while this step computes
+        t0, error = time.perf_counter(), None
+        try:
+            if batch.reqs:
+                try:
+                    results = self.worker.run(batch)
+                except Exception as exc:  # noqa: BLE001 - one request's failure must not end the others
+                    error = exc
+                else:
+                    updates = self.scheduler.update(batch, results)
+        finally:
+            outs = overlap.join() if overlap else []
+        outs += [self._finish(r, "length") for r in batch.starved if r.rid in self._detok]
         if not batch.reqs:
             self.scheduler.update(batch, [])
             return outs
-        batch = self.quarantine.narrow(batch, self.scheduler)
-        t0 = time.perf_counter()
-        try:
-            results = self.worker.run(batch)
-        except Exception as exc:  # noqa: BLE001 - one request's failure must not end the others
-            return outs + self._step_failed(batch, exc)
+        if error is not None:
+            return outs + self._step_failed(self._unfinished(batch), error)
         self.quarantine.passed(batch)
-        updates = self.scheduler.update(batch, results)
         self.stats.on_step(batch, results, time.perf_counter() - t0, self._load())
+        if overlap:
+            overlap.hold(batch, results, updates)  # its outputs are made during the next step
+            return outs
         return outs + self._outputs(batch, results, updates)
+
+    def _unfinished(self, batch: ScheduledBatch) -> ScheduledBatch:
+        """A failed batch less the requests that finished while it ran (overlap: a stop string in
+        the last step's outputs); their reservations are freed."""
+        keep = [i for i, r in enumerate(batch.reqs) if r.rid in self._detok]
+        if len(keep) < len(batch.reqs):
+            for i, slots in enumerate(batch.new_slots):
+                if i not in keep:
+                    self.scheduler.allocator.free(slots)
+            batch.reqs = [batch.reqs[i] for i in keep]
+            batch.new_slots = [batch.new_slots[i] for i in keep]
+        return batch
 
     def _load(self):
         return Load(len(self.scheduler.running), len(self.scheduler.waiting), self.runner.allocator.num_used, self.runner.kv.usage())
@@ -231,6 +255,9 @@ class Engine:
         """Roll the batch back; alone, its request is the cause and fails, else its requests
         become suspects that run alone next (see ``quarantine.py``)."""
         self.stats.step_failures += 1
+        if not batch.reqs:  # every request of it finished meanwhile
+            self.scheduler.rollback(batch)
+            return []
         logger.error("%s step of %d request(s) failed: %s: %s", batch.kind, len(batch.reqs), type(exc).__name__, exc, exc_info=len(batch.reqs) == 1)
         self.scheduler.rollback(batch)
         for r in batch.reqs:

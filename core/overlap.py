@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -115,6 +114,7 @@ class OverlapScheduler:
         self.pool = ThreadPoolExecutor(1, thread_name_prefix="specfw-outputs")
         self.pending: _Done | None = None  # the last computed step, outputs not yet made
         self.retiring: list = []  # (req, reason, error, num_output): finished by its outputs, settled after the step
+        self._outputs = None  # the output thread's future while a step computes
         logger.info("overlap scheduler on: step N computes while step N-1 is detokenized and streamed (docs/overlap.md)")
 
     @property
@@ -124,46 +124,26 @@ class OverlapScheduler:
     def close(self) -> None:
         self.pool.shutdown(wait=True)
 
-    # ---- one call = one step ------------------------------------------------------------
-    def step(self, deliver=None) -> list:
-        """One step; step N-1's outputs go to ``deliver`` from the output thread as soon as they are
-        made (streamed while step N computes), or are returned with this step's other outputs."""
-        eng = self.engine
-        batch = eng.scheduler.schedule()
-        if batch is None:
-            outs = self._drain()
-            self._settle()
-            return outs
-        for r in batch.retracted:
-            eng.worker.release(r)
-        if batch.reqs:
-            batch = eng.quarantine.narrow(batch, eng.scheduler)
-        outputs = self.pool.submit(self._drain, deliver) if self.pending is not None else None  # step N-1's outputs ...
-        t0, error = time.perf_counter(), None
+    # ---- around one step (Engine.step) ----------------------------------------------------
+    def start(self, deliver=None) -> None:
+        """Make the held step's outputs on the output thread (handed to ``deliver`` as soon as made)."""
+        self._outputs = self.pool.submit(self._drain, deliver) if self.pending is not None else None
+
+    def join(self) -> list:
+        """The step returned: wait for the outputs, then retire what they finished."""
+        future, self._outputs = self._outputs, None
         try:
-            if batch.reqs:
-                try:  # ... while step N computes here
-                    results = eng.worker.run(batch)
-                except Exception as exc:  # noqa: BLE001 - one request's failure must not end the others
-                    error = exc
-                else:
-                    updates = eng.scheduler.update(batch, results)  # raising past the engine, as without overlap
+            return future.result() if future is not None else []
         finally:
-            outs = outputs.result() if outputs is not None else []
-        self._settle()
-        outs += [eng._finish(r, "length") for r in batch.starved if r.rid in eng._detok]
-        if not batch.reqs:
-            eng.scheduler.update(batch, [])
-            return outs
-        if error is not None:
-            failed = self._without_finished(batch)
-            if not failed.reqs:
-                eng.scheduler.rollback(failed)
-                return outs
-            return outs + eng._step_failed(failed, error)
-        eng.quarantine.passed(batch)
-        eng.stats.on_step(batch, results, time.perf_counter() - t0, eng._load())
+            self._settle()
+
+    def hold(self, batch, results, updates) -> None:
         self.pending = _Done(batch, results, updates)
+
+    def flush(self) -> list:
+        """Nothing to compute: the held step's outputs, made here."""
+        outs = self._drain()
+        self._settle()
         return outs
 
     # ---- output thread (or the engine thread when nothing computes) -----------------------
@@ -193,15 +173,3 @@ class OverlapScheduler:
         for req, reason, error, num_output in retiring:
             del req.output_ids[num_output:]
             self.engine._retire(req, reason, error)
-
-    def _without_finished(self, batch):
-        """A failed batch less the requests that finished while it ran (their reservation freed)."""
-        keep = [i for i, r in enumerate(batch.reqs) if r.rid in self.engine._detok]
-        if len(keep) == len(batch.reqs):
-            return batch
-        for i, slots in enumerate(batch.new_slots):
-            if i not in keep:
-                self.engine.scheduler.allocator.free(slots)
-        batch.reqs = [batch.reqs[i] for i in keep]
-        batch.new_slots = [batch.new_slots[i] for i in keep]
-        return batch
