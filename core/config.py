@@ -34,6 +34,7 @@ class ModelConfig:
     quantization: str = "none"            # none | int8 (weight-only, per-output-channel scales) | int4 (weight-only, groups of 32, scale+min) | gguf (the .gguf file's own Q8_0/Q4_0/Q4_1 blocks, bit-identical to none); CPU kernels only (docs/quantization.md)
     activation_quantization: str = "none"  # none | int8: with quantized weights, activations rounded to int8 per block of 32 and integer dot products (llama.cpp's arithmetic; ~2-4x faster linears, outputs differ from weight-only); CPU kernels only
     device: str = "auto"                  # auto | cpu | cuda | cuda:N: where weights, KV cache and activations live (auto: CUDA when torch sees one)
+    attention_backend: str = "auto"       # auto | torch | triton | flashinfer (SGLang's --attention-backend): auto = specfw's CPU kernel on a CPU, triton on CUDA (torch without triton installed); triton/flashinfer need CUDA and pip install 'specfw[gpu]' (docs/gpu.md)
     context_length: Optional[int] = None  # max tokens per sequence; null = the model's max_position_embeddings
     served_model_name: Optional[str] = None  # name reported by /v1/models; null = directory name
     load_format: str = "auto"             # auto (safetensors, else *.bin/*.pt; a .gguf path: GGUF) | safetensors | pt | gguf (path = a .gguf file or a directory with one) | dummy (random weights of the config's shapes, no weight file read: benchmarking); SGLang's --load-format
@@ -153,6 +154,11 @@ def validate(cfg) -> None:
         raise ConfigError("model.tp_backend", f"'{tpb}' is not one of {list(TP_BACKENDS)}")
     from .device import check_device_name
     check_device_name(str(cfg.model.device), "model.device")
+    from .backends.attention_backends import ATTENTION_BACKENDS
+
+    for key, name in (("model.attention_backend", getattr(cfg.model, "attention_backend", "auto")), ("speculative.draft_attention_backend", getattr(cfg.speculative, "draft_attention_backend", None))):
+        if name is not None and str(name) not in ATTENTION_BACKENDS:
+            raise ConfigError(key, f"'{name}' is not one of {list(ATTENTION_BACKENDS)}")
     f = getattr(e, "mem_fraction_static", None)
     if f is not None and not 0 < f < 1:
         raise ConfigError("engine.mem_fraction_static", f"must be in (0, 1), got {f}")

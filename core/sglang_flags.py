@@ -61,10 +61,8 @@ KEYS = {
 
 # flags specfw has no use for, each with why (value-taking unless listed in SWITCHES)
 NOT_HONOURED = {
-    "--speculative-draft-attention-backend": "specfw has one attention path per device (GPU backends: issue 23)",
     "--speculative-moe-runner-backend": "specfw runs no MoE models",
     "--speculative-moe-a2a-backend": "specfw runs no MoE models",
-    "--attention-backend": "specfw has one attention path per device (GPU backends: issue 23)",
     "--cuda-graph-max-bs": "no CUDA graphs in specfw yet (issue 23)",
     "--enable-torch-compile": "no torch.compile in specfw yet (issue 23)",
     "--torch-compile-max-bs": "no torch.compile in specfw yet (issue 23)",
@@ -93,6 +91,9 @@ SWITCHES = {
     "--disable-overlap-schedule",
     "--skip-server-warmup",
 }
+# SGLang --attention-backend / --speculative-draft-attention-backend values specfw has
+ATTENTION = {"torch_native": "torch", "triton": "triton", "flashinfer": "flashinfer"}
+ATTENTION_KEYS = {"--attention-backend": "model.attention_backend", "--speculative-draft-attention-backend": "speculative.draft_attention_backend"}
 DTYPES = {
     "bfloat16": "bfloat16",
     "bf16": "bfloat16",
@@ -180,6 +181,11 @@ def _one(flag: str, value: str, out: Translation) -> None:
             out.overrides.append(f"model.dtype={DTYPES[value]}")
         else:
             out.warnings.append(f"--dtype {value}: not one of auto, {', '.join(DTYPES)}; ignored")
+    elif flag in ATTENTION_KEYS:
+        if value in ATTENTION:
+            out.overrides.append(f"{ATTENTION_KEYS[flag]}={ATTENTION[value]}")
+        else:  # fa3, flashmla, aiter, ...: kernels specfw does not have; its own default stands
+            out.warnings.append(f"{flag} {value}: not one of {', '.join(ATTENTION)}; specfw's default (auto) stands")
     elif flag in SWITCH_KEYS:
         out.overrides.append(f"{SWITCH_KEYS[flag]}=true")
     elif flag == "--disable-overlap-schedule":  # specfw's default too (docs/overlap.md); said explicitly

@@ -6,6 +6,10 @@ import specfw  # noqa: F401  (sets MKL_CBWR before anything starts MKL)
 import torch
 
 torch.set_num_threads(int(os.environ.get("SPECFW_TEST_THREADS", "2")))
+# Triton kernels run under Triton's interpreter on CPU tensors where there is no GPU (read when a
+# kernel module is imported: set before any test imports one)
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 # `specfw serve` applies tuned defaults from the user's cache (specfw tune): tests never see them
 os.environ["SPECFW_TUNED_DIR"] = __import__("tempfile").mkdtemp(prefix="specfw-tuned-")
 

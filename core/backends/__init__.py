@@ -58,17 +58,25 @@ def plain_backend(device: torch.device | str) -> Backend:
 
 
 def backend_from_config(engine_cfg, device: torch.device, cfg=None) -> Backend:
-    """``cfg`` (the whole config) adds ``model.quantization``, ``model.activation_quantization`` and
-    ``speculative.draft_model_quantization``."""
+    """``cfg`` (the whole config) adds ``model.quantization``, ``model.activation_quantization``,
+    ``speculative.draft_model_quantization`` and the attention backends (``model.attention_backend``,
+    ``speculative.draft_attention_backend``: checked here, where the device is known)."""
     quant, draft, act = "none", None, "none"
+    attention, draft_attention = "auto", None
     if cfg is not None:
+        from .attention_backends import check_attention_backend
+
+        attention = str(getattr(cfg.model, "attention_backend", "auto"))
+        draft_attention = getattr(getattr(cfg, "speculative", None), "draft_attention_backend", None)
+        check_attention_backend(attention, device)
+        check_attention_backend(draft_attention, device, "speculative.draft_attention_backend")
         quant = str(getattr(cfg.model, "quantization", "none"))
         act = str(getattr(cfg.model, "activation_quantization", "none"))
         try:
             draft = getattr(cfg.speculative, "draft_model_quantization", None)
         except Exception:
             draft = None
-    return make_backend(
+    backend = make_backend(
         device,
         engine_cfg.batch_invariant,
         str(getattr(engine_cfg, "cpu_isa", "auto")),
@@ -78,6 +86,7 @@ def backend_from_config(engine_cfg, device: torch.device, cfg=None) -> Backend:
         None if draft is None else str(draft),
         act,
     )
+    return backend.set_attention(attention, None if draft_attention is None else str(draft_attention))
 
 
 __all__ = ["AttentionPlan", "Backend", "HeadShape", "backend_from_config", "default_backend", "make_backend", "plain_backend"]

@@ -12,7 +12,10 @@ they ask the engine's backend (``ModelRunner.backend``):
   modules that attend and declare a ``backend`` attribute get this backend;
 * ``plan_attention(seqs, device, shape, exact)`` -- once per forward: an ``AttentionPlan`` that
   every layer calls as ``plan(q, k_cache, v_cache, scale)``; ``exact`` asks that a row's bits
-  never depend on the other rows (tree rows round like the plain decode step of the same token);
+  never depend on the other rows (tree rows round like the plain decode step of the same token).
+  ``attention`` (``model.attention_backend``, resolved) picks a named kernel family
+  (``attention_backends``: torch, triton, flashinfer) or ``native`` -- the backend's own
+  ``native_plan``; draft modules get ``draft_attention`` (``speculative.draft_attention_backend``);
 * ``forward_rows(T, dtype)`` -- how many rows to run a forward of ``T`` tokens with (extra rows
   are padding written to the KV pool's scratch slot; most backends pad nothing).
 
@@ -54,6 +57,15 @@ class Backend:
     def __init__(self, device: torch.device, batch_invariant: bool):
         self.device = torch.device(device)
         self.batch_invariant = batch_invariant
+        self.attention = "native"  # model.attention_backend, resolved (attention_backends.resolve)
+        self.draft_attention: str | None = None  # speculative.draft_attention_backend, resolved; None = as attention
+
+    def set_attention(self, target: str | None, draft: str | None = None) -> "Backend":
+        from .attention_backends import resolve
+
+        self.attention = resolve(target, self.device)
+        self.draft_attention = None if draft is None else resolve(draft, self.device)
+        return self
 
     def prepare_target(self, model: nn.Module) -> None:
         raise NotImplementedError
@@ -62,6 +74,13 @@ class Backend:
         raise NotImplementedError
 
     def plan_attention(self, seqs: list[SeqSpan], device: torch.device, shape: HeadShape, exact: bool) -> AttentionPlan:
+        if self.attention != "native":
+            from .attention_backends import named_plan
+
+            return named_plan(self.attention, seqs, device, shape, exact)
+        return self.native_plan(seqs, device, shape, exact)
+
+    def native_plan(self, seqs: list[SeqSpan], device: torch.device, shape: HeadShape, exact: bool) -> AttentionPlan:
         raise NotImplementedError
 
     def fused_ops(self, dtype: torch.dtype, intermediate: int):
@@ -76,20 +95,38 @@ class Backend:
         return {}
 
     def describe(self) -> str:
-        return self.name
+        return self.name + self.attention_note()
+
+    def attention_note(self) -> str:
+        """``, attention <name>`` where ``model.attention_backend`` named one (and the draft's)."""
+        note = f", attention {self.attention}" if self.attention != "native" else ""
+        if self.draft_attention not in (None, self.attention):
+            note += f", draft attention {self.draft_attention}"
+        return note
 
     def for_drafting(self) -> "Backend":
-        """This backend's kernels without batch invariance: for a draft model's own runner."""
+        """This backend's kernels without batch invariance, attention as ``draft_attention``: for a
+        draft model's own runner."""
         other = copy.copy(self)
         other.batch_invariant = False
+        other.attention = self.draft_attention or self.attention
         return other
 
-    def _hand_backend(self, module: nn.Module) -> None:
-        """Modules that attend declare a ``backend`` attribute and get this backend; modules with
-        a ``fuse_projections()`` (draft layers) fuse their projections first, so the fused
-        linears get this backend's kernels too."""
+    def for_draft_modules(self) -> "Backend":
+        """The backend a drafter's modules attend with (``prepare_module``): this one, or a copy
+        with ``draft_attention`` where it differs."""
+        if self.draft_attention is None or self.draft_attention == self.attention:
+            return self
+        other = copy.copy(self)
+        other.attention = self.draft_attention
+        return other
+
+    def _hand_backend(self, module: nn.Module, backend: "Backend | None" = None) -> None:
+        """Modules that attend declare a ``backend`` attribute and get ``backend`` (default this
+        one); modules with a ``fuse_projections()`` (draft layers) fuse their projections first, so
+        the fused linears get this backend's kernels too."""
         for m in list(module.modules()):
             if hasattr(m, "fuse_projections"):
                 m.fuse_projections()
             if hasattr(m, "backend"):
-                m.backend = self
+                m.backend = backend or self

@@ -110,7 +110,7 @@ class CpuBackend(Backend):
         _onto_huge_pages(model)
 
     def prepare_module(self, module: nn.Module) -> nn.Module:
-        self._hand_backend(module)
+        self._hand_backend(module, self.for_draft_modules())
         module = self._swap(module, False, self.draft_quantization, self.draft_fallback)
         _onto_huge_pages(module)
         return module
@@ -124,7 +124,7 @@ class CpuBackend(Backend):
     def fused_ops(self, dtype, intermediate: int):
         return self.ops if dtype in (torch.float32, torch.bfloat16) and intermediate % 16 == 0 else None
 
-    def plan_attention(self, seqs, device, shape: HeadShape, exact: bool):
+    def native_plan(self, seqs, device, shape: HeadShape, exact: bool):
         if shape.dtype not in (torch.float32, torch.bfloat16):  # float16: the kernel has no path, torch's SDPA does
             return sdpa_plan(seqs, device, shape, exact)
         return KernelAttentionPlan(self.ops, seqs)
@@ -142,7 +142,7 @@ class CpuBackend(Backend):
         quant += ", int8 activations" if self.q8ops is not None else ""
         draft = f", draft weights {self.draft_quantization}" if self.draft_quantization != self.quantization else ""
         draft += f", draft weights without GGUF blocks {self.draft_fallback}" if self.draft_fallback else ""
-        return f"specfw CPU kernels ({self.isa}{bf16}{quant}{draft})"
+        return f"specfw CPU kernels ({self.isa}{bf16}{quant}{draft}{self.attention_note()})"
 
 
 def _onto_huge_pages(module: nn.Module) -> None:

@@ -54,14 +54,14 @@ class TorchBackend(Backend):
         self._hand_backend(model)
 
     def prepare_module(self, module: nn.Module) -> nn.Module:
-        self._hand_backend(module)
+        self._hand_backend(module, self.for_draft_modules())
         if self.packed_gemm:
             use_fast_linears(module, bf16_kernel=self.bf16_kernel)
             if type(module) is nn.Linear:  # a bare layer (e.g. an FR-Spec lm_head)
                 module = fast_linear_for(module, bf16_kernel=self.bf16_kernel) or module
         return module
 
-    def plan_attention(self, seqs, device, shape: HeadShape, exact: bool) -> SdpaPlan:
+    def native_plan(self, seqs, device, shape: HeadShape, exact: bool) -> SdpaPlan:
         return sdpa_plan(seqs, device, shape, exact)
 
     def forward_rows(self, T: int, dtype: torch.dtype) -> int:
@@ -77,4 +77,5 @@ class TorchBackend(Backend):
 
     def describe(self) -> str:
         kind = "MKL/oneDNN" if self.packed_gemm else "torch"
-        return f"torch ops on {self.device} ({kind} linears, SDPA attention)"
+        attention = self.attention_note() or ", SDPA attention"
+        return f"torch ops on {self.device} ({kind} linears{attention})"

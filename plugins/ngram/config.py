@@ -22,7 +22,7 @@ class NgramConfig(SpecAlgoConfig):
     branch_length: int = 18             # tokens of each window inserted into the trie
     capacity: int = 10_000_000          # trie nodes kept (LRU eviction beyond)
 
-    unused_keys = ("draft_model_path", "draft_model_revision", "draft_model_quantization", "draft_load_format", "num_steps", "topk")  # no draft model; the trie shapes the tree
+    unused_keys = ("draft_model_path", "draft_model_revision", "draft_model_quantization", "draft_load_format", "draft_attention_backend", "num_steps", "topk")  # no draft model; the trie shapes the tree
 
     def resolve_shape(self, target_arch: str) -> TreeShape:
         """Tree size = num_draft_tokens (default: max_match_window_size); depth and breadth follow

@@ -199,3 +199,55 @@ def test_greedy_overlap_schedule_equals_plain(name, tiny_model_dir, tiny_draft_d
         assert eng.runner.allocator.num_used == 0 and not eng.has_work
         if spec is not None:
             assert eng.stats.accepted_draft_tokens > 0
+
+
+# ---- model.attention_backend=triton (Triton's interpreter on a CPU; CUDA where there is one) -------
+TRITON_GREEDY = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def triton_plain_reference(tiny_model_dir, prompts):
+    from specfw.engine import Engine
+    from specfw import triton as tr
+
+    if not tr.available("cpu"):
+        pytest.skip(tr.unavailable_reason("cpu"))
+    eng = Engine(make_cfg(model_path=str(tiny_model_dir), model_attention_backend="triton", max_total_tokens=2048, max_running_requests=2))
+    assert "attention triton" in eng.backend.describe()
+    return [o.token_ids for o in eng.generate(prompts[:2], TRITON_GREEDY)]
+
+
+@pytest.mark.parametrize("name", sorted(plugin_manager().algorithms))
+def test_greedy_speculative_equals_plain_triton_attention(name, tiny_model_dir, tiny_draft_dir, tiny_eagle_drafts, prompts, triton_plain_reference):
+    """Every forward's attention (target and draft) on specfw's Triton kernel: greedy speculative
+    == plain greedy with the same kernel, batch 1 and 2, a tree shape with topk > 1 where the
+    algorithm takes one (the kernel is exact by construction, like the CPU kernel)."""
+    from specfw.engine import Engine
+
+    cands = _configs(name, tiny_draft_dir, tiny_eagle_drafts)
+    spec = next((c for c in cands if (c.topk or 1) > 1 and (c.num_draft_tokens or 99) <= 8), cands[-1])
+    with Engine(
+        make_cfg(model_path=str(tiny_model_dir), model_attention_backend="triton", max_total_tokens=2048, max_running_requests=2, speculative=spec)
+    ) as eng:
+        assert [eng.generate([p], TRITON_GREEDY)[0].token_ids for p in prompts[:2]] == triton_plain_reference, f"{name} {spec}: batch 1 diverged"
+        assert [o.token_ids for o in eng.generate(prompts[:2], TRITON_GREEDY)] == triton_plain_reference, f"{name} {spec}: batch 2 diverged"
+        assert eng.stats.verify_forwards > 0
+
+
+def test_draft_attention_backend_overrides_only_the_drafter(tiny_model_dir, tiny_eagle_drafts, prompts, plain_references):
+    """speculative.draft_attention_backend=triton: the EAGLE-3 head attends on the Triton kernel,
+    the target keeps the CPU kernel; output == plain greedy (the draft only proposes)."""
+    from specfw.engine import Engine
+    from specfw import triton as tr
+
+    if not tr.available("cpu"):
+        pytest.skip(tr.unavailable_reason("cpu"))
+    spec = _configs("eagle3", None, tiny_eagle_drafts)[0]
+    spec.draft_attention_backend = "triton"
+    with Engine(make_cfg(model_path=str(tiny_model_dir), max_total_tokens=2048, max_running_requests=2, speculative=spec)) as eng:
+        layer = eng.worker.runtime.head.midlayer
+        assert eng.backend.attention == "native" and "draft attention triton" in eng.backend.describe()
+        got = [o.token_ids for o in eng.generate(prompts[:2], GREEDY)]
+        assert got == plain_references["float32"][:2]
+        assert eng.stats.accepted_draft_tokens > 0
+        assert layer.backend.attention == "triton"
