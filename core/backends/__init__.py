@@ -86,7 +86,12 @@ def backend_from_config(engine_cfg, device: torch.device, cfg=None) -> Backend:
         None if draft is None else str(draft),
         act,
     )
-    return backend.set_attention(attention, None if draft_attention is None else str(draft_attention))
+    backend.set_attention(attention, None if draft_attention is None else str(draft_attention))
+    if backend.attention == "flashinfer" and engine_cfg.batch_invariant:
+        logger.warning(
+            "model.attention_backend=flashinfer is not batch invariant: greedy speculative output can differ from plain at near-ties (model.attention_backend=triton is exact)"
+        )
+    return backend
 
 
 __all__ = ["AttentionPlan", "Backend", "HeadShape", "backend_from_config", "default_backend", "make_backend", "plain_backend"]

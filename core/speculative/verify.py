@@ -28,7 +28,11 @@ def processed_logits(req: Request, tree: DraftTree, logits: torch.Tensor) -> tor
 
 
 def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> VerifyResult:
-    """Follow the child whose token equals the target's argmax; the argmax where it stops is the bonus."""
+    """Follow the child whose token equals the target's argmax; the argmax where it stops is the
+    bonus. On CUDA with Triton installed the walk runs on the device (``triton/tree_ops.py``): one
+    launch and one copy back instead of the argmax of every node."""
+    if logits.is_cuda and len(tree) > 1 and _device_walk_available():
+        return _verify_greedy_on_device(tree, logits)
     best = greedy_tokens(logits)
     toks = tree.tokens.tolist()
     node, path = 0, [0]
@@ -39,6 +43,43 @@ def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> VerifyResult:
         node = nxt
         path.append(node)
     return VerifyResult(path, [toks[n] for n in path[1:]] + [best[node]], len(tree) - 1)
+
+
+def _device_walk_available() -> bool:
+    from .. import triton as tr
+
+    return tr.available("cuda")
+
+
+def _verify_greedy_on_device(tree: DraftTree, logits: torch.Tensor) -> VerifyResult:
+    from ..triton.tree_ops import greedy_walk
+
+    dev = logits.device
+    best = logits.argmax(-1).view(1, -1)
+    path, accepted, bonus = greedy_walk(tree.tokens.view(1, -1).to(dev), tree.parents.view(1, -1).to(dev), best, torch.tensor([len(tree)], device=dev))
+    n = int(accepted[0]) + 1
+    nodes = path[0, :n].tolist()
+    toks = tree.tokens.tolist()
+    return VerifyResult(nodes, [toks[i] for i in nodes[1:]] + [int(bonus[0])], len(tree) - 1)
+
+
+def greedy_walk_reference(tokens: torch.Tensor, parents: torch.Tensor, best: torch.Tensor, sizes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``triton/tree_ops.greedy_walk``'s torch reference (host): the same arrays, walked per tree."""
+    B, N = tokens.shape
+    path = torch.full((B, N), -1, dtype=torch.int32)
+    accepted = torch.zeros(B, dtype=torch.int32)
+    bonus = torch.zeros(B, dtype=torch.int32)
+    for b in range(B):
+        n, node, nodes = int(sizes[b]), 0, [0]
+        while True:
+            kids = [c for c in range(1, n) if int(parents[b, c]) == node and int(tokens[b, c]) == int(best[b, node])]
+            if not kids:
+                break
+            node = kids[0]
+            nodes.append(node)
+        path[b, : len(nodes)] = torch.tensor(nodes, dtype=torch.int32)
+        accepted[b], bonus[b] = len(nodes) - 1, int(best[b, node])
+    return path, accepted, bonus
 
 
 def verify_tree_sampling(req: Request, tree: DraftTree, logits: torch.Tensor, threshold_single: float, threshold_acc: float) -> VerifyResult:

@@ -76,3 +76,54 @@ def test_sglang_attention_flags_map_to_the_keys():
     assert t.overrides == ["model.attention_backend=flashinfer"] and not t.warnings
     t = translate("--attention-backend fa3")
     assert not t.overrides and "fa3" in t.warnings[0]
+
+
+def test_flashinfer_visibility_mask_lists_the_same_keys_as_the_row_layout():
+    """The custom mask FlashInfer gets (page = slot) shows each row exactly the keys the Triton
+    and CPU kernels read for it (pure torch: runs without CUDA)."""
+    from specfw.backends.flashinfer_attention import visibility
+    from specfw.backends.row_layout import RowLayout
+    from specfw.forward_batch import SeqSpan
+
+    tree = torch.eye(4, dtype=torch.bool)
+    tree[1, 0] = tree[2, 0] = tree[3, 0] = tree[3, 1] = True
+    seqs = [SeqSpan(0, 1, torch.tensor([5, 6, 7])), SeqSpan(1, 4, torch.tensor([1, 2, 3, 10, 11, 12, 13]), tree), SeqSpan(5, 3, torch.tensor([20, 21, 22]))]
+    qo, kv, idx, mask = visibility(seqs)
+    lay = RowLayout.build(seqs)
+    assert qo.tolist() == [0, 1, 5, 8] and kv.tolist() == [0, 3, 10, 13] and idx.tolist() == [5, 6, 7, 1, 2, 3, 10, 11, 12, 13, 20, 21, 22]
+    offset = 0
+    for s in seqs:
+        n = int(s.kv_slots.numel())
+        m = mask[offset : offset + s.q_len * n].view(s.q_len, n)
+        offset += s.q_len * n
+        for i in range(s.q_len):
+            assert s.kv_slots[m[i]].tolist() == lay.keys(s.q_start + i).tolist()
+    assert offset == mask.numel()
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (scripts/gpu_check.sh runs it on a GPU)")
+
+
+@needs_cuda
+@pytest.mark.parametrize("name", ["triton", "flashinfer"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_gpu_attention_backends_match_the_float64_reference(name, dtype):
+    from specfw.backends.attention_backends import check_attention_backend, named_plan
+    from specfw.backends.base import HeadShape
+    from specfw.backends.row_layout import RowLayout, reference_attention
+    from specfw.forward_batch import SeqSpan
+
+    if name == "flashinfer" and dtype == torch.float32:
+        pytest.skip("FlashInfer's kernels take fp16/bf16")
+    dev = torch.device("cuda")
+    check_attention_backend(name, dev)
+    g = torch.Generator().manual_seed(0)
+    tree = torch.eye(4, dtype=torch.bool)
+    tree[1:, 0] = True
+    seqs = [SeqSpan(0, 1, torch.arange(0, 300)), SeqSpan(1, 4, torch.arange(300, 404), tree), SeqSpan(5, 37, torch.arange(404, 441))]
+    k = torch.randn(512, 2, 64, generator=g).to(dtype).to(dev)
+    v = torch.randn(512, 2, 64, generator=g).to(dtype).to(dev)
+    q = torch.randn(42, 8, 64, generator=g).to(dtype).to(dev)
+    out = named_plan(name, seqs, dev, HeadShape(dtype, 8, 2, 64), True)(q, k, v, 0.125)
+    ref = reference_attention(q, k, v, 0.125, RowLayout.build(seqs))
+    assert (out.double().cpu() - ref).abs().max().item() < (1e-4 if dtype == torch.float32 else 2e-2)
