@@ -86,6 +86,12 @@ class SlotTable:
         return self.length
 
 
+def _device_move_available() -> bool:
+    from . import triton as tr
+
+    return tr.available("cuda")
+
+
 class KVPool:
     """Per-layer K/V storage plus the slot allocator."""
 
@@ -94,9 +100,11 @@ class KVPool:
     ):
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.dtype, self.device = dtype, torch.device(device)
-        shape = (num_slots + 1, num_kv_heads, head_dim)  # +1: scratch slot for padding
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        shape = (num_layers, num_slots + 1, num_kv_heads, head_dim)  # +1: scratch slot for padding
+        # one buffer per K and V, a view per layer: a move of KV entries is one kernel for all layers
+        self.k_all = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_all = torch.zeros(shape, dtype=dtype, device=device)
+        self.k, self.v = list(self.k_all.unbind(0)), list(self.v_all.unbind(0))
         self.allocator = SlotAllocator(num_slots)
         self.scratch_slot = num_slots
 
@@ -117,6 +125,11 @@ class KVPool:
         """Copy every layer's K/V at ``src`` slots to ``dst`` slots (reads all sources first, so
         the two may overlap). Slot tensors may be host tensors (slot tables live on the host)."""
         src, dst = src.to(self.device, non_blocking=True), dst.to(self.device, non_blocking=True)
+        if self.device.type == "cuda" and _device_move_available():
+            from .triton.kv_ops import move_kv
+
+            move_kv(self.k_all, self.v_all, src, dst)
+            return
         for layer in range(self.num_layers):
             self.k[layer].index_copy_(0, dst, self.k[layer].index_select(0, src))
             self.v[layer].index_copy_(0, dst, self.v[layer].index_select(0, src))

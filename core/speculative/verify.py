@@ -63,7 +63,9 @@ def _verify_greedy_on_device(tree: DraftTree, logits: torch.Tensor) -> VerifyRes
     return VerifyResult(nodes, [toks[i] for i in nodes[1:]] + [int(bonus[0])], len(tree) - 1)
 
 
-def greedy_walk_reference(tokens: torch.Tensor, parents: torch.Tensor, best: torch.Tensor, sizes: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def greedy_walk_reference(
+    tokens: torch.Tensor, parents: torch.Tensor, best: torch.Tensor, sizes: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``triton/tree_ops.greedy_walk``'s torch reference (host): the same arrays, walked per tree."""
     B, N = tokens.shape
     path = torch.full((B, N), -1, dtype=torch.int32)
