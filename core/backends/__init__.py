@@ -89,7 +89,8 @@ def backend_from_config(engine_cfg, device: torch.device, cfg=None) -> Backend:
     backend.set_attention(attention, None if draft_attention is None else str(draft_attention))
     if backend.attention == "flashinfer" and engine_cfg.batch_invariant:
         logger.warning(
-            "model.attention_backend=flashinfer is not batch invariant: greedy speculative output can differ from plain at near-ties (model.attention_backend=triton is exact)"
+            "model.attention_backend=flashinfer is not batch invariant: greedy speculative output can differ from plain at near-ties "
+            "(model.attention_backend=triton is exact)"
         )
     return backend
 
