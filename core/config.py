@@ -57,6 +57,10 @@ class EngineConfig:
     cpu_packed_gemm: bool = True          # CPU: fp32 MKL-packed + transposed weight copies (~2x weight memory); bf16 oneDNN-blocked weights
     cpu_bf16_kernel: bool = True          # CPU bf16 linears on specfw's own kernel: AMX tiles with AMX-BF16, else vdpbf16ps with AVX512-BF16 (compiled on first use, ~30 s; else the generic kernels)
     batch_invariant: bool = True          # a token's numerics never depend on batch or draft tree (exact greedy spec == plain, also in bf16)
+    cuda_graph_max_bs: Optional[int] = None  # SGLang's --cuda-graph-max-bs: decode/verify forwards of up to this many requests replayed from CUDA graphs (x num_draft_tokens rows when speculative); null = auto (min(max_running_requests, 32)); 0 = off; CUDA with model.attention_backend=triton only (docs/gpu.md)
+    disable_cuda_graph: bool = False      # SGLang's --disable-cuda-graph
+    torch_compile: bool = False           # SGLang's --enable-torch-compile: decoder layers through torch.compile for forwards of up to torch_compile_max_bs rows (docs/gpu.md: measured slower on CPUs)
+    torch_compile_max_bs: int = 32        # SGLang's --torch-compile-max-bs (rows here: requests x rows each verifies)
     overlap_schedule: bool = False        # SGLang's overlap scheduler (SpecV2; also SGLANG_ENABLE_SPEC_V2=True): step N computes on a thread while step N-1 is detokenized and streamed; speculative: topk=1 chains only; off by default (docs/overlap.md)
 
 
@@ -142,6 +146,10 @@ def validate(cfg) -> None:
     positive("engine.max_total_tokens", e.max_total_tokens, allow_none=True)
     positive("engine.num_threads", e.num_threads, allow_none=True)
     positive("engine.decode_log_interval", e.decode_log_interval)
+    positive("engine.torch_compile_max_bs", getattr(e, "torch_compile_max_bs", 32))
+    cg = getattr(e, "cuda_graph_max_bs", None)
+    if cg is not None and cg < 0:
+        raise ConfigError("engine.cuda_graph_max_bs", f"must be >= 0 (0 = off) or null (auto), got {cg}")
     positive("model.context_length", cfg.model.context_length, allow_none=True)
     check_cpu_isa(str(getattr(e, "cpu_isa", "auto")))
     lf = str(getattr(cfg.model, "load_format", "auto"))

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 import torch
 
 from .backends import backend_from_config
+from .compile import compile_layers
+from .graphs import graph_rows
 from .detokenizer import IncrementalDetokenizer
 from .device import kv_budget_from_fraction, resolve_device
 from .kv_cache import KVPool
@@ -124,6 +126,11 @@ class Engine:
             self.tp.send("init", num_slots, dtype, (1, typical_rows))
         self.backend = backend_from_config(cfg.engine, self.device, cfg)
         self.runner = ModelRunner(loaded.model, loaded.hf_config, num_slots, self.dtype, backend=self.backend, timed_rows=(1, typical_rows), tp=self.tp)
+        rows = graph_rows(cfg.engine, self.device, self.backend, self.tree_shape, tp_size(cfg))
+        if rows:
+            self.runner.enable_graphs(rows)
+        if getattr(cfg.engine, "torch_compile", False):
+            compile_layers(self.runner, cfg.engine.torch_compile_max_bs)
         self.stats = EngineStats(decode_log_interval=cfg.engine.decode_log_interval)
         self.worker = worker_factory(self) if worker_factory else self._default_worker()
         self.scheduler = Scheduler(

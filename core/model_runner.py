@@ -55,6 +55,17 @@ class ModelRunner:
             self.kv.group = tp
         self.vocab_size = hf_config.vocab_size
         self.max_context = model.rotary.cos.shape[0]
+        self.graphs = None  # specfw.graphs.GraphedForward once enable_graphs() ran
+
+    def enable_graphs(self, max_rows: int, capture: bool = True) -> None:
+        """Decode and verify forwards of up to ``max_rows`` rows from static buffers, replayed
+        from CUDA graphs on CUDA (``capture``; captured on first use per row bucket). Needs the
+        Triton attention (``model.attention_backend=triton``) and one rank."""
+        from .graphs import GraphedForward
+
+        if self.backend.attention != "triton" or self.tp is not None:
+            raise ValueError("engine.cuda_graph_max_bs: CUDA graphs need model.attention_backend=triton and model.tp_size=1")
+        self.graphs = GraphedForward(self, max_rows, capture)
 
     @property
     def allocator(self):
@@ -68,6 +79,10 @@ class ModelRunner:
         return self.backend.prepare_module(module.to(self.device))
 
     def forward(self, fb: ForwardBatch) -> ForwardOutput:
+        if self.graphs is not None and self.graphs.eligible(fb):
+            out = self.graphs.run(fb)
+            if out is not None:
+                return out
         T = fb.num_tokens
         padded = self.backend.forward_rows(T, self.kv.dtype)
         if padded != T:

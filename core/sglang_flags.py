@@ -17,7 +17,11 @@ from dataclasses import dataclass, field
 ALGORITHMS = {"EAGLE": "eagle", "EAGLE3": "eagle3", "STANDALONE": "standalone", "NGRAM": "ngram", "NEXTN": "mtp", "MTP": "mtp"}
 
 # switch → specfw key set to true
-SWITCH_KEYS = {"--trust-remote-code": "model.trust_remote_code"}
+SWITCH_KEYS = {
+    "--trust-remote-code": "model.trust_remote_code",
+    "--enable-torch-compile": "engine.torch_compile",
+    "--disable-cuda-graph": "engine.disable_cuda_graph",
+}
 # flag → specfw key (the value passes through)
 KEYS = {
     "--model-path": "model.path",
@@ -49,6 +53,8 @@ KEYS = {
     "--speculative-attention-mode": "speculative.attention_mode",
     "--speculative-draft-model-quantization": "speculative.draft_model_quantization",
     "--load-format": "model.load_format",
+    "--cuda-graph-max-bs": "engine.cuda_graph_max_bs",
+    "--torch-compile-max-bs": "engine.torch_compile_max_bs",
     "--speculative-draft-load-format": "speculative.draft_load_format",
     "--speculative-ngram-min-match-window-size": "speculative.min_match_window_size",
     "--speculative-ngram-max-match-window-size": "speculative.max_match_window_size",
@@ -63,16 +69,12 @@ KEYS = {
 NOT_HONOURED = {
     "--speculative-moe-runner-backend": "specfw runs no MoE models",
     "--speculative-moe-a2a-backend": "specfw runs no MoE models",
-    "--cuda-graph-max-bs": "no CUDA graphs in specfw yet (issue 23)",
-    "--enable-torch-compile": "no torch.compile in specfw yet (issue 23)",
-    "--torch-compile-max-bs": "no torch.compile in specfw yet (issue 23)",
     "--dp-size": "one engine per process: run replicas behind sglang-router (issue 22)",
     "--dp": "one engine per process: run replicas behind sglang-router (issue 22)",
     "--enable-dp-attention": "no data-parallel attention in specfw",
     "--chunked-prefill-size": "specfw prefills whole prompts within engine.max_prefill_tokens",
     "--stream-interval": "specfw streams every step's tokens",
-    "--cuda-graph-bs": "no CUDA graphs in specfw yet (issue 23)",
-    "--disable-cuda-graph": "no CUDA graphs in specfw yet (nothing to disable)",
+    "--cuda-graph-bs": "specfw captures its own row buckets up to engine.cuda_graph_max_bs (docs/gpu.md)",
     "--ep-size": "specfw runs no MoE models",
 }
 # honoured as they stand: specfw already behaves so

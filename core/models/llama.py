@@ -127,7 +127,8 @@ class LlamaModel(nn.Module):
         x = self.embed_tokens(fb.input_ids)
         cos, sin = self.rotary.lookup(fb.positions)
         backend = self.backend or default_backend(x.device)
-        fb.attn_plan = backend.plan_attention(fb.seqs, x.device, self.head_shape(x.dtype), backend.batch_invariant)
+        if fb.attn_plan is None:  # a static (graphed) forward brings its own plan (specfw.graphs)
+            fb.attn_plan = backend.plan_attention(fb.seqs, x.device, self.head_shape(x.dtype), backend.batch_invariant)
         fused = backend.fused_ops(x.dtype, self.layers[0].intermediate)
         captured = {}
         for i, layer in enumerate(self.layers):

@@ -251,3 +251,73 @@ def test_draft_attention_backend_overrides_only_the_drafter(tiny_model_dir, tiny
         assert got == plain_references["float32"][:2]
         assert eng.stats.accepted_draft_tokens > 0
         assert layer.backend.attention == "triton"
+
+
+# ---- static (CUDA-graph) forwards and torch.compile ------------------------------------------
+@pytest.mark.parametrize("name", ["none", "eagle3", "ngram"])
+def test_static_graph_forwards_equal_eager_forwards(name, tiny_model_dir, tiny_draft_dir, tiny_eagle_drafts, prompts, triton_plain_reference):
+    """What a CUDA graph replays -- rows padded to a bucket, inputs and the Triton kernel's key
+    lists copied into fixed buffers, outputs cloned out -- run eagerly on a CPU (capture needs
+    CUDA): plain and speculative greedy output == the eager Triton reference, batch 1 and 2."""
+    from specfw.engine import Engine
+
+    spec = None if name == "none" else _configs(name, tiny_draft_dir, tiny_eagle_drafts)[-1]
+    with Engine(
+        make_cfg(model_path=str(tiny_model_dir), model_attention_backend="triton", max_total_tokens=2048, max_running_requests=2, speculative=spec)
+    ) as eng:
+        assert eng.runner.graphs is None  # no CUDA: no graphs unless asked for
+        eng.runner.enable_graphs(max_rows=2 * (eng.tree_shape.num_draft_tokens if eng.tree_shape else 1), capture=False)
+        assert [eng.generate([p], TRITON_GREEDY)[0].token_ids for p in prompts[:2]] == triton_plain_reference, f"{name}: batch 1 diverged"
+        assert [o.token_ids for o in eng.generate(prompts[:2], TRITON_GREEDY)] == triton_plain_reference, f"{name}: batch 2 diverged"
+        assert eng.runner.graphs.replays > 0 and len(eng.runner.graphs.entries) >= 2  # several row buckets served
+
+
+def test_graph_buckets_and_settings():
+    from specfw.graphs import buckets, graph_rows
+    from specfw.config import EngineConfig
+    from specfw.backends import make_backend
+
+    assert buckets(1) == [1] and buckets(8) == [1, 2, 4, 8] and buckets(20) == [1, 2, 4, 8, 16, 20]
+    import torch
+
+    cpu = make_backend("cpu")
+    assert graph_rows(EngineConfig(cuda_graph_max_bs=8), torch.device("cpu"), cpu, None) == 0  # CPUs: never
+
+
+def test_torch_compile_matches_eager_and_falls_back_when_compiling_fails(tiny_model_dir, prompts, plain_references, monkeypatch, caplog):
+    """engine.torch_compile=true: greedy output == eager (the CPU kernels' opaque calls leave
+    little to fuse; docs/gpu.md has the figures); a compilation that fails is logged and the
+    layers run eagerly -- the request is served, not failed."""
+    import torch
+    from specfw.engine import Engine
+
+    with Engine(make_cfg(model_path=str(tiny_model_dir), torch_compile=True, max_total_tokens=2048)) as eng:
+        assert [o.token_ids for o in eng.generate(prompts[:2], GREEDY)] == plain_references["float32"][:2]
+        assert not eng.runner.compiled_layers.failed
+
+    def broken(fn, **kw):
+        def run(*a, **k):
+            raise RuntimeError("LoweringException: cannot lower this op")
+
+        return run
+
+    monkeypatch.setattr(torch, "compile", broken)
+    with Engine(make_cfg(model_path=str(tiny_model_dir), torch_compile=True, max_total_tokens=2048)) as eng:
+        assert [o.token_ids for o in eng.generate(prompts[:2], GREEDY)] == plain_references["float32"][:2]
+        assert eng.runner.compiled_layers.failed and "running eagerly" in caplog.text
+
+
+def test_static_row_layout_pads_every_row_past_the_forward():
+    import torch
+    from specfw.backends.row_layout import RowLayout
+    from specfw.forward_batch import SeqSpan
+    from specfw.graphs import StaticRowLayout
+
+    lay = StaticRowLayout(8, 100, 64, 99, torch.device("cpu"))
+    big = RowLayout.build([SeqSpan(0, 6, torch.arange(10, 30), torch.eye(6, dtype=torch.bool))])
+    lay.load(big)
+    assert lay.seg_len[:6].tolist() == [14] * 6 and lay.ext_len[:6].tolist() == [1] * 6
+    lay.load(RowLayout.build([SeqSpan(0, 1, torch.arange(40, 45))]))
+    assert lay.row_q.tolist() == list(range(8)) and lay.seg_len.tolist() == [5, 1, 1, 1, 1, 1, 1, 1]
+    assert lay.seg_start[1:].tolist() == [100] * 7 and lay.ext_len.tolist() == [0] * 8 and int(lay.slots[100]) == 99  # padding rows see the scratch slot
+    assert lay.fits(big) and not lay.fits(RowLayout.build([SeqSpan(0, 9, torch.arange(9))]))

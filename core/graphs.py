@@ -1,0 +1,201 @@
+"""CUDA graphs for decode and verify forwards (``engine.cuda_graph_max_bs``, SGLang's name).
+
+A 135M-parameter model on a GPU is launch-bound: a forward is hundreds of small kernels. A graph
+replays them in one launch, but only with fixed shapes and fixed buffers, so a graphed forward is
+a *static* forward:
+
+* its rows are padded to a bucket (1, 2, 4, 8, then multiples of 8 up to the largest forward
+  allowed: ``cuda_graph_max_bs`` requests x the rows one request verifies); a padding row reads
+  token 0 at position 0, writes its K/V to the pool's scratch slot and attends to that slot only;
+* its ids, positions and KV output slots are device buffers the inputs are copied into;
+* its attention is the Triton kernel (``model.attention_backend=triton``) reading per-row key
+  lists (``RowLayout``) from device buffers sized for the whole KV pool (``StaticRowLayout``),
+  so the kernel's grid is fixed and its loops read their bounds from memory;
+* its outputs are cloned out of the graph's buffers (the drafters keep hidden states).
+
+Only forwards whose every row needs logits are graphed (decode and verify steps); prompt
+prefills run eagerly. With ``capture=False`` the static forward runs eagerly on the same buffers:
+the tests check the padding, the buffers and the copies that way on a CPU (Triton's interpreter).
+A capture that fails turns graphs off with a warning; decoding goes on eagerly.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from .backends.row_layout import RowLayout
+from .forward_batch import ForwardBatch, ForwardOutput
+
+logger = logging.getLogger(__name__)
+
+
+def buckets(max_rows: int) -> list[int]:
+    """Row counts captured: 1, 2, 4, 8, then every multiple of 8 up to ``max_rows`` (and ``max_rows``)."""
+    out = [b for b in (1, 2, 4) if b < max_rows] + list(range(8, max_rows, 8)) + [max_rows]
+    return sorted(set(out))
+
+
+class StaticRowLayout:
+    """``RowLayout``'s tensors as fixed device buffers of ``rows`` rows; the last entry of
+    ``slots`` is the pool's scratch slot, which padding rows attend to."""
+
+    def __init__(self, rows: int, slot_capacity: int, ext_capacity: int, scratch_slot: int, device: torch.device):
+        i32 = dict(dtype=torch.int32, device=device)
+        self.rows, self.slot_capacity, self.ext_capacity = rows, slot_capacity, ext_capacity
+        self.row_q = torch.arange(rows, **i32)
+        self.seg_start = torch.full((rows,), slot_capacity, **i32)
+        self.seg_len = torch.ones(rows, **i32)
+        self.ext_start = torch.zeros(rows, **i32)
+        self.ext_len = torch.zeros(rows, **i32)
+        self.slots = torch.full((slot_capacity + 1,), scratch_slot, **i32)
+        self.ext_slots = torch.zeros(max(ext_capacity, 1), **i32)
+
+    def fits(self, layout: RowLayout) -> bool:
+        return layout.rows <= self.rows and layout.slots.numel() <= self.slot_capacity and layout.ext_slots.numel() <= self.ext_capacity
+
+    def load(self, layout: RowLayout) -> None:
+        """Copy a forward's host layout in; rows past it become padding rows."""
+        T, R = layout.rows, self.rows
+        pad = R - T
+        i32 = torch.int32
+        self.row_q.copy_(torch.cat([layout.row_q, torch.arange(T, R, dtype=i32)]), non_blocking=True)
+        self.seg_start.copy_(torch.cat([layout.seg_start, torch.full((pad,), self.slot_capacity, dtype=i32)]), non_blocking=True)
+        self.seg_len.copy_(torch.cat([layout.seg_len, torch.ones(pad, dtype=i32)]), non_blocking=True)
+        self.ext_start.copy_(torch.cat([layout.ext_start, torch.zeros(pad, dtype=i32)]), non_blocking=True)
+        self.ext_len.copy_(torch.cat([layout.ext_len, torch.zeros(pad, dtype=i32)]), non_blocking=True)
+        self.slots[: layout.slots.numel()].copy_(layout.slots, non_blocking=True)
+        self.ext_slots[: layout.ext_slots.numel()].copy_(layout.ext_slots, non_blocking=True)
+
+
+class StaticTritonPlan:
+    """The attention plan of a static forward: the Triton kernel over a ``StaticRowLayout``."""
+
+    def __init__(self, layout: StaticRowLayout):
+        self.layout = layout
+
+    def __call__(self, q, k_cache, v_cache, scale):
+        from .triton.attention import row_attention
+
+        return row_attention(q.contiguous(), k_cache, v_cache, torch.empty_like(q), scale, self.layout)
+
+
+@dataclass
+class _Entry:
+    fb: ForwardBatch  # static inputs (device buffers) + the static attention plan
+    layout: StaticRowLayout
+    graph: object | None = None  # torch.cuda.CUDAGraph, or None: run eagerly on the buffers
+    out: ForwardOutput | None = None  # the graph's output buffers
+
+
+def _into(buffers: ForwardOutput | None, out: ForwardOutput) -> ForwardOutput:
+    if buffers is None:
+        return out
+    buffers.logits.copy_(out.logits)
+    buffers.hidden.copy_(out.hidden)
+    for b, a in zip(buffers.aux_hidden, out.aux_hidden):
+        b.copy_(a)
+    return buffers
+
+
+class GraphedForward:
+    """Static (and, on CUDA, graph-replayed) forwards of up to ``max_rows`` rows for a runner."""
+
+    def __init__(self, runner, max_rows: int, capture: bool = True):
+        self.runner, self.max_rows = runner, max_rows
+        self.buckets = buckets(max_rows)
+        self.capture = capture and runner.device.type == "cuda"
+        self.entries: dict[tuple[int, tuple[int, ...]], _Entry] = {}
+        self.pool = None
+        self.replays = 0  # forwards served from static buffers (tests, logs)
+
+    def eligible(self, fb: ForwardBatch) -> bool:
+        return fb.logits_indices is None and 0 < fb.num_tokens <= self.max_rows
+
+    @torch.inference_mode()
+    def run(self, fb: ForwardBatch) -> ForwardOutput | None:
+        """The forward from a static entry, or None when it does not fit one (run it eagerly)."""
+        T = fb.num_tokens
+        R = next(b for b in self.buckets if b >= T)
+        layout = RowLayout.build(fb.seqs)
+        entry = self.entries.get((R, fb.capture_layers)) or self._make(R, fb.capture_layers)
+        if entry is None or not entry.layout.fits(layout):
+            return None
+        sfb = entry.fb
+        dev = self.runner.device
+        sfb.input_ids[:T].copy_(fb.input_ids.to(dev, non_blocking=True))
+        sfb.positions[:T].copy_(fb.positions.to(dev, non_blocking=True))
+        sfb.out_slots[:T].copy_(fb.out_slots.to(dev, non_blocking=True))
+        sfb.input_ids[T:].zero_()
+        sfb.positions[T:].zero_()
+        sfb.out_slots[T:].fill_(self.runner.kv.scratch_slot)
+        entry.layout.load(layout)
+        if entry.graph is not None:
+            entry.graph.replay()
+        else:  # as a replay would: the outputs land in the entry's own buffers
+            entry.out = _into(entry.out, self.runner.model(sfb, self.runner.kv))
+        out = entry.out
+        self.replays += 1
+        return ForwardOutput(logits=out.logits[:T].clone(), hidden=out.hidden[:T].clone(), aux_hidden=[a[:T].clone() for a in out.aux_hidden])
+
+    def _make(self, rows: int, capture_layers: tuple[int, ...]) -> _Entry | None:
+        r = self.runner
+        dev = r.device
+        layout = StaticRowLayout(rows, r.allocator.num_slots + rows, rows * min(rows, 64), r.kv.scratch_slot, dev)
+        sfb = ForwardBatch(
+            input_ids=torch.zeros(rows, dtype=torch.long, device=dev),
+            positions=torch.zeros(rows, dtype=torch.long, device=dev),
+            out_slots=torch.full((rows,), r.kv.scratch_slot, dtype=torch.long, device=dev),
+            seqs=[],
+            logits_indices=None,
+            capture_layers=capture_layers,
+            attn_plan=StaticTritonPlan(layout),
+        )
+        entry = _Entry(sfb, layout)
+        if self.capture:
+            try:
+                entry.graph, entry.out = self._capture(sfb)
+            except Exception as e:  # a model or kernel that cannot be captured: eager from now on
+                logger.warning("CUDA graph capture of %d rows failed (%s: %s); decoding eagerly", rows, type(e).__name__, e)
+                self.runner.graphs = None
+                return None
+            logger.info("captured a CUDA graph of %d rows", rows)
+        self.entries[(rows, capture_layers)] = entry
+        return entry
+
+    def _capture(self, sfb: ForwardBatch):
+        model, kv = self.runner.model, self.runner.kv
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):  # warm up (lazy plans, Triton's compile) outside the capture
+            for _ in range(2):
+                model(sfb, kv)
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            out = model(sfb, kv)
+        self.pool = graph.pool()
+        return graph, out
+
+
+def graph_rows(engine_cfg, device: torch.device, backend, tree_shape, tp_size: int = 1) -> int:
+    """The largest forward to graph (0: none): ``cuda_graph_max_bs`` requests (null = auto:
+    min(max_running_requests, 32)) x the rows one request verifies (``num_draft_tokens``, 1 for
+    plain decoding); on CUDA with the Triton attention and one rank only, else 0 (logged where
+    graphs were asked for and cannot be had)."""
+    asked = getattr(engine_cfg, "cuda_graph_max_bs", None)
+    if getattr(engine_cfg, "disable_cuda_graph", False) or asked == 0 or device.type != "cuda":
+        return 0
+    why = None
+    if backend.attention != "triton":
+        why = f"model.attention_backend resolved to {backend.attention}, graphs need triton"
+    elif tp_size > 1:
+        why = "model.tp_size > 1"
+    if why:
+        if asked:
+            logger.warning("engine.cuda_graph_max_bs=%s: no CUDA graphs (%s)", asked, why)
+        return 0
+    bs = asked or min(engine_cfg.max_running_requests, 32)
+    return bs * (tree_shape.num_draft_tokens if tree_shape else 1)
