@@ -1,0 +1,133 @@
+"""The GPU serving path side by side, in one run (issue 23): plain decoding vs eagle3 (the auto
+shape and SGLang's large tree) vs ngram, at 1 and 16 requests in flight, for each attention
+backend, the Triton one also with CUDA graphs. Same prompts (MT-bench first turns), greedy;
+every speculative run's outputs are compared with plain decoding on the same backend.
+
+    python benchmarks/bench_gpu.py [--dtype bfloat16] [--prompts 16] [--new-tokens 64] [--out DIR]
+    python benchmarks/bench_gpu.py --device cpu --model tiny --backends torch --prompts 2   # a smoke run without a GPU
+
+Prints one table (tok/s, speedup over plain on the same backend, accept length, == plain) and
+writes it with the raw records to ``--out`` (results.md, results.jsonl). The header names the GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import time
+from pathlib import Path
+
+import torch
+
+ALGOS = {
+    "plain": None,
+    "eagle3-auto": dict(algorithm="eagle3"),
+    "eagle3-5-8-32": dict(algorithm="eagle3", num_steps=5, topk=8, num_draft_tokens=32),  # SGLang's large tree
+    "ngram": dict(algorithm="ngram"),
+}
+
+
+def settings(backends: list[str], device: str) -> list[tuple[str, str, bool]]:
+    """(label, attention backend, graphs): each backend eager, triton also with CUDA graphs."""
+    out = [(b, b, False) for b in backends]
+    if "triton" in backends and device.startswith("cuda"):
+        out.append(("triton + CUDA graphs", "triton", True))
+    return out
+
+
+def build(model: str, dtype: str, device: str, attention: str, graphs: bool, algo: dict | None, max_bs: int):
+    from specfw.config import EngineConfig, ModelConfig, SpecfwConfig, SpeculativeConfig
+    from specfw.engine import Engine
+    from specfw.plugins import plugin_manager
+
+    spec = SpeculativeConfig()
+    if algo:
+        spec = plugin_manager().algorithms[algo["algorithm"]].config_class(**algo)
+    engine = EngineConfig(max_running_requests=max_bs, cuda_graph_max_bs=max_bs if graphs else 0, max_total_tokens=32768)
+    return Engine(
+        SpecfwConfig(
+            model=ModelConfig(path=None if model == "demo" else model, dtype=dtype, device=device, attention_backend=attention), engine=engine, speculative=spec
+        )
+    )
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--model", default="demo", help="demo, tiny (a random 2-layer model: smoke runs), or a model directory")
+    ap.add_argument("--backends", default="torch,triton,flashinfer")
+    ap.add_argument("--algos", default=",".join(ALGOS))
+    ap.add_argument("--batch-sizes", default="1,16")
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--out", default="bench_results/gpu")
+    a = ap.parse_args()
+
+    from specfw import datasets
+    from specfw.bench.drive import run_engine
+    from specfw.sampling import SamplingParams
+
+    model = a.model
+    if model == "tiny":
+        from specfw.testing import tiny_model
+
+        model = str(tiny_model())
+    bss = [int(b) for b in a.batch_sizes.split(",")]
+    algos = {k: ALGOS[k] for k in a.algos.split(",")}
+    questions = datasets.mtbench_first_turns(a.prompts)
+    params = SamplingParams(max_new_tokens=a.new_tokens, temperature=0, ignore_eos=True)
+    gpu = torch.cuda.get_device_name() if a.device.startswith("cuda") else f"no GPU ({a.device})"
+    header = f"{gpu}; torch {torch.__version__}; model {a.model} ({a.dtype}); MT-bench 1-{a.prompts} x {a.new_tokens} tokens, greedy"
+    print(header, flush=True)
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows, records = [], []
+    for label, attention, graphs in settings(a.backends.split(","), a.device):
+        plain = {}
+        for name, algo in algos.items():
+            try:
+                eng = build(model, a.dtype, a.device, attention, graphs, algo, max(bss))
+            except Exception as e:  # a backend this machine lacks: say so, go on
+                print(f"{label} {name}: not run ({type(e).__name__}: {e})", flush=True)
+                rows.append((label, name, "-", "-", "-", "-", "-", f"not run: {e}"))
+                continue
+            prompts = [eng.tokenize_chat([{"role": "user", "content": q}]) for q in questions]
+            run_engine(eng, prompts[:1], SamplingParams(max_new_tokens=8, temperature=0), 1, "warm-up")  # kernels compiled, graphs captured
+            for bs in bss:
+                run_engine(eng, prompts[:bs], SamplingParams(max_new_tokens=16, temperature=0), bs, "warm-up")  # this concurrency's graphs
+                res = run_engine(eng, prompts, params, bs, f"{label} {name} bs={bs}")
+                if algo is None:
+                    plain[bs] = res
+                base = plain.get(bs)
+                same = "" if algo is None or base is None else f"{sum(x == y for x, y in zip(res.outputs, base.outputs))}/{len(prompts)}"
+                speed = "" if base is None else f"{res.tok_s / base.tok_s:.2f}x"
+                acc = f"{res.accept_length:.2f}" if res.accept_length else ""
+                graphed = getattr(eng.runner.graphs, "replays", 0) if eng.runner.graphs else 0
+                rows.append((label, name, bs, f"{res.tok_s:.1f}", speed, acc, same, f"{graphed} graphed forwards" if graphs else ""))
+                records.append(
+                    dict(
+                        setting=label, attention=attention, graphs=graphs, algo=name, batch_size=bs, tok_s=res.tok_s, accept_length=res.accept_length, same=same
+                    )
+                )
+                print(" | ".join(str(x) for x in rows[-1]), flush=True)
+            eng.close()
+            del eng
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+    table = [
+        f"{header} ({time.strftime('%Y-%m-%d')})",
+        "",
+        "| setting | algorithm | in flight | tok/s | vs plain | accept len | == plain | note |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    table += ["| " + " | ".join(str(x) for x in r) + " |" for r in rows]
+    (out / "results.md").write_text("\n".join(table) + "\n")
+    (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    print("\n".join(table))
+
+
+if __name__ == "__main__":
+    main()
