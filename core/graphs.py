@@ -199,3 +199,83 @@ def graph_rows(engine_cfg, device: torch.device, backend, tree_shape, tp_size: i
         return 0
     bs = asked or min(engine_cfg.max_running_requests, 32)
     return bs * (tree_shape.num_draft_tokens if tree_shape else 1)
+
+
+class GraphedHead:
+    """A feature drafter's beam-step head forwards (every row needs logits) from static buffers,
+    replayed from CUDA graphs on CUDA: the draft loop's per-depth forward is as launch-bound as the
+    target's. Same buckets and padding as ``GraphedForward``, on the drafter's own KV pool; the
+    head's attention must be the Triton kernel (``speculative.draft_attention_backend`` or the
+    target's). ``head`` is the drafter's ``head_forward(tokens, features, fb, from_target)``."""
+
+    def __init__(self, head, kv, num_slots: int, hidden_size: int, device: torch.device, max_rows: int, capture: bool = True):
+        self.head, self.kv, self.num_slots, self.hidden, self.device = head, kv, num_slots, hidden_size, device
+        self.max_rows, self.buckets = max_rows, buckets(max_rows)
+        self.capture = capture and device.type == "cuda"
+        self.entries: dict[int, tuple] = {}
+        self.pool = None
+        self.replays = 0
+
+    @torch.inference_mode()
+    def run(self, fb: ForwardBatch, features: torch.Tensor):
+        T = fb.num_tokens
+        if fb.logits_indices is not None or not 0 < T <= self.max_rows:
+            return None
+        R = next(b for b in self.buckets if b >= T)
+        layout = RowLayout.build(fb.seqs)
+        entry = self.entries.get(R) or self._make(R, features.dtype)
+        if entry is None or not entry[1].fits(layout):
+            return None
+        sfb, lay, feats, graph, out = entry
+        sfb.input_ids[:T].copy_(fb.input_ids.to(self.device, non_blocking=True))
+        sfb.positions[:T].copy_(fb.positions.to(self.device, non_blocking=True))
+        sfb.out_slots[:T].copy_(fb.out_slots.to(self.device, non_blocking=True))
+        sfb.input_ids[T:].zero_()
+        sfb.positions[T:].zero_()
+        sfb.out_slots[T:].fill_(self.kv.scratch_slot)
+        feats[:T].copy_(features)
+        feats[T:].zero_()
+        lay.load(layout)
+        if graph is not None:
+            graph.replay()
+        else:
+            logits, hidden = self.head(sfb.input_ids, feats, sfb, False)
+            if out is None:
+                out = (logits, hidden)
+                self.entries[R] = (sfb, lay, feats, graph, out)
+            else:
+                out[0].copy_(logits)
+                out[1].copy_(hidden)
+        self.replays += 1
+        return out[0][:T].clone(), out[1][:T].clone()
+
+    def _make(self, rows: int, dtype: torch.dtype):
+        dev = self.device
+        lay = StaticRowLayout(rows, self.num_slots + rows, rows * min(rows, 64), self.kv.scratch_slot, dev)
+        sfb = ForwardBatch(
+            input_ids=torch.zeros(rows, dtype=torch.long, device=dev),
+            positions=torch.zeros(rows, dtype=torch.long, device=dev),
+            out_slots=torch.full((rows,), self.kv.scratch_slot, dtype=torch.long, device=dev),
+            seqs=[],
+            attn_plan=StaticTritonPlan(lay),
+        )
+        feats = torch.zeros(rows, self.hidden, dtype=dtype, device=dev)
+        graph = out = None
+        if self.capture:
+            try:
+                stream = torch.cuda.Stream()
+                stream.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(stream):
+                    for _ in range(2):
+                        self.head(sfb.input_ids, feats, sfb, False)
+                torch.cuda.current_stream().wait_stream(stream)
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph, pool=self.pool):
+                    out = self.head(sfb.input_ids, feats, sfb, False)
+                self.pool = graph.pool()
+            except Exception as e:
+                logger.warning("CUDA graph capture of the draft head (%d rows) failed (%s: %s); drafting eagerly", rows, type(e).__name__, e)
+                self.max_rows = 0
+                return None
+        self.entries[rows] = (sfb, lay, feats, graph, out)
+        return self.entries[rows]

@@ -44,6 +44,21 @@ class FeatureDrafter:
         self.device = ctx.runner.device
         self.kv = KVPool(1, layer.n_kv, layer.head_dim, num_slots, dtype=ctx.runner.kv.dtype, device=self.device)
         self.states: dict[str, _PairState] = {}
+        self.graphs = None  # specfw.graphs.GraphedHead: beam steps from static buffers / CUDA graphs
+        target = getattr(ctx.runner, "graphs", None)
+        if target is not None:  # the target's forwards are graphed: the draft loop's too
+            self.enable_graphs(target.max_rows, target.capture)
+
+    def enable_graphs(self, max_rows: int, capture: bool = True) -> bool:
+        """Beam-step head forwards of up to ``max_rows`` rows from static buffers (CUDA graphs on
+        CUDA); needs the head to attend with the Triton kernel. Returns whether they are on."""
+        from ..graphs import GraphedHead
+
+        if getattr(getattr(self.layer, "backend", None), "attention", None) != "triton":
+            return False
+        hidden = self.layer.self_attn.o_proj.out_features
+        self.graphs = GraphedHead(self.head_forward, self.kv, self.kv.allocator.num_slots, hidden, self.device, max_rows, capture)
+        return True
 
     # ---- subclass API -----------------------------------------------------------------------
     def target_features(self, hidden: torch.Tensor, aux: list[torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
@@ -122,6 +137,10 @@ class FeatureDrafter:
 
         def step(step_chunks, parent_hidden):
             sfb = build_forward_batch(step_chunks).to(self.device)
+            if self.graphs is not None:
+                out = self.graphs.run(sfb, parent_hidden)
+                if out is not None:
+                    return out
             return self.head_forward(sfb.input_ids, parent_hidden, sfb, from_target=False)
 
         return beam_search(

@@ -2,6 +2,7 @@
 for every installed algorithm, several tree shapes, batch 1 and batch 4."""
 
 import pytest
+import torch
 
 from conftest import TINY_DRAFT_CHATS, make_cfg
 from specfw.config import ConfigError
@@ -254,7 +255,7 @@ def test_draft_attention_backend_overrides_only_the_drafter(tiny_model_dir, tiny
 
 
 # ---- static (CUDA-graph) forwards and torch.compile ------------------------------------------
-@pytest.mark.parametrize("name", ["none", "eagle3", "ngram"])
+@pytest.mark.parametrize("name", ["none", "eagle", "eagle3", "mtp", "ngram"])
 def test_static_graph_forwards_equal_eager_forwards(name, tiny_model_dir, tiny_draft_dir, tiny_eagle_drafts, prompts, triton_plain_reference):
     """What a CUDA graph replays -- rows padded to a bucket, inputs and the Triton kernel's key
     lists copied into fixed buffers, outputs cloned out -- run eagerly on a CPU (capture needs
@@ -266,10 +267,29 @@ def test_static_graph_forwards_equal_eager_forwards(name, tiny_model_dir, tiny_d
         make_cfg(model_path=str(tiny_model_dir), model_attention_backend="triton", max_total_tokens=2048, max_running_requests=2, speculative=spec)
     ) as eng:
         assert eng.runner.graphs is None  # no CUDA: no graphs unless asked for
-        eng.runner.enable_graphs(max_rows=2 * (eng.tree_shape.num_draft_tokens if eng.tree_shape else 1), capture=False)
+        rows = 2 * (eng.tree_shape.num_draft_tokens if eng.tree_shape else 1)
+        eng.runner.enable_graphs(max_rows=rows, capture=False)
+        drafter = getattr(eng.worker, "runtime", None)
+        head_graphs = hasattr(drafter, "enable_graphs") and drafter.enable_graphs(rows, capture=False)  # the EAGLE family's beam steps
+        checked = []
+        if head_graphs:  # every static beam step's logits and hidden == the eager head forward's, bit for bit
+            static_run = drafter.graphs.run
+
+            def run_and_check(fb, features):
+                out = static_run(fb, features)
+                if out is not None:
+                    ref = drafter.head_forward(fb.input_ids, features, fb, False)
+                    assert torch.equal(out[0], ref[0]) and torch.equal(out[1], ref[1])
+                    checked.append(fb.num_tokens)
+                return out
+
+            drafter.graphs.run = run_and_check
         assert [eng.generate([p], TRITON_GREEDY)[0].token_ids for p in prompts[:2]] == triton_plain_reference, f"{name}: batch 1 diverged"
         assert [o.token_ids for o in eng.generate(prompts[:2], TRITON_GREEDY)] == triton_plain_reference, f"{name}: batch 2 diverged"
         assert eng.runner.graphs.replays > 0 and len(eng.runner.graphs.entries) >= 2  # several row buckets served
+        assert head_graphs == (name in ("eagle", "eagle3", "mtp"))
+        if head_graphs:
+            assert drafter.graphs.replays > 0 and len(checked) == drafter.graphs.replays
 
 
 def test_graph_buckets_and_settings():
