@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import torch
 
+from .committed_drafts import committed_draft
 from .config import ConfigError
 from .forward_batch import ForwardBatch
 from .hookspecs import hookimpl
@@ -51,6 +52,7 @@ from .train.common import ModuleTrainer, load_matching, unroll, unrolled_layer_s
 from .train.config import DraftTrainConfig
 
 __all__ = [
+    "committed_draft",
     # contract
     "hookimpl",
     "ConfigError",

@@ -39,6 +39,9 @@ def init_from_draft(trainer, cfg) -> None:
 
             raise ConfigError("init_draft", f"there is no committed demo draft of kind '{cfg.draft.kind}'; give a directory")
         path = Path(path)
+    from ..committed_drafts import committed_draft
+
+    path = committed_draft(path)
     trainer.init_from(load_file(str(path / "model.safetensors")))
     logger.info("initialised the %s draft from %s", cfg.draft.kind, path)
 

@@ -7,7 +7,18 @@ from pathlib import Path
 
 import torch
 
-from specfw.sdk import ConfigError, FeatureDrafter, Rotary, draft_kv_slots, draft_load_format, place_on_target, resolve_model_path, target_device, target_dtype
+from specfw.sdk import (
+    ConfigError,
+    FeatureDrafter,
+    committed_draft,
+    Rotary,
+    draft_kv_slots,
+    draft_load_format,
+    place_on_target,
+    resolve_model_path,
+    target_device,
+    target_dtype,
+)
 
 from .model import load_eagle, load_token_map
 
@@ -22,7 +33,7 @@ class EagleDrafter(FeatureDrafter):
         if not ref:
             if not ((DEMO_DRAFT / "config.json").exists() and ctx.engine_config.model.path in (None, "", "demo")):
                 raise ConfigError("speculative.draft_model_path", "eagle needs a draft checkpoint (EAGLE layout) for this target")
-            ref = str(DEMO_DRAFT)
+            ref = str(committed_draft(DEMO_DRAFT))
         path = resolve_model_path(ref, cfg.draft_model_revision)
         target = ctx.runner.model
         self.head = place_on_target(ctx, load_eagle(Path(path), ctx.runner.hf_config, target_dtype(ctx), draft_load_format(ctx)))

@@ -7,7 +7,18 @@ from pathlib import Path
 
 import torch
 
-from specfw.sdk import ConfigError, FeatureDrafter, Rotary, draft_kv_slots, draft_load_format, place_on_target, resolve_model_path, target_device, target_dtype
+from specfw.sdk import (
+    ConfigError,
+    FeatureDrafter,
+    committed_draft,
+    Rotary,
+    draft_kv_slots,
+    draft_load_format,
+    place_on_target,
+    resolve_model_path,
+    target_device,
+    target_dtype,
+)
 
 from .model import aux_layer_ids, load_eagle3
 
@@ -18,7 +29,7 @@ DEMO_DRAFT = Path(__file__).parent / "demo_draft"
 def default_draft_path(ctx) -> str:
     """The committed demo draft is the default for the demo target."""
     if (DEMO_DRAFT / "config.json").exists() and ctx.engine_config.model.path in (None, "", "demo"):
-        return str(DEMO_DRAFT)
+        return str(committed_draft(DEMO_DRAFT))
     raise ConfigError("speculative.draft_model_path", "eagle3 needs a draft checkpoint (EAGLE-3 layout) for this target")
 
 

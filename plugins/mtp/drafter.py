@@ -14,7 +14,17 @@ from pathlib import Path
 
 import torch
 
-from specfw.sdk import FeatureDrafter, Rotary, draft_kv_slots, draft_load_format, place_on_target, resolve_model_path, target_device, target_dtype
+from specfw.sdk import (
+    FeatureDrafter,
+    committed_draft,
+    Rotary,
+    draft_kv_slots,
+    draft_load_format,
+    place_on_target,
+    resolve_model_path,
+    target_device,
+    target_dtype,
+)
 
 from .model import load_mtp
 
@@ -29,7 +39,7 @@ def nextn_path(ctx) -> Path:
     if cfg.draft_model_path:
         return Path(resolve_model_path(cfg.draft_model_path, cfg.draft_model_revision))
     if (DEMO_DRAFT / "config.json").exists() and ctx.engine_config.model.path in (None, "", "demo"):
-        return DEMO_DRAFT
+        return committed_draft(DEMO_DRAFT)
     return Path(ctx.target_path)
 
 

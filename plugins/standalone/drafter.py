@@ -16,6 +16,7 @@ import torch
 
 from specfw.sdk import (
     ConfigError,
+    committed_draft,
     DraftCandidates,
     ModelRunner,
     SlotTable,
@@ -47,7 +48,7 @@ DEMO_DRAFT = Path(__file__).parent / "demo_draft"
 def default_draft(ctx) -> str:
     """The committed demo draft (trained by `specfw train draft=standalone`) serves the demo target."""
     if (DEMO_DRAFT / "config.json").exists() and ctx.engine_config.model.path in (None, "", "demo"):
-        return str(DEMO_DRAFT)
+        return str(committed_draft(DEMO_DRAFT))
     raise ConfigError(
         "speculative.draft_model_path",
         "standalone needs a draft model (HF directory or hub id) for this "

@@ -254,12 +254,14 @@ def test_demo_target_drafts_with_the_committed_nextn_layer(demo_engine):
     from specfw.engine import Engine
     from specfw_plugins.mtp.drafter import DEMO_DRAFT
 
-    assert (DEMO_DRAFT / "config.json").exists() and (DEMO_DRAFT / "model.safetensors").exists()
+    from specfw.sdk import committed_draft
+
+    assert (DEMO_DRAFT / "config.json").exists() and (committed_draft(DEMO_DRAFT) / "model.safetensors").exists()
     params = SamplingParams(max_new_tokens=32, temperature=0)
     chats = [demo_engine.tokenize_chat([{"role": "user", "content": q}]) for q in mtbench_first_turns(2)]
     ref = [o.token_ids for o in demo_engine.generate(chats, params)]
     with Engine(make_cfg(max_total_tokens=4096, max_running_requests=2, speculative=MtpConfig(algorithm="mtp"))) as eng:
-        assert eng.worker.runtime.path == DEMO_DRAFT
+        assert eng.worker.runtime.path == committed_draft(DEMO_DRAFT)
         assert [eng.generate([c], params)[0].token_ids for c in chats] == ref
         assert [o.token_ids for o in eng.generate(chats, params)] == ref
         assert eng.stats.verify_forwards > 0
