@@ -36,7 +36,7 @@ def settings(backends: list[str], device: str) -> list[tuple[str, str, bool]]:
     return out
 
 
-def build(model: str, dtype: str, device: str, attention: str, graphs: bool, algo: dict | None, max_bs: int):
+def build(model: str, dtype: str, device: str, attention: str, graphs: bool, algo: dict | None, max_bs: int, load_format: str = "auto"):
     from specfw.config import EngineConfig, ModelConfig, SpecfwConfig, SpeculativeConfig
     from specfw.engine import Engine
     from specfw.plugins import plugin_manager
@@ -47,7 +47,9 @@ def build(model: str, dtype: str, device: str, attention: str, graphs: bool, alg
     engine = EngineConfig(max_running_requests=max_bs, cuda_graph_max_bs=max_bs if graphs else 0, max_total_tokens=32768)
     return Engine(
         SpecfwConfig(
-            model=ModelConfig(path=None if model == "demo" else model, dtype=dtype, device=device, attention_backend=attention), engine=engine, speculative=spec
+            model=ModelConfig(path=None if model == "demo" else model, dtype=dtype, device=device, attention_backend=attention, load_format=load_format),
+            engine=engine,
+            speculative=spec,
         )
     )
 
@@ -63,6 +65,11 @@ def main():
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--out", default="bench_results/gpu")
+    ap.add_argument(
+        "--load-format",
+        default="auto",
+        help="model.load_format: dummy = random target weights of the model's config (timings only: accept lengths then mean nothing)",
+    )
     a = ap.parse_args()
 
     from specfw import datasets
@@ -79,7 +86,8 @@ def main():
     questions = datasets.mtbench_first_turns(a.prompts)
     params = SamplingParams(max_new_tokens=a.new_tokens, temperature=0, ignore_eos=True)
     gpu = torch.cuda.get_device_name() if a.device.startswith("cuda") else f"no GPU ({a.device})"
-    header = f"{gpu}; torch {torch.__version__}; model {a.model} ({a.dtype}); MT-bench 1-{a.prompts} x {a.new_tokens} tokens, greedy"
+    weights = "" if a.load_format == "auto" else f", {a.load_format} weights"
+    header = f"{gpu}; torch {torch.__version__}; model {a.model} ({a.dtype}{weights}); MT-bench 1-{a.prompts} x {a.new_tokens} tokens, greedy"
     print(header, flush=True)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -88,7 +96,7 @@ def main():
         plain = {}
         for name, algo in algos.items():
             try:
-                eng = build(model, a.dtype, a.device, attention, graphs, algo, max(bss))
+                eng = build(model, a.dtype, a.device, attention, graphs, algo, max(bss), a.load_format)
             except Exception as e:  # a backend this machine lacks: say so, go on
                 print(f"{label} {name}: not run ({type(e).__name__}: {e})", flush=True)
                 rows.append((label, name, "-", "-", "-", "-", "-", f"not run: {e}"))
