@@ -27,6 +27,7 @@ class BenchOptions:
     api_key: Optional[str] = None         # bearer key for url (null: env SPECFW_API_KEY / OPENAI_API_KEY if set)
     served_model: Optional[str] = None    # model name sent to url; null = the first of its /v1/models
     compare_plain: bool = True            # in-process: also decode without speculation (speedup, and whether greedy output equals plain)
+    plain_each_job: bool = False          # in-process: measure plain again right before every speculative job of a sweep (speedups against an adjacent run: for machines whose speed drifts during a sweep, e.g. shared VMs)
     temperature: float = 0.0              # 0 = greedy
     ignore_eos: bool = False              # generate exactly max_new_tokens
     out_dir: str = "bench_results"        # records (records.jsonl), summary and plot go to out_dir/<run name>/

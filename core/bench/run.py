@@ -145,19 +145,21 @@ def measure(cfg, ids, params, batch_size: int, desc: str) -> tuple[RunResult, ob
         gc.collect()
 
 
-def plain_reference(cfg, run_dir: Path, ids, params, batch_sizes, make_record) -> dict[int, RunResult]:
+def plain_reference(cfg, run_dir: Path, ids, params, batch_sizes, make_record, beside: str | None = None) -> dict[int, RunResult]:
     """Plain decoding of ``ids`` at each batch size, measured once per run directory and setup
-    (a sweep's jobs share it); a new measurement is recorded as a ``plain`` record."""
+    (a sweep's jobs share it); a new measurement is recorded as a ``plain`` record. ``beside`` (a
+    job's label, ``bench.plain_each_job``): measured again right before that job, recorded as
+    ``plain (beside <label>)``."""
     from omegaconf import OmegaConf
 
     setup = OmegaConf.to_yaml(OmegaConf.create({"model": OmegaConf.to_container(cfg.model), "engine": OmegaConf.to_container(cfg.engine)}))
-    key = (str(run_dir), setup, tuple(map(tuple, ids)), repr(params))
+    key = (str(run_dir), setup, tuple(map(tuple, ids)), repr(params), beside)
     cached = _PLAIN.setdefault(key, {})
     pcfg = plain_config(cfg)
     for b in batch_sizes:
         if b not in cached:
             cached[b], _ = measure(pcfg, ids, params, b, f"plain bs={b}")
-            rec.append(run_dir / "records.jsonl", make_record(pcfg, None, "plain", b, cached[b], None))
+            rec.append(run_dir / "records.jsonl", make_record(pcfg, None, "plain" if beside is None else f"plain (beside {beside})", b, cached[b], None))
     return cached
 
 
@@ -233,7 +235,8 @@ def run_in_process(cfg, run_dir: Path, label: str, sizes: list[int], common: dic
     def make_record(c, shape, lab, bs, res, plain):
         return to_record(c, shape, lab, bs, res, plain, **common)
 
-    plain = plain_reference(cfg, run_dir, ids, params, sizes, make_record) if b.compare_plain or not spec else {}
+    beside = label if spec and b.get("plain_each_job", False) else None
+    plain = plain_reference(cfg, run_dir, ids, params, sizes, make_record, beside) if b.compare_plain or not spec else {}
     for bs in sizes if spec else []:
         res, shape = measure(cfg, ids, params, bs, f"{label} bs={bs}")
         rec.append(run_dir / "records.jsonl", make_record(cfg, shape, label, bs, res, plain.get(bs)))

@@ -73,6 +73,22 @@ def test_sweep_writes_records_table_and_plot(tiny_model_dir, tmp_path):
     assert (run_dir / "summary.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_plain_each_job_measures_plain_beside_every_job(tiny_model_dir, tmp_path):
+    """bench.plain_each_job=true: each speculative job gets its own adjacent plain run, and its
+    speedup is against that one (for machines whose speed drifts during a sweep)."""
+    specfw(
+        ["bench", "-m", "speculative=ngram", "speculative.num_draft_tokens=4,8", f"model.path={tiny_model_dir}", "bench.plain_each_job=true"]
+        + ["bench.prompts.num_prompts=2", "bench.max_new_tokens=8", f"bench.out_dir={tmp_path}", "bench.name=each"],
+        tmp_path,
+    )
+    recs = records(tmp_path / "each")
+    plain = [r for r in recs if r["algorithm"] == "none"]
+    spec = [r for r in recs if r["algorithm"] == "ngram"]
+    assert [r["label"] for r in plain] == [f"plain (beside {s['label']})" for s in spec] and len(spec) == 2
+    for p, s in zip(plain, spec):
+        assert s["speedup"] == pytest.approx(s["tok_s"] / p["tok_s"], rel=1e-3) and s["equal_plain"] == "2/2"
+
+
 @pytest.mark.parametrize(
     "shape, note",
     [
