@@ -43,6 +43,7 @@ class BenchConfig(SpecfwConfig):
 class TuneOptions:
     prompts: PromptSet = field(default_factory=lambda: PromptSet(num_prompts=40))  # the prompts the grid is measured on
     holdout: PromptSet = field(default_factory=lambda: PromptSet(start=40, num_prompts=40))  # tuned vs auto vs plain measured here (num_prompts=0: skip)
+    holdout_rounds: int = 1               # held-out: auto and tuned measured alternately this many times; the margin is the median of the rounds' tuned/auto ratios (a machine whose speed drifts needs 3+)
     max_new_tokens: int = 64              # tokens per request
     batch_sizes: list[int] = field(default_factory=lambda: [1])  # batch-size buckets: a best setting per concurrency level
     num_steps: list[int] = field(default_factory=lambda: [3, 5])  # grid values (dropped for an algorithm that does not use the key)
@@ -100,6 +101,8 @@ def validate_tune(cfg) -> None:
     check_batch_sizes(t.batch_sizes, "tune.batch_sizes")
     if t.max_new_tokens < 1:
         raise ConfigError("tune.max_new_tokens", f"must be >= 1, got {t.max_new_tokens}")
+    if t.get("holdout_rounds", 1) < 1:
+        raise ConfigError("tune.holdout_rounds", f"must be >= 1, got {t.holdout_rounds}")
     for v in t.adaptive_draft:
         if str(v).lower() not in ("auto", "true", "false"):
             raise ConfigError("tune.adaptive_draft", f"'{v}' is not one of ['auto', 'true', 'false']")

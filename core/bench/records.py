@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import statistics
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -90,13 +91,19 @@ def holdout_comparison(records: list[BenchRecord]) -> str:
     for algo in dict.fromkeys(r.algorithm for r in held if r.algorithm != "none"):
         for bs in sorted({r.batch_size for r in held}):
             plain = next((r for r in held if r.algorithm == "none" and r.batch_size == bs), None)
-            auto = next((r for r in held if r.algorithm == algo and r.batch_size == bs and "tuned" not in r.label), None)
-            tuned = next((r for r in held if r.algorithm == algo and r.batch_size == bs and "tuned" in r.label), auto)
-            if auto is None or plain is None:
+            autos = [r for r in held if r.algorithm == algo and r.batch_size == bs and "tuned" not in r.label]
+            tuneds = [r for r in held if r.algorithm == algo and r.batch_size == bs and "tuned" in r.label] or autos
+            if not autos or plain is None:
                 continue
-            same = " (tuned = auto defaults)" if tuned is auto else f" [{tuned.label.split('tuned ', 1)[-1]}]"
+            same = " (tuned = auto defaults)" if tuneds is autos else f" [{tuneds[0].label.split('tuned ', 1)[-1]}]"
+            auto, tuned = statistics.median(r.tok_s for r in autos), statistics.median(r.tok_s for r in tuneds)
+            ratio = statistics.median(t.tok_s / a.tok_s for a, t in zip(autos, tuneds))
+            rounds = ""
+            if len(autos) > 1:  # tune.holdout_rounds: the median of each round's ratio (adjacent runs)
+                each = ", ".join(f"{t.tok_s / a.tok_s:.3f}" for a, t in zip(autos, tuneds))
+                rounds = f" (median of {len(autos)} alternated rounds: {each})"
             lines.append(
-                f"held-out {algo} batch {bs}: tuned {tuned.tok_s:.2f} tok/s vs auto {auto.tok_s:.2f} = {tuned.tok_s / auto.tok_s:.3f}x; "
-                f"vs plain {plain.tok_s:.2f}: tuned {tuned.tok_s / plain.tok_s:.2f}x, auto {auto.tok_s / plain.tok_s:.2f}x{same}"
+                f"held-out {algo} batch {bs}: tuned {tuned:.2f} tok/s vs auto {auto:.2f} = {ratio:.3f}x{rounds}; "
+                f"vs plain {plain.tok_s:.2f}: tuned {tuned / plain.tok_s:.2f}x, auto {auto / plain.tok_s:.2f}x{same}"
             )
     return "\n".join(lines)

@@ -117,20 +117,23 @@ def tune_task(cfg) -> None:
     if hold_ids:
         if not any(best.values()):
             print(f"[tune] {algo}: the auto defaults won every bucket; held-out: auto vs plain", flush=True)
-        holdout(cfg, run_dir, algo, hold_ids, params, sizes, best, record(t.holdout, "holdout"))
+        holdout(cfg, run_dir, algo, hold_ids, params, sizes, best, record(t.holdout, "holdout"), int(t.get("holdout_rounds", 1)))
     if not in_sweep:
         summarize(run_dir)
 
 
-def holdout(cfg, run_dir: Path, algo: str, ids, params, sizes, best: dict, make_record) -> None:
-    """Plain, auto and tuned on the held-out prompts (tuned once per distinct best point)."""
+def holdout(cfg, run_dir: Path, algo: str, ids, params, sizes, best: dict, make_record, rounds: int = 1) -> None:
+    """Plain, auto and tuned on the held-out prompts (tuned once per distinct best point); with
+    ``rounds`` > 1, auto and tuned alternate that many times (A B A B ...), each run recorded
+    (``records.holdout_comparison`` takes the median of the rounds' ratios)."""
     plain = plain_reference(cfg, run_dir, ids, params, sizes, make_record)
-    for point in [{}] + [p for p in dict.fromkeys(map(lambda p: tuple(p.items()), best.values())) if p]:
-        point = dict(point)
-        c = with_settings(cfg, point)
-        for bs in sizes:
-            if point and best[bs] != point:
-                continue
-            label = f"{algo} {'tuned ' if point else ''}{describe(point)}"
-            res, shape = measure(c, ids, params, bs, f"held-out {label} bs={bs}")
-            rec.append(run_dir / "records.jsonl", make_record(c, shape, label, bs, res, plain[bs]))
+    points = [{}] + [dict(p) for p in dict.fromkeys(map(lambda p: tuple(p.items()), best.values())) if p]
+    for r in range(rounds):
+        for point in points:
+            c = with_settings(cfg, point)
+            for bs in sizes:
+                if point and best[bs] != point:
+                    continue
+                label = f"{algo} {'tuned ' if point else ''}{describe(point)}"
+                res, shape = measure(c, ids, params, bs, f"held-out {label} bs={bs}" + (f" round {r + 1}/{rounds}" if rounds > 1 else ""))
+                rec.append(run_dir / "records.jsonl", make_record(c, shape, label, bs, res, plain[bs]))

@@ -151,6 +151,7 @@ def tuned_server(tiny_model_dir, tmp_path_factory):
             "tune.num_draft_tokens=[5]",
             "tune.adaptive_draft=[false]",
             "tune.include_auto=false",
+            "tune.holdout_rounds=2",
             f"tune.out_dir={tmp}",
             "tune.name=t",
             f"tuned.dir={tmp / 'tuned'}",
@@ -174,7 +175,9 @@ def test_tune_then_serve_uses_tuned_defaults(tuned_server):
     assert (entry["num_draft_tokens"], entry["adaptive_draft"]) == (5, "false") and entry["tok_s"] > 0
     recs = records(tmp / "t")
     assert {r["phase"] for r in recs} == {"tune", "holdout"}
-    assert any("tuned" in r["label"] and r["phase"] == "holdout" for r in recs) and "held-out ngram batch 1: tuned" in tuned_server["tune_out"]
+    held = [r for r in recs if r["phase"] == "holdout" and r["algorithm"] == "ngram"]
+    assert ["tuned" in r["label"] for r in held] == [False, True, False, True]  # tune.holdout_rounds=2: auto and tuned alternated
+    assert "held-out ngram batch 1: tuned" in tuned_server["tune_out"] and "median of 2 alternated rounds" in tuned_server["tune_out"]
     assert "tuned defaults applied for speculative=ngram (batch-size bucket 1): num_draft_tokens=5, adaptive_draft=false" in tuned_server["server"].output()
     spec = httpx2.get(tuned_server["url"] + "/get_server_info", timeout=10).json()["config"]["speculative"]
     assert (spec["num_draft_tokens"], str(spec["adaptive_draft"])) == (5, "false")
