@@ -54,6 +54,15 @@ def committed_draft(path: str | os.PathLike) -> Path:
     return out
 
 
+def demo_draft_for(ctx, path: str | os.PathLike) -> Path | None:
+    """A plugin's committed demo draft ``path``, unpacked, when the engine serves the demo target
+    and the plugin ships one (its ``config.json``); else None (the plugin then needs
+    ``speculative.draft_model_path`` or has its own fallback)."""
+    if (Path(path) / "config.json").exists() and ctx.engine_config.model.path in (None, "", "demo"):
+        return committed_draft(path)
+    return None
+
+
 def pack_draft(path: str | os.PathLike, min_bytes: int = 1 << 20) -> list[Path]:
     """xz-compress every file of ``path`` of at least ``min_bytes`` in place (``name`` -> ``name.xz``):
     what to run on a newly trained draft before committing it (docs/drafts.md)."""

@@ -87,7 +87,8 @@ class _Entry:
     fb: ForwardBatch  # static inputs (device buffers) + the static attention plan
     layout: StaticRowLayout
     graph: object | None = None  # torch.cuda.CUDAGraph, or None: run eagerly on the buffers
-    out: ForwardOutput | None = None  # the graph's output buffers
+    out: object | None = None  # the graph's output buffers (a ForwardOutput; a head's (logits, hidden))
+    features: torch.Tensor | None = None  # a draft head's input features (GraphedHead)
 
 
 def _into(buffers: ForwardOutput | None, out: ForwardOutput) -> ForwardOutput:
@@ -98,6 +99,44 @@ def _into(buffers: ForwardOutput | None, out: ForwardOutput) -> ForwardOutput:
     for b, a in zip(buffers.aux_hidden, out.aux_hidden):
         b.copy_(a)
     return buffers
+
+
+def _static_batch(rows: int, num_slots: int, scratch: int, dev: torch.device, capture_layers: tuple[int, ...] = ()) -> tuple[ForwardBatch, StaticRowLayout]:
+    """A static forward's input buffers and attention layout for ``rows`` rows over a pool of ``num_slots``."""
+    layout = StaticRowLayout(rows, num_slots + rows, rows * min(rows, 64), scratch, dev)
+    sfb = ForwardBatch(
+        input_ids=torch.zeros(rows, dtype=torch.long, device=dev),
+        positions=torch.zeros(rows, dtype=torch.long, device=dev),
+        out_slots=torch.full((rows,), scratch, dtype=torch.long, device=dev),
+        seqs=[],
+        logits_indices=None,
+        capture_layers=capture_layers,
+        attn_plan=StaticTritonPlan(layout),
+    )
+    return sfb, layout
+
+
+def _load_inputs(sfb: ForwardBatch, fb: ForwardBatch, scratch: int) -> None:
+    """``fb``'s ids, positions and output slots into the static buffers; the rest become padding rows."""
+    T, dev = fb.num_tokens, sfb.input_ids.device
+    for dst, src, pad in ((sfb.input_ids, fb.input_ids, 0), (sfb.positions, fb.positions, 0), (sfb.out_slots, fb.out_slots, scratch)):
+        dst[:T].copy_(src.to(dev, non_blocking=True))
+        dst[T:].fill_(pad)
+
+
+def _capture(call, pool):
+    """``call()`` warmed up on a side stream (lazy row plans, Triton's compile), then captured:
+    (graph, its output buffers)."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        for _ in range(2):
+            call()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        out = call()
+    return graph, out
 
 
 class GraphedForward:
@@ -123,40 +162,24 @@ class GraphedForward:
         entry = self.entries.get((R, fb.capture_layers)) or self._make(R, fb.capture_layers)
         if entry is None or not entry.layout.fits(layout):
             return None
-        sfb = entry.fb
-        dev = self.runner.device
-        sfb.input_ids[:T].copy_(fb.input_ids.to(dev, non_blocking=True))
-        sfb.positions[:T].copy_(fb.positions.to(dev, non_blocking=True))
-        sfb.out_slots[:T].copy_(fb.out_slots.to(dev, non_blocking=True))
-        sfb.input_ids[T:].zero_()
-        sfb.positions[T:].zero_()
-        sfb.out_slots[T:].fill_(self.runner.kv.scratch_slot)
+        _load_inputs(entry.fb, fb, self.runner.kv.scratch_slot)
         entry.layout.load(layout)
         if entry.graph is not None:
             entry.graph.replay()
         else:  # as a replay would: the outputs land in the entry's own buffers
-            entry.out = _into(entry.out, self.runner.model(sfb, self.runner.kv))
+            entry.out = _into(entry.out, self.runner.model(entry.fb, self.runner.kv))
         out = entry.out
         self.replays += 1
         return ForwardOutput(logits=out.logits[:T].clone(), hidden=out.hidden[:T].clone(), aux_hidden=[a[:T].clone() for a in out.aux_hidden])
 
     def _make(self, rows: int, capture_layers: tuple[int, ...]) -> _Entry | None:
         r = self.runner
-        dev = r.device
-        layout = StaticRowLayout(rows, r.allocator.num_slots + rows, rows * min(rows, 64), r.kv.scratch_slot, dev)
-        sfb = ForwardBatch(
-            input_ids=torch.zeros(rows, dtype=torch.long, device=dev),
-            positions=torch.zeros(rows, dtype=torch.long, device=dev),
-            out_slots=torch.full((rows,), r.kv.scratch_slot, dtype=torch.long, device=dev),
-            seqs=[],
-            logits_indices=None,
-            capture_layers=capture_layers,
-            attn_plan=StaticTritonPlan(layout),
-        )
+        sfb, layout = _static_batch(rows, r.allocator.num_slots, r.kv.scratch_slot, r.device, capture_layers)
         entry = _Entry(sfb, layout)
         if self.capture:
             try:
-                entry.graph, entry.out = self._capture(sfb)
+                entry.graph, entry.out = _capture(lambda: r.model(sfb, r.kv), self.pool)
+                self.pool = entry.graph.pool()
             except Exception as e:  # a model or kernel that cannot be captured: eager from now on
                 logger.warning("CUDA graph capture of %d rows failed (%s: %s); decoding eagerly", rows, type(e).__name__, e)
                 self.runner.graphs = None
@@ -164,20 +187,6 @@ class GraphedForward:
             logger.info("captured a CUDA graph of %d rows", rows)
         self.entries[(rows, capture_layers)] = entry
         return entry
-
-    def _capture(self, sfb: ForwardBatch):
-        model, kv = self.runner.model, self.runner.kv
-        stream = torch.cuda.Stream()
-        stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(stream):  # warm up (lazy plans, Triton's compile) outside the capture
-            for _ in range(2):
-                model(sfb, kv)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = model(sfb, kv)
-        self.pool = graph.pool()
-        return graph, out
 
 
 def graph_rows(engine_cfg, device: torch.device, backend, tree_shape, tp_size: int = 1) -> int:
@@ -212,7 +221,7 @@ class GraphedHead:
         self.head, self.kv, self.num_slots, self.hidden, self.device = head, kv, num_slots, hidden_size, device
         self.max_rows, self.buckets = max_rows, buckets(max_rows)
         self.capture = capture and device.type == "cuda"
-        self.entries: dict[int, tuple] = {}
+        self.entries: dict[int, _Entry] = {}
         self.pool = None
         self.replays = 0
 
@@ -224,58 +233,34 @@ class GraphedHead:
         R = next(b for b in self.buckets if b >= T)
         layout = RowLayout.build(fb.seqs)
         entry = self.entries.get(R) or self._make(R, features.dtype)
-        if entry is None or not entry[1].fits(layout):
+        if entry is None or not entry.layout.fits(layout):
             return None
-        sfb, lay, feats, graph, out = entry
-        sfb.input_ids[:T].copy_(fb.input_ids.to(self.device, non_blocking=True))
-        sfb.positions[:T].copy_(fb.positions.to(self.device, non_blocking=True))
-        sfb.out_slots[:T].copy_(fb.out_slots.to(self.device, non_blocking=True))
-        sfb.input_ids[T:].zero_()
-        sfb.positions[T:].zero_()
-        sfb.out_slots[T:].fill_(self.kv.scratch_slot)
-        feats[:T].copy_(features)
-        feats[T:].zero_()
-        lay.load(layout)
-        if graph is not None:
-            graph.replay()
-        else:
-            logits, hidden = self.head(sfb.input_ids, feats, sfb, False)
-            if out is None:
-                out = (logits, hidden)
-                self.entries[R] = (sfb, lay, feats, graph, out)
+        _load_inputs(entry.fb, fb, self.kv.scratch_slot)
+        entry.features[:T].copy_(features)
+        entry.features[T:].zero_()
+        entry.layout.load(layout)
+        if entry.graph is not None:
+            entry.graph.replay()
+        else:  # as a replay would: the outputs land in the entry's own buffers
+            out = self.head(entry.fb.input_ids, entry.features, entry.fb, False)
+            if entry.out is None:
+                entry.out = out
             else:
-                out[0].copy_(logits)
-                out[1].copy_(hidden)
+                for b, o in zip(entry.out, out):
+                    b.copy_(o)
         self.replays += 1
-        return out[0][:T].clone(), out[1][:T].clone()
+        return tuple(o[:T].clone() for o in entry.out)
 
-    def _make(self, rows: int, dtype: torch.dtype):
-        dev = self.device
-        lay = StaticRowLayout(rows, self.num_slots + rows, rows * min(rows, 64), self.kv.scratch_slot, dev)
-        sfb = ForwardBatch(
-            input_ids=torch.zeros(rows, dtype=torch.long, device=dev),
-            positions=torch.zeros(rows, dtype=torch.long, device=dev),
-            out_slots=torch.full((rows,), self.kv.scratch_slot, dtype=torch.long, device=dev),
-            seqs=[],
-            attn_plan=StaticTritonPlan(lay),
-        )
-        feats = torch.zeros(rows, self.hidden, dtype=dtype, device=dev)
-        graph = out = None
+    def _make(self, rows: int, dtype: torch.dtype) -> _Entry | None:
+        sfb, layout = _static_batch(rows, self.num_slots, self.kv.scratch_slot, self.device)
+        entry = _Entry(sfb, layout, features=torch.zeros(rows, self.hidden, dtype=dtype, device=self.device))
         if self.capture:
             try:
-                stream = torch.cuda.Stream()
-                stream.wait_stream(torch.cuda.current_stream())
-                with torch.cuda.stream(stream):
-                    for _ in range(2):
-                        self.head(sfb.input_ids, feats, sfb, False)
-                torch.cuda.current_stream().wait_stream(stream)
-                graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(graph, pool=self.pool):
-                    out = self.head(sfb.input_ids, feats, sfb, False)
-                self.pool = graph.pool()
+                entry.graph, entry.out = _capture(lambda: self.head(sfb.input_ids, entry.features, sfb, False), self.pool)
+                self.pool = entry.graph.pool()
             except Exception as e:
                 logger.warning("CUDA graph capture of the draft head (%d rows) failed (%s: %s); drafting eagerly", rows, type(e).__name__, e)
                 self.max_rows = 0
                 return None
-        self.entries[rows] = (sfb, lay, feats, graph, out)
-        return self.entries[rows]
+        self.entries[rows] = entry
+        return entry

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 import torch
 
-from .committed_drafts import committed_draft
+from .committed_drafts import committed_draft, demo_draft_for
 from .config import ConfigError
 from .forward_batch import ForwardBatch
 from .hookspecs import hookimpl
@@ -53,6 +53,7 @@ from .train.config import DraftTrainConfig
 
 __all__ = [
     "committed_draft",
+    "demo_draft_for",
     # contract
     "hookimpl",
     "ConfigError",

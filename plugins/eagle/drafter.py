@@ -10,7 +10,7 @@ import torch
 from specfw.sdk import (
     ConfigError,
     FeatureDrafter,
-    committed_draft,
+    demo_draft_for,
     Rotary,
     draft_kv_slots,
     draft_load_format,
@@ -31,9 +31,10 @@ class EagleDrafter(FeatureDrafter):
         cfg = ctx.config
         ref = cfg.draft_model_path
         if not ref:
-            if not ((DEMO_DRAFT / "config.json").exists() and ctx.engine_config.model.path in (None, "", "demo")):
+            demo = demo_draft_for(ctx, DEMO_DRAFT)
+            if demo is None:
                 raise ConfigError("speculative.draft_model_path", "eagle needs a draft checkpoint (EAGLE layout) for this target")
-            ref = str(committed_draft(DEMO_DRAFT))
+            ref = str(demo)
         path = resolve_model_path(ref, cfg.draft_model_revision)
         target = ctx.runner.model
         self.head = place_on_target(ctx, load_eagle(Path(path), ctx.runner.hf_config, target_dtype(ctx), draft_load_format(ctx)))

@@ -10,7 +10,7 @@ import torch
 from specfw.sdk import (
     ConfigError,
     FeatureDrafter,
-    committed_draft,
+    demo_draft_for,
     Rotary,
     draft_kv_slots,
     draft_load_format,
@@ -28,8 +28,9 @@ DEMO_DRAFT = Path(__file__).parent / "demo_draft"
 
 def default_draft_path(ctx) -> str:
     """The committed demo draft is the default for the demo target."""
-    if (DEMO_DRAFT / "config.json").exists() and ctx.engine_config.model.path in (None, "", "demo"):
-        return str(committed_draft(DEMO_DRAFT))
+    demo = demo_draft_for(ctx, DEMO_DRAFT)
+    if demo is not None:
+        return str(demo)
     raise ConfigError("speculative.draft_model_path", "eagle3 needs a draft checkpoint (EAGLE-3 layout) for this target")
 
 

@@ -16,7 +16,7 @@ import torch
 
 from specfw.sdk import (
     FeatureDrafter,
-    committed_draft,
+    demo_draft_for,
     Rotary,
     draft_kv_slots,
     draft_load_format,
@@ -38,9 +38,7 @@ def nextn_path(ctx) -> Path:
     cfg = ctx.config
     if cfg.draft_model_path:
         return Path(resolve_model_path(cfg.draft_model_path, cfg.draft_model_revision))
-    if (DEMO_DRAFT / "config.json").exists() and ctx.engine_config.model.path in (None, "", "demo"):
-        return committed_draft(DEMO_DRAFT)
-    return Path(ctx.target_path)
+    return demo_draft_for(ctx, DEMO_DRAFT) or Path(ctx.target_path)
 
 
 class MtpDrafter(FeatureDrafter):

@@ -16,7 +16,7 @@ import torch
 
 from specfw.sdk import (
     ConfigError,
-    committed_draft,
+    demo_draft_for,
     DraftCandidates,
     ModelRunner,
     SlotTable,
@@ -47,8 +47,9 @@ DEMO_DRAFT = Path(__file__).parent / "demo_draft"
 
 def default_draft(ctx) -> str:
     """The committed demo draft (trained by `specfw train draft=standalone`) serves the demo target."""
-    if (DEMO_DRAFT / "config.json").exists() and ctx.engine_config.model.path in (None, "", "demo"):
-        return str(committed_draft(DEMO_DRAFT))
+    demo = demo_draft_for(ctx, DEMO_DRAFT)
+    if demo is not None:
+        return str(demo)
     raise ConfigError(
         "speculative.draft_model_path",
         "standalone needs a draft model (HF directory or hub id) for this "

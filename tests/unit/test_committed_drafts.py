@@ -30,3 +30,19 @@ def test_the_committed_demo_drafts_are_packed_and_unpack():
         d = root / kind / "demo_draft"
         assert (d / "model.safetensors.xz").exists() and not (d / "model.safetensors").exists(), kind
         assert (committed_draft(d) / "model.safetensors").stat().st_size > 1 << 20
+
+
+def test_demo_draft_for_serves_only_the_demo_target(tmp_path):
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from specfw.committed_drafts import demo_draft_for
+
+    def ctx(path):
+        return SimpleNamespace(engine_config=SimpleNamespace(model=SimpleNamespace(path=path)))
+
+    eagle3 = Path(__file__).resolve().parents[2] / "plugins" / "eagle3" / "demo_draft"
+    assert (demo_draft_for(ctx(None), eagle3) / "model.safetensors").exists()
+    assert demo_draft_for(ctx("demo"), eagle3) == demo_draft_for(ctx(""), eagle3)
+    assert demo_draft_for(ctx("/models/llama"), eagle3) is None  # another target: no demo draft
+    assert demo_draft_for(ctx(None), tmp_path) is None  # a plugin that ships none
