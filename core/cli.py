@@ -179,6 +179,10 @@ def plugins_command() -> None:
         print(f"\n{'trainer':<14} {'module':<28} description")
         for kind, t in sorted(pm.trainers.items()):
             print(f"{kind:<14} {t.module:<28} {t.description}")
+    if pm.assists:
+        print(f"\n{'draft assist':<14} {'module':<28} description")
+        for name, a in sorted(pm.assists.items()):
+            print(f"{name:<14} {a.module:<28} {a.description}")
 
 
 def new_plugin_command(args: list[str]) -> None:

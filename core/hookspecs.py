@@ -72,6 +72,21 @@ def specfw_register_trainers(register: Callable) -> None:
     """
 
 
+@hookspec
+def specfw_register_draft_assists(register: Callable) -> None:
+    """Register draft assists for ``speculative.draft_assist=<name>``.
+
+    A draft assist proposes extra candidates beside any algorithm's drafter (e.g. the n-gram
+    trie's continuation of the context beside an EAGLE head's tree); the core merges them into
+    the drafter's candidates before the draft policy's cut (``speculative/merge.py``).
+
+    :param register: ``register(name, factory, description="")``. ``factory(ctx: SpecContext)``
+        builds the assist runtime for one engine: an object implementing
+        :func:`specfw_assist_draft` and optionally the lifecycle hooks (``specfw_on_accept``,
+        ``specfw_release``); it is registered beside the algorithm's runtime.
+    """
+
+
 # ---- drafting ---------------------------------------------------------------------------
 @hookspec(firstresult=True)
 def specfw_draft(ctx: "SpecContext", reqs: "list[Request]", plan: "StepPlan") -> "list[DraftCandidates]":
@@ -91,6 +106,19 @@ def specfw_draft(ctx: "SpecContext", reqs: "list[Request]", plan: "StepPlan") ->
         candidates are verified, ``plan.depth`` is the useful draft depth and candidates scoring
         below ``plan.score_floor`` will be pruned, so beams below it need not be expanded.
         (A hook implementation may leave ``plan`` out of its signature.)
+    """
+
+
+@hookspec(firstresult=True)
+def specfw_assist_draft(ctx: "SpecContext", reqs: "list[Request]", plan: "StepPlan", candidates: "list[DraftCandidates]") -> "list[DraftCandidates]":
+    """A draft assist's extra candidates for each request (one entry per request, in order;
+    empty = nothing to add), called right after :func:`specfw_draft` on the steps that draft.
+
+    ``candidates`` are the drafter's, before the policy's cut. The core merges each request's
+    extra tree into them (a node with the same parent and token as an existing one is that node,
+    keeping the higher score) and cuts the result by score to ``plan.size - 1``: scores must be
+    comparable with the drafter's, i.e. cumulative log-probabilities that the path is accepted.
+    Implemented by draft assists only (``specfw_register_draft_assists``), never by algorithms.
     """
 
 

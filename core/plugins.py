@@ -50,6 +50,16 @@ class Trainer:
     module: str = "?"
 
 
+@dataclass
+class DraftAssist:
+    """A draft assist (``speculative.draft_assist=<name>``), registered by ``specfw_register_draft_assists``."""
+
+    name: str
+    factory: Callable
+    description: str = ""
+    module: str = "?"
+
+
 class PluginManager:
     """Process-wide registry of distribution plugins and the algorithms they register."""
 
@@ -58,6 +68,7 @@ class PluginManager:
         self.pm.add_hookspecs(hookspecs)
         self.algorithms: dict[str, Algorithm] = {}
         self.trainers: dict[str, Trainer] = {}
+        self.assists: dict[str, DraftAssist] = {}
         self._dists: dict[int, tuple[str, str, str]] = {}
         if load_entry_points:
             self._load_entry_points()
@@ -115,12 +126,22 @@ class PluginManager:
                 raise PluginError(f"trainer '{kind}': config_class must subclass DraftTrainConfig")
             self.trainers[kind] = Trainer(kind, config_class, factory, description, demo_draft, copy_tokenizer, module)
 
+        def register_assist(assist_name: str, factory: Callable, description: str = "") -> None:
+            if assist_name in self.assists:
+                raise PluginError(f"draft assist '{assist_name}' is registered twice ({self.assists[assist_name].module} and {module})")
+            if isinstance(factory, type):
+                check_marked(factory, f"draft assist '{assist_name}' ({factory.__name__})")
+            self.assists[assist_name] = DraftAssist(assist_name, factory, description, module)
+
         impl = getattr(plugin, "specfw_register_algorithms", None)
         if impl is not None:
             impl(register=register_algorithm)
         impl = getattr(plugin, "specfw_register_trainers", None)
         if impl is not None:
             impl(register=register_trainer)
+        impl = getattr(plugin, "specfw_register_draft_assists", None)
+        if impl is not None:
+            impl(register=register_assist)
 
     def unregister(self, name: str) -> None:
         plugin = self.pm.unregister(name=name)
@@ -129,6 +150,8 @@ class PluginManager:
             del self.algorithms[k]
         for k in [k for k, t in self.trainers.items() if t.module == module]:
             del self.trainers[k]
+        for k in [k for k, a in self.assists.items() if a.module == module]:
+            del self.assists[k]
 
     def describe(self) -> list[Algorithm]:
         return [self.algorithms[k] for k in sorted(self.algorithms)]

@@ -50,6 +50,7 @@ class SpecAlgoConfig(SpeculativeConfig):
     adaptive_draft: str = "auto"               # auto | true | false: per step, draft or not and the tree size to verify, from measured tokens/s (tree flags become upper bounds); auto = on where a verify of num_draft_tokens rows costs > 1.15x one row (measured at startup: CPUs), off where flat (GPUs: SGLang's behaviour)
     confidence_pruning: bool = True             # with adaptive_draft: per step, drop draft nodes whose learned acceptance probability is below tokens/s x seconds per verified node
     force_greedy_verify: bool = False           # verify greedily even for sampled requests (also SPECFW_FORCE_GREEDY_VERIFY=1)
+    draft_assist: Optional[str] = None          # null | ngram | any registered draft assist: extra candidates merged into the drafter's tree every drafted step (e.g. the n-gram trie's continuation of the context beside an EAGLE head)
 
     # Inherited keys this algorithm does not read (e.g. draft_model_path for a drafter without a
     # model). Giving one a value other than its default is an error naming the key (a specfw
@@ -111,6 +112,14 @@ class SpecAlgoConfig(SpeculativeConfig):
         from .verify_cost import MODES, adaptive_mode
         if adaptive_mode(self.adaptive_draft) not in MODES:
             raise ConfigError("speculative.adaptive_draft", f"'{self.adaptive_draft}' is not one of {list(MODES)}")
+        if self.draft_assist is not None:
+            from ..plugins import plugin_manager
+            assists = plugin_manager().assists
+            if str(self.draft_assist) not in assists:
+                raise ConfigError("speculative.draft_assist", f"'{self.draft_assist}' is not one of {[None, *sorted(assists)]}")
+            if str(self.draft_assist) == self.algorithm:
+                raise ConfigError("speculative.draft_assist", f"'{self.draft_assist}' is the algorithm itself (speculative={self.algorithm}); "
+                                                              "use it with a model-based drafter, or leave it null")
         for k in ("accept_threshold_single", "accept_threshold_acc"):
             v = getattr(self, k)
             if not 0 < v <= 1:

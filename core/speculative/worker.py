@@ -2,6 +2,7 @@
 
     plan       = policy.plan(batch)                 # how much to draft and verify (speculative/policy.py)
     candidates = draft(reqs, plan)                  # algorithm runtime
+               (+ assist_draft(...), merged)        # speculative.draft_assist, if set (speculative/merge.py)
     trees      = build_tree(req, policy.select(candidates, plan), plan)   # default in speculative/tree.py
     logits     = target forward over every tree node (ancestor masks), KV into the step's reserved slots
     results    = verify(req, tree, logits)          # default in speculative/verify.py unless overridden
@@ -29,6 +30,7 @@ from ..step import StepResult
 from ..worker import prefill_chunks, prefill_results, sample_rows
 from . import defaults
 from .config import resolve_tree_shape
+from .merge import merge_candidates
 from .policy import DraftPolicy
 from .types import DraftCandidates, SpecContext, StepPlan, VerifyResult
 from .verify_cost import resolve_adaptive
@@ -70,13 +72,28 @@ class SpeculativeWorker:
                 self.pm.register(plugin, name=f"observer:{registry.pm.get_name(plugin)}")
         self.runtime = algorithm.factory(self.ctx)
         self.pm.register(self.runtime, name=f"algorithm:{algorithm.name}")
+        self.assist = None
+        if getattr(cfg, "draft_assist", None) is not None:  # validated: a registered draft assist
+            spec = registry.assists[str(cfg.draft_assist)]
+            self.assist = spec.factory(self.ctx)
+            taken = [h for h in ("specfw_draft", "specfw_build_tree", "specfw_verify") if hasattr(self.assist, h)]
+            if taken:
+                raise RuntimeError(f"draft assist '{spec.name}' implements {', '.join(taken)}: an assist adds candidates through specfw_assist_draft only")
+            self.pm.register(self.assist, name=f"assist:{spec.name}")
         self.pm.check_pending()
         self.hook = self.pm.hook
         self.algorithm = algorithm.name
         self.slots_per_decode = shape.num_draft_tokens
         adaptive = resolve_adaptive(cfg.adaptive_draft, runner, shape.num_draft_tokens)
         self.policy = DraftPolicy(shape, adaptive=adaptive, confidence_pruning=getattr(cfg, "confidence_pruning", True))
-        logger.info("speculative decoding: %s num_steps=%d topk=%d num_draft_tokens=%d", algorithm.name, shape.num_steps, shape.topk, shape.num_draft_tokens)
+        logger.info(
+            "speculative decoding: %s num_steps=%d topk=%d num_draft_tokens=%d%s",
+            algorithm.name,
+            shape.num_steps,
+            shape.topk,
+            shape.num_draft_tokens,
+            f" draft_assist={cfg.draft_assist}" if self.assist is not None else "",
+        )
 
     @property
     def budget(self):
@@ -121,6 +138,11 @@ class SpeculativeWorker:
         candidates = self.hook.specfw_draft(ctx=self.ctx, reqs=reqs, plan=plan)
         if candidates is None or len(candidates) != len(reqs):
             raise RuntimeError(f"algorithm '{self.algorithm}': specfw_draft must return one DraftCandidates per request")
+        if self.assist is not None:
+            extra = self.hook.specfw_assist_draft(ctx=self.ctx, reqs=reqs, plan=plan, candidates=candidates)
+            if extra is None or len(extra) != len(reqs):
+                raise RuntimeError(f"draft assist '{self.ctx.config.draft_assist}': specfw_assist_draft must return one DraftCandidates per request")
+            candidates = [merge_candidates(c, e) for c, e in zip(candidates, extra)]
         drafted = any(len(c) for c in candidates)
         return drafted, [self.policy.select(c, plan) for c in candidates]
 

@@ -6,24 +6,18 @@ from specfw.sdk import DraftCandidates, hookimpl
 
 import torch
 
+from .cache import NgramCache
 from .config import MatchType
-from .trie import NgramTrie
 
 
 class NgramDrafter:
     def __init__(self, ctx):
-        cfg = ctx.config
-        self.cfg = cfg
-        self.trie = NgramTrie(cfg.branch_length, cfg.capacity)
-        self.open: dict[str, tuple[int, list]] = {}  # rid → (tokens inserted, open trie paths)
+        self.cfg = ctx.config
+        self.cache = NgramCache(self.cfg)
 
-    def _sync(self, req) -> None:
-        """Insert the request's tokens not yet in the trie (prompt at first, then outputs)."""
-        done, paths = self.open.get(req.rid, (0, []))
-        seq = req.seq_ids
-        if done < len(seq):
-            paths = self.trie.extend(paths, seq[done:])
-            self.open[req.rid] = (len(seq), paths)
+    @property
+    def trie(self):
+        return self.cache.trie
 
     def _breadth(self, window: int) -> int:
         c = self.cfg
@@ -33,8 +27,7 @@ class NgramDrafter:
         return max(c.min_bfs_breadth, round(c.max_bfs_breadth - frac * (c.max_bfs_breadth - c.min_bfs_breadth)))
 
     def _draft_one(self, req, budget: int) -> DraftCandidates:
-        self._sync(req)
-        node, window = self.trie.match(req.seq_ids, self.cfg.min_match_window_size, self.cfg.max_match_window_size)
+        node, window = self.cache.match(req)
         if node is None:
             return DraftCandidates.empty()
         if self.cfg.match_type is MatchType.PROB or self.cfg.match_type == "PROB":
@@ -50,4 +43,4 @@ class NgramDrafter:
 
     @hookimpl
     def specfw_release(self, ctx, req):
-        self.open.pop(req.rid, None)
+        self.cache.release(req)

@@ -33,7 +33,7 @@ def test_every_hook_has_a_builtin_implementation():
     import specfw_plugins.standalone.drafter as sa
     from specfw.speculative import defaults, feature_drafter
 
-    sources = [defaults, ng, ng.drafter.NgramDrafter, sa.StandaloneDrafter, feature_drafter.FeatureDrafter, e3, sap]
+    sources = [defaults, ng, ng.drafter.NgramDrafter, ng.assist.NgramAssist, sa.StandaloneDrafter, feature_drafter.FeatureDrafter, e3, sap]
     implemented = {n for s in sources for n in dir(s) if n.startswith("specfw_")}
     implemented.add("specfw_observe_step")  # observers: exercised in tests/engine/test_plugins.py
     assert set(HOOKS) <= implemented, set(HOOKS) - implemented

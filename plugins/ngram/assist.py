@@ -1,0 +1,92 @@
+"""The ngram draft assist (``speculative.draft_assist=ngram``): beside a model-based drafter, the
+n-gram cache's continuation of the request's context as one extra chain.
+
+A small draft model predicts the next tokens of the language; the context often says them
+outright (code that repeats an identifier, an answer that quotes the question, a target that
+repeats itself). The chain is the most recent continuation of the longest matching suffix
+(SGLang's NGRAM matching with breadth 1), as long as the step's budget. Its node scores are
+calibrated online, so that the draft policy can weigh them against the drafter's cumulative
+log-probabilities: after each step the chain is compared with the tokens the target produced
+(the accepted tokens and the bonus token, which are the target's own), and depth d scores
+``sum_{j <= d} log P(token j right | tokens before it right)``, each factor a Beta(1, 1)
+posterior mean of those counts.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from specfw.sdk import DraftCandidates, hookimpl
+
+from .cache import NgramCache
+from .config import NgramConfig
+
+
+class DepthCalibration:
+    """P(the chain's token at depth d is the target's | the tokens before it were), counted per depth."""
+
+    def __init__(self):
+        self.tried: list[int] = []
+        self.right: list[int] = []
+
+    def observe(self, chain: list[int], produced: list[int]) -> None:
+        """``chain``: the tokens proposed; ``produced``: the tokens the target produced at the same
+        positions (only as many as it produced can be judged)."""
+        for d, (c, p) in enumerate(zip(chain, produced)):
+            if d == len(self.tried):
+                self.tried.append(0)
+                self.right.append(0)
+            self.tried[d] += 1
+            if c != p:
+                return
+            self.right[d] += 1
+
+    def log_probs(self, n: int) -> list[float]:
+        """Cumulative log-probabilities of the first ``n`` depths."""
+        out, total = [], 0.0
+        for d in range(n):
+            tried, right = (self.tried[d], self.right[d]) if d < len(self.tried) else (0, 0)
+            total += math.log((right + 1) / (tried + 2))
+            out.append(total)
+        return out
+
+
+class NgramAssist:
+    def __init__(self, ctx):
+        self.cache = NgramCache(NgramConfig())  # SGLang's NGRAM defaults: windows 1..12, branch length 18
+        self.calibration = DepthCalibration()
+        self.proposed: dict[str, list[int]] = {}  # rid → the chain proposed this step
+
+    def _chain(self, req, budget: int) -> list[int]:
+        node, _ = self.cache.match(req)
+        if node is None:
+            return []
+        tokens, _, _ = self.cache.trie.draft_bfs(node, budget, 1)
+        return tokens
+
+    @hookimpl
+    def specfw_assist_draft(self, ctx, reqs, plan, candidates):
+        out = []
+        for r in reqs:
+            chain = self._chain(r, plan.size - 1)
+            self.proposed[r.rid] = chain
+            if not chain:
+                out.append(DraftCandidates.empty())
+                continue
+            scores = torch.tensor(self.calibration.log_probs(len(chain)), dtype=torch.float32)
+            out.append(DraftCandidates(torch.tensor(chain, dtype=torch.long), torch.arange(-1, len(chain) - 1, dtype=torch.long), scores))
+        return out
+
+    @hookimpl
+    def specfw_on_accept(self, ctx, reqs, results, hidden, aux_hidden):
+        for r, res in zip(reqs, results):
+            chain = self.proposed.pop(r.rid, None)
+            if chain:
+                self.calibration.observe(chain, res.tokens)
+
+    @hookimpl
+    def specfw_release(self, ctx, req):
+        self.cache.release(req)
+        self.proposed.pop(req.rid, None)

@@ -1,0 +1,106 @@
+"""Draft assists (``speculative.draft_assist``): merging an assist's tree into the drafter's, the
+ngram assist's online calibration, registration and config errors."""
+
+import pytest
+import torch
+
+from specfw import hookspecs
+from specfw.config import ConfigError
+from specfw.plugins import PluginError, PluginManager, plugin_manager
+from specfw.speculative.merge import merge_candidates
+from specfw.speculative.types import DraftCandidates
+
+
+def cands(tokens, parents, scores, probs=None):
+    return DraftCandidates(torch.tensor(tokens), torch.tensor(parents), torch.tensor(scores, dtype=torch.float32), probs)
+
+
+def test_merge_reuses_shared_paths_and_appends_new_nodes_parents_first():
+    # drafter: 10 -> 11, 10 -> 12, 20 (two roots' children); assist chain 10 -> 11 -> 13
+    base = cands([10, 20, 11, 12], [-1, -1, 0, 0], [-0.1, -2.0, -0.5, -0.9])
+    extra = cands([10, 11, 13], [-1, 0, 1], [-0.3, -0.4, -0.6])
+    m = merge_candidates(base, extra)
+    assert m.tokens.tolist() == [10, 20, 11, 12, 13]
+    assert m.parents.tolist() == [-1, -1, 0, 0, 2]  # 13 hangs under the drafter's 11
+    assert m.scores.tolist() == pytest.approx([-0.1, -2.0, -0.4, -0.9, -0.6])  # the higher score of the two kept
+    assert all(p < i for i, p in enumerate(m.parents.tolist()))
+
+
+def test_merge_keeps_draft_probs_only_when_nothing_is_added():
+    probs = torch.rand(2, 5)
+    base = cands([1, 2], [-1, 0], [-0.1, -0.2], probs)
+    assert merge_candidates(base, cands([1], [-1], [0.0])).draft_probs is probs
+    assert merge_candidates(base, cands([1, 3], [-1, 0], [0.0, -0.1])).draft_probs is None
+    assert merge_candidates(base, DraftCandidates.empty()) is base
+    alone = merge_candidates(DraftCandidates.empty(), cands([7, 8], [-1, 0], [-0.5, -1.0]))
+    assert alone.tokens.tolist() == [7, 8] and alone.parents.tolist() == [-1, 0]
+
+
+def test_merged_tree_is_cut_by_score_like_any_drafter_tree():
+    base = cands([10, 11], [-1, 0], [-0.2, -3.0])
+    extra = cands([10, 12, 13], [-1, 0, 1], [-0.2, -0.5, -0.7])
+    best = merge_candidates(base, extra).best(3)
+    assert best.tokens.tolist() == [10, 12, 13]  # the assist's chain beats the drafter's weak 11
+    assert best.parents.tolist() == [-1, 0, 1]
+
+
+def test_ngram_assist_calibration_counts_per_depth():
+    from specfw_plugins.ngram.assist import DepthCalibration
+
+    c = DepthCalibration()
+    assert c.log_probs(2) == pytest.approx([torch.log(torch.tensor(0.5)).item(), 2 * torch.log(torch.tensor(0.5)).item()])
+    c.observe([1, 2, 3], [1, 2, 9, 4])  # right, right, wrong: depth 3 tried once, never right
+    c.observe([1, 5], [1, 2])  # right, wrong
+    c.observe([7, 7, 7], [1])  # wrong at depth 1; deeper ones cannot be judged
+    assert c.tried == [3, 2, 1] and c.right == [2, 1, 0]
+    lp = c.log_probs(4)
+    expect = [3 / 5, 2 / 4, 1 / 3, 1 / 2]
+    acc = 0.0
+    for d, p in enumerate(expect):
+        acc += torch.log(torch.tensor(p)).item()
+        assert lp[d] == pytest.approx(acc)
+
+
+def test_ngram_assist_is_registered_and_listed():
+    pm = PluginManager()
+    assert pm.assists["ngram"].module == "specfw_plugins.ngram"
+
+
+def test_config_errors_name_the_key_and_the_choices():
+    eagle3 = plugin_manager().algorithms["eagle3"].config_class
+    with pytest.raises(ConfigError, match=r"speculative.draft_assist: 'ngrm' is not one of \[None, .*'ngram'"):
+        eagle3(algorithm="eagle3", draft_assist="ngrm").validate()
+    ngram = plugin_manager().algorithms["ngram"].config_class
+    with pytest.raises(ConfigError, match="speculative.draft_assist: 'ngram' is the algorithm itself"):
+        ngram(algorithm="ngram", draft_assist="ngram").validate()
+    eagle3(algorithm="eagle3", draft_assist="ngram").validate()
+
+
+def test_assist_registration_rules():
+    class Assist:
+        @hookspecs.hookimpl
+        def specfw_assist_draft(self, ctx, reqs, plan, candidates):
+            return [DraftCandidates.empty() for _ in reqs]
+
+    class Plugin:
+        @hookspecs.hookimpl
+        def specfw_register_draft_assists(self, register):
+            register("mine", Assist, "test")
+
+    pm = PluginManager(load_entry_points=False)
+    pm.register(Plugin(), "p1")
+    assert pm.assists["mine"].description == "test"
+    with pytest.raises(PluginError, match="registered twice"):
+        pm.register(Plugin(), "p2")
+
+    class Unmarked:
+        def specfw_assist_draft(self, ctx, reqs, plan, candidates):
+            return []
+
+    class Plugin2:
+        @hookspecs.hookimpl
+        def specfw_register_draft_assists(self, register):
+            register("unmarked", Unmarked)
+
+    with pytest.raises(PluginError, match="without the @hookimpl marker"):
+        PluginManager(load_entry_points=False).register(Plugin2(), "p3")
