@@ -50,6 +50,7 @@ class TuneOptions:
     topk: list[int] = field(default_factory=lambda: [1, 4])  # grid values
     num_draft_tokens: list[int] = field(default_factory=lambda: [4, 8])  # grid values
     adaptive_draft: list[str] = field(default_factory=lambda: ["true", "false"])  # grid values (auto | true | false)
+    draft_assist: list[Optional[str]] = field(default_factory=lambda: [None])  # grid values of speculative.draft_assist (e.g. [null,ngram]; a value the algorithm cannot take is skipped with a note)
     include_auto: bool = True             # the auto defaults are a grid point too (tuned never loses to them on the tuning prompts)
     out_dir: str = "bench_results"        # records, summary and plot go to out_dir/<run name>/
     name: Optional[str] = None            # run directory name; null = tune-<date-time>

@@ -19,10 +19,13 @@ TREE_KEYS = ("num_steps", "topk", "num_draft_tokens")
 
 
 def with_settings(cfg, point: dict):
-    """A copy of ``cfg`` whose speculative tree keys are ``point`` (empty: the auto defaults)."""
+    """A copy of ``cfg`` whose speculative tree keys are ``point`` (empty: the auto defaults;
+    ``draft_assist`` stays as configured unless the point sets it)."""
     c = copy.deepcopy(cfg)
     for k in (*TREE_KEYS, "adaptive_draft"):
         c.speculative[k] = point.get(k, "auto" if k == "adaptive_draft" else None)
+    if "draft_assist" in point:
+        c.speculative["draft_assist"] = point["draft_assist"]
     return c
 
 
@@ -36,9 +39,12 @@ def grid(cfg) -> tuple[list[dict], list[tuple[dict, str]]]:
     algo = plugin_manager().algorithms[str(cfg.speculative.algorithm)]
     keys = [k for k in TREE_KEYS if k not in getattr(algo.config_class, "unused_keys", ())]
     modes = [str(v).lower() for v in t.adaptive_draft]
+    assists = list(t.get("draft_assist", [None]))
     points, skipped = ([{}] if t.include_auto else []), []
-    for combo in itertools.product(*[list(t[k]) for k in keys], modes):
-        point = dict(zip(keys, (int(v) for v in combo[:-1])), adaptive_draft=combo[-1])
+    for combo in itertools.product(*[list(t[k]) for k in keys], modes, assists):
+        point = dict(zip(keys, (int(v) for v in combo[:-2])), adaptive_draft=combo[-2])
+        if combo[-1] is not None or len(assists) > 1:
+            point["draft_assist"] = None if combo[-1] is None else str(combo[-1])
         note = skip_note(with_settings(cfg, point))
         if note:
             skipped.append((point, note))
@@ -100,6 +106,7 @@ def tune_task(cfg) -> None:
             topk=point.get("topk"),
             num_draft_tokens=point.get("num_draft_tokens"),
             adaptive_draft=point.get("adaptive_draft", "auto"),
+            draft_assist=point.get("draft_assist", cfg.speculative.get("draft_assist")),
             tok_s=round(tok_s, 3),
             auto_tok_s=round(auto, 3) if auto is not None else None,
             measured=dict(

@@ -9,7 +9,9 @@ calibrated online, so that the draft policy can weigh them against the drafter's
 log-probabilities: after each step the chain is compared with the tokens the target produced
 (the accepted tokens and the bonus token, which are the target's own), and depth d scores
 ``sum_{j <= d} log P(token j right | tokens before it right)``, each factor a Beta(1, 1)
-posterior mean of those counts.
+posterior mean of those counts. The counts are kept per length of the matched context suffix
+(1, 2, 3-4, 5-8, 9+ tokens): a continuation of a long match is a quote, one of a single token a
+guess, and the drafter's own candidates should win over the guess.
 """
 
 from __future__ import annotations
@@ -53,38 +55,43 @@ class DepthCalibration:
         return out
 
 
+def window_bucket(window: int) -> int:
+    """The calibration bucket of a matched suffix of ``window`` tokens: 1, 2, 3-4, 5-8, 9+."""
+    return min(4, max(0, (window - 1).bit_length()))
+
+
 class NgramAssist:
     def __init__(self, ctx):
         self.cache = NgramCache(NgramConfig())  # SGLang's NGRAM defaults: windows 1..12, branch length 18
-        self.calibration = DepthCalibration()
-        self.proposed: dict[str, list[int]] = {}  # rid → the chain proposed this step
+        self.calibration = [DepthCalibration() for _ in range(5)]  # per window_bucket
+        self.proposed: dict[str, tuple[int, list[int]]] = {}  # rid → (bucket, the chain proposed this step)
 
-    def _chain(self, req, budget: int) -> list[int]:
-        node, _ = self.cache.match(req)
+    def _chain(self, req, budget: int) -> tuple[int, list[int]]:
+        node, window = self.cache.match(req)
         if node is None:
-            return []
+            return 0, []
         tokens, _, _ = self.cache.trie.draft_bfs(node, budget, 1)
-        return tokens
+        return window_bucket(window), tokens
 
     @hookimpl
     def specfw_assist_draft(self, ctx, reqs, plan, candidates):
         out = []
         for r in reqs:
-            chain = self._chain(r, plan.size - 1)
-            self.proposed[r.rid] = chain
+            bucket, chain = self._chain(r, plan.size - 1)
             if not chain:
                 out.append(DraftCandidates.empty())
                 continue
-            scores = torch.tensor(self.calibration.log_probs(len(chain)), dtype=torch.float32)
+            self.proposed[r.rid] = (bucket, chain)
+            scores = torch.tensor(self.calibration[bucket].log_probs(len(chain)), dtype=torch.float32)
             out.append(DraftCandidates(torch.tensor(chain, dtype=torch.long), torch.arange(-1, len(chain) - 1, dtype=torch.long), scores))
         return out
 
     @hookimpl
     def specfw_on_accept(self, ctx, reqs, results, hidden, aux_hidden):
         for r, res in zip(reqs, results):
-            chain = self.proposed.pop(r.rid, None)
+            bucket, chain = self.proposed.pop(r.rid, (0, None))
             if chain:
-                self.calibration.observe(chain, res.tokens)
+                self.calibration[bucket].observe(chain, res.tokens)
 
     @hookimpl
     def specfw_release(self, ctx, req):

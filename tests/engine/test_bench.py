@@ -134,6 +134,27 @@ def test_tuned_defaults_only_without_given_tree_keys(tmp_path):
     assert cfg.speculative.num_draft_tokens is None
 
 
+def test_tune_grid_takes_the_draft_assist_and_serve_applies_it(tmp_path):
+    from specfw import tuned
+    from specfw.bench.tune import grid
+
+    overrides = ["tune.num_steps=[3]", "tune.topk=[1]", "tune.num_draft_tokens=[4]", "tune.adaptive_draft=[false]", "tune.draft_assist=[null,ngram]"]
+    points, skipped = grid(compose("tune", ["speculative=eagle3", *overrides]))
+    chain = dict(num_steps=3, topk=1, num_draft_tokens=4, adaptive_draft="false")
+    assert points == [{}, dict(chain, draft_assist=None), dict(chain, draft_assist="ngram")]
+    assert not skipped
+    points, skipped = grid(compose("tune", ["speculative=ngram", *overrides]))
+    assert points == [{}, dict(num_draft_tokens=4, adaptive_draft="false", draft_assist=None)]
+    assert len(skipped) == 1 and "is the algorithm itself" in skipped[0][1]  # ngram cannot assist itself
+
+    base = ["speculative=eagle3", f"tuned.dir={tmp_path}"]
+    cfg = compose("serve", base)
+    tuned.write_entry(cfg, "eagle3", 1, tuned.TunedEntry(num_steps=5, topk=4, num_draft_tokens=8, adaptive_draft="true", draft_assist="ngram", tok_s=2.0))
+    assert "draft_assist=ngram" in tuned.apply_tuned(cfg) and cfg.speculative.draft_assist == "ngram"
+    cfg = compose("serve", base + ["speculative.draft_assist=ngram"])
+    assert tuned.apply_tuned(cfg) is None and cfg.speculative.num_steps is None  # the assist given: the tuned entry is not used
+
+
 @pytest.fixture(scope="module")
 def tuned_server(tiny_model_dir, tmp_path_factory):
     """`specfw tune` (ngram, one grid point, no auto point so the entry is known) then `specfw
