@@ -100,6 +100,9 @@ def specfw_draft(ctx: "SpecContext", reqs: "list[Request]", plan: "StepPlan") ->
     the tree to this step's size. An empty candidate list means "no draft" (the step decodes one
     token). Implemented by every algorithm runtime.
 
+    ``reqs`` may be a subset of the running batch: with a draft assist (``speculative.draft_assist``)
+    the requests whose assist proposal is confident enough are not passed to the drafter that step.
+
     :param ctx: engine-wide speculative context (config, tree shape, target runner, stats).
     :param reqs: running requests; ``req.seq_ids[-1]`` is the root token (sampled, no KV yet).
     :param plan: this step's :class:`~specfw.speculative.types.StepPlan`: at most ``plan.size - 1``
@@ -110,14 +113,16 @@ def specfw_draft(ctx: "SpecContext", reqs: "list[Request]", plan: "StepPlan") ->
 
 
 @hookspec(firstresult=True)
-def specfw_assist_draft(ctx: "SpecContext", reqs: "list[Request]", plan: "StepPlan", candidates: "list[DraftCandidates]") -> "list[DraftCandidates]":
-    """A draft assist's extra candidates for each request (one entry per request, in order;
-    empty = nothing to add), called right after :func:`specfw_draft` on the steps that draft.
+def specfw_assist_draft(ctx: "SpecContext", reqs: "list[Request]", plan: "StepPlan") -> "list[DraftCandidates]":
+    """A draft assist's candidates for each request (one entry per request, in order; empty =
+    nothing to add), called on the steps that draft, before :func:`specfw_draft`.
 
-    ``candidates`` are the drafter's, before the policy's cut. The core merges each request's
-    extra tree into them (a node with the same parent and token as an existing one is that node,
-    keeping the higher score) and cuts the result by score to ``plan.size - 1``: scores must be
-    comparable with the drafter's, i.e. cumulative log-probabilities that the path is accepted.
+    The core merges each request's tree into the drafter's (a node with the same parent and token
+    as an existing one is that node, keeping the higher score) and cuts the result by score to
+    ``plan.size - 1``. Scores must be on the drafter's scale: cumulative log-probabilities that
+    the path is accepted. The draft policy reads them as such: where the assist's expected
+    accepted tokens (the sum of ``exp(score)`` over its nodes) reach what a drafted step has been
+    accepting on average, the drafter is not run for that request this step.
     Implemented by draft assists only (``specfw_register_draft_assists``), never by algorithms.
     """
 

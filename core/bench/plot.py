@@ -113,9 +113,15 @@ def _concurrency_row(axes, runs: list[BenchRecord], sizes: list[int]) -> None:
             ax.legend(fontsize=6)
 
 
+def _median_run(runs: list[BenchRecord]) -> BenchRecord | None:
+    """The run with the median tokens/s (the lower middle one of an even count)."""
+    return sorted(runs, key=lambda r: r.tok_s)[(len(runs) - 1) // 2] if runs else None
+
+
 def plot_holdout(records: list[BenchRecord], path: Path, title: str) -> Path | None:
     """``specfw tune``'s held-out comparison: tokens/s of plain, auto and tuned per algorithm and
-    batch size, bars labelled with the speedup over plain and the accept length."""
+    batch size, bars labelled with the speedup over plain and the accept length (with
+    ``tune.holdout_rounds`` > 1: the median run of each, and the rounds' count)."""
     held = [r for r in records if r.phase == "holdout" and not r.skipped and r.tok_s]
     if not held:
         return None
@@ -130,15 +136,18 @@ def plot_holdout(records: list[BenchRecord], path: Path, title: str) -> Path | N
     fig, ax = plt.subplots(figsize=(1.9 * len(groups) + 3, 4.2))
     colors = {"plain": "gray", "auto": "tab:blue", "tuned": "tab:orange"}
     for g, (algo, bs) in enumerate(groups):
-        plain = next((r for r in held if r.algorithm == "none" and r.batch_size == bs), None)
-        auto = next((r for r in held if r.algorithm == algo and r.batch_size == bs and "tuned" not in r.label), None)
-        tuned = next((r for r in held if r.algorithm == algo and r.batch_size == bs and "tuned" in r.label), auto)
+        plain = _median_run([r for r in held if r.algorithm == "none" and r.batch_size == bs])
+        autos = [r for r in held if r.algorithm == algo and r.batch_size == bs and "tuned" not in r.label]
+        auto = _median_run(autos)
+        tuned = _median_run([r for r in held if r.algorithm == algo and r.batch_size == bs and "tuned" in r.label]) or auto
         for i, (kind, r) in enumerate((("plain", plain), ("auto", auto), ("tuned", tuned))):
             if r is None:
                 continue
             x = g * 4 + i
             ax.bar(x, r.tok_s, color=colors[kind], label=kind if g == 0 else None)
             note = f"{r.tok_s:.1f}" + (f"\n{r.speedup:.2f}x, acc {r.accept_length:.2f}" if r.speedup and r.accept_length else "")
+            if kind != "plain" and len(autos) > 1:
+                note += f"\nmedian of {len(autos)}"
             ax.text(x, r.tok_s, note, ha="center", va="bottom", fontsize=7)
     ax.set_xticks([g * 4 + 1 for g in range(len(groups))], [f"{a}\nbatch {b}" for a, b in groups])
     ax.set_ylabel("tok/s on held-out prompts")

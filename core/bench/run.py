@@ -299,7 +299,12 @@ def summarize(run_dir: Path) -> None:
     print("\n" + text, flush=True)
     (run_dir / "summary.txt").write_text(text + "\n")
     png = plot_summary(records, run_dir / "summary.png", head.strip())
-    if plot_holdout(records, run_dir / "holdout.png", "held-out prompts: plain, auto defaults, tuned\n" + head.strip()):
+    held = next((r for r in measured if r.phase == "holdout"), None)
+    held_head = head
+    if held is not None:  # the held-out prompts, not the tuning ones
+        first, last = held.prompts[0] + 1, held.prompts[0] + held.prompts[1]
+        held_head = head.replace(f"{r0.dataset} prompts {r0.prompts[0] + 1}-{r0.prompts[0] + r0.prompts[1]}", f"{held.dataset} prompts {first}-{last}", 1)
+    if plot_holdout(records, run_dir / "holdout.png", "held-out prompts: plain, auto defaults, tuned\n" + held_head.strip()):
         print(f"[bench] tuned vs auto on the held-out prompts: {run_dir / 'holdout.png'}", flush=True)
     print(
         f"[bench] records: {run_dir / 'records.jsonl'}; table: {run_dir / 'summary.txt'}" + (f"; plot: {png}" if png else " (no plot: matplotlib missing)"),

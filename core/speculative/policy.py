@@ -9,7 +9,9 @@ It joins the two learners that sit on the measured cost of verification:
   draft's calibrated confidence and the measured seconds per node.
 
 Per step: ``plan(batch)`` → a :class:`StepPlan` (size, useful depth, score floor) the drafter
-receives; ``select(candidates, plan)`` → the candidates the tree is built from (the best
+receives; with a draft assist, ``assist_suffices(proposal)`` → whether the assist's proposal
+alone is expected to yield what a drafted step yields (then the drafter is not run for that
+request); ``select(candidates, plan)`` → the candidates the tree is built from (the best
 ``size - 1`` by score, closed under ancestors, then confidence-pruned: the one cut);
 ``observe(...)`` → both learners see the step's time and what every smaller size would have
 yielded. Greedy output never depends on any of this: any tree verifies to the same tokens.
@@ -40,6 +42,7 @@ class DraftPolicy:
         )
         self._retime = 0  # size the next step must play (to time it), 0 = the budget's choice
         self._plain_before = False  # the last decode step did not draft
+        self.accepted_mean = None  # accepted draft tokens per drafted request-step (moving average)
 
     @property
     def adaptive(self) -> bool:
@@ -54,6 +57,16 @@ class DraftPolicy:
         depth = max(1, min(self.shape.num_steps, size - 1))
         return StepPlan(size=size, depth=depth, score_floor=self.pruning.score_floor(cut), cut=cut)
 
+    def assist_suffices(self, proposal: DraftCandidates) -> bool:
+        """Whether a draft assist's proposal alone is expected to yield at least what a drafted
+        step has been accepting on average (its expected accepted tokens: the sum over its nodes
+        of ``exp(score)``, scores being calibrated path log-probabilities), so the drafter's
+        forward would be spent on the rare step where the assist is wrong. False until a few
+        steps have been seen."""
+        if not len(proposal) or self.accepted_mean is None:
+            return False
+        return float(proposal.scores.clamp(max=0.0).exp().sum()) >= self.accepted_mean
+
     def select(self, cands: DraftCandidates, plan: StepPlan) -> DraftCandidates:
         """The candidates this step verifies: the best ``plan.size - 1`` (closed under
         ancestors), cut by confidence."""
@@ -65,6 +78,9 @@ class DraftPolicy:
         """One decode step played ``plan`` in ``seconds``; ``drafted``: the drafter proposed
         anything; ``verified``: the candidates each request's tree held; ``accepted``: the draft
         tokens the target accepted per request (root's child first)."""
+        if drafted and accepted:
+            mean = sum(len(a) for a in accepted) / len(accepted)
+            self.accepted_mean = mean if self.accepted_mean is None else 0.9 * self.accepted_mean + 0.1 * mean
         if self.budget.adaptive and drafted:
             timed = None if self._plain_before else seconds
             self._retime = plan.size if self._plain_before else 0

@@ -2,7 +2,8 @@
 
     plan       = policy.plan(batch)                 # how much to draft and verify (speculative/policy.py)
     candidates = draft(reqs, plan)                  # algorithm runtime
-               (+ assist_draft(...), merged)        # speculative.draft_assist, if set (speculative/merge.py)
+               + assist_draft(reqs, plan), merged   # speculative.draft_assist, if set (speculative/merge.py);
+                                                    # requests whose assist proposal suffices skip draft()
     trees      = build_tree(req, policy.select(candidates, plan), plan)   # default in speculative/tree.py
     logits     = target forward over every tree node (ancestor masks), KV into the step's reserved slots
     results    = verify(req, tree, logits)          # default in speculative/verify.py unless overridden
@@ -135,14 +136,19 @@ class SpeculativeWorker:
         whether the drafter proposed anything."""
         if not plan.drafts:  # the policy says drafting does not pay right now: a plain step
             return False, [DraftCandidates.empty() for _ in reqs]
-        candidates = self.hook.specfw_draft(ctx=self.ctx, reqs=reqs, plan=plan)
-        if candidates is None or len(candidates) != len(reqs):
-            raise RuntimeError(f"algorithm '{self.algorithm}': specfw_draft must return one DraftCandidates per request")
+        extra = None
+        drafting = reqs
         if self.assist is not None:
-            extra = self.hook.specfw_assist_draft(ctx=self.ctx, reqs=reqs, plan=plan, candidates=candidates)
+            extra = self.hook.specfw_assist_draft(ctx=self.ctx, reqs=reqs, plan=plan)
             if extra is None or len(extra) != len(reqs):
                 raise RuntimeError(f"draft assist '{self.ctx.config.draft_assist}': specfw_assist_draft must return one DraftCandidates per request")
-            candidates = [merge_candidates(c, e) for c, e in zip(candidates, extra)]
+            drafting = [r for r, e in zip(reqs, extra) if not self.policy.assist_suffices(e)]
+        candidates = self.hook.specfw_draft(ctx=self.ctx, reqs=drafting, plan=plan) if drafting else []
+        if candidates is None or len(candidates) != len(drafting):
+            raise RuntimeError(f"algorithm '{self.algorithm}': specfw_draft must return one DraftCandidates per request")
+        if extra is not None:
+            by_rid = {r.rid: c for r, c in zip(drafting, candidates)}
+            candidates = [merge_candidates(by_rid.get(r.rid, DraftCandidates.empty()), e) for r, e in zip(reqs, extra)]
         drafted = any(len(c) for c in candidates)
         return drafted, [self.policy.select(c, plan) for c in candidates]
 

@@ -74,7 +74,7 @@ class NgramAssist:
         return window_bucket(window), tokens
 
     @hookimpl
-    def specfw_assist_draft(self, ctx, reqs, plan, candidates):
+    def specfw_assist_draft(self, ctx, reqs, plan):
         out = []
         for r in reqs:
             bucket, chain = self._chain(r, plan.size - 1)

@@ -24,6 +24,8 @@ def test_merge_reuses_shared_paths_and_appends_new_nodes_parents_first():
     assert m.parents.tolist() == [-1, -1, 0, 0, 2]  # 13 hangs under the drafter's 11
     assert m.scores.tolist() == pytest.approx([-0.1, -2.0, -0.4, -0.9, -0.6])  # the higher score of the two kept
     assert all(p < i for i, p in enumerate(m.parents.tolist()))
+    pairs = list(zip(m.parents.tolist(), m.tokens.tolist()))
+    assert len(set(pairs)) == len(pairs)  # siblings stay distinct tokens: tree sampling's inverse CDF needs it
 
 
 def test_merge_keeps_draft_probs_only_when_nothing_is_added():
@@ -79,7 +81,7 @@ def test_config_errors_name_the_key_and_the_choices():
 def test_assist_registration_rules():
     class Assist:
         @hookspecs.hookimpl
-        def specfw_assist_draft(self, ctx, reqs, plan, candidates):
+        def specfw_assist_draft(self, ctx, reqs, plan):
             return [DraftCandidates.empty() for _ in reqs]
 
     class Plugin:
@@ -94,7 +96,7 @@ def test_assist_registration_rules():
         pm.register(Plugin(), "p2")
 
     class Unmarked:
-        def specfw_assist_draft(self, ctx, reqs, plan, candidates):
+        def specfw_assist_draft(self, ctx, reqs, plan):
             return []
 
     class Plugin2:
