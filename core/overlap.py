@@ -55,6 +55,11 @@ def _builds_trees(cfg) -> bool:
     return "topk" in getattr(type(spec), "unused_keys", ())
 
 
+def _assist(cfg):
+    spec = cfg.speculative
+    return spec.get("draft_assist") if hasattr(spec, "get") else getattr(spec, "draft_assist", None)
+
+
 def overlap_requested(cfg) -> bool:
     """``engine.overlap_schedule``, or SGLang's env var for a speculative algorithm that drafts
     chains (for n-gram trees the env var is ignored with a warning, as SGLang does)."""
@@ -64,6 +69,9 @@ def overlap_requested(cfg) -> bool:
         return False
     if _builds_trees(cfg):
         logger.warning("%s is set but speculative=%s drafts trees: the overlap scheduler stays off (SGLang disables it for NGRAM)", ENV, _algorithm(cfg))
+        return False
+    if _assist(cfg) is not None:
+        logger.warning("%s is set but speculative.draft_assist=%s makes trees: the overlap scheduler stays off", ENV, _assist(cfg))
         return False
     return True
 
@@ -82,6 +90,12 @@ def check_overlap(cfg) -> None:
     topk = cfg.speculative.get("topk") if hasattr(cfg.speculative, "get") else getattr(cfg.speculative, "topk", None)
     if topk is not None and int(topk) != 1:
         raise ConfigError("speculative.topk", f"the overlap scheduler (engine.overlap_schedule / {ENV}) takes chains only: allowed 1, got {topk}")
+    if _assist(cfg) is not None:
+        raise ConfigError(
+            "speculative.draft_assist",
+            f"the overlap scheduler (engine.overlap_schedule / {ENV}) takes chains only, "
+            "and an assist's chain merged into the drafter's makes a tree; allowed: null",
+        )
 
 
 def chain_for_overlap(spec, cfg):

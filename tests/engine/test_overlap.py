@@ -120,6 +120,9 @@ def test_rules_name_the_key(tiny_model_dir, tiny_draft_dir):
         validate(make_cfg(model_path=str(tiny_model_dir), overlap_schedule=True, speculative=ngram))
     with pytest.raises(ConfigError, match=r"engine\.overlap_schedule.*tp_size"):
         validate(make_cfg(model_path=str(tiny_model_dir), model_tp_size=2, overlap_schedule=True))
+    with pytest.raises(ConfigError, match=r"speculative\.draft_assist.*makes a tree; allowed: null"):
+        chain = _standalone(tiny_draft_dir, num_steps=3, topk=1, draft_assist="ngram")
+        validate(make_cfg(model_path=str(tiny_model_dir), overlap_schedule=True, speculative=chain))
 
 
 def test_sglang_env_var_turns_it_on_for_chains_only(tiny_model_dir, tiny_draft_dir, monkeypatch, caplog):
