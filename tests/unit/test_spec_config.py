@@ -182,12 +182,12 @@ def test_auto_measures_the_verify_cost_and_decides(tiny_model_dir, caplog):
     ratio = verify_cost.verify_cost_ratio(eng.runner, 16)
     assert ratio > 0 and eng.runner.allocator.num_used == 0
     calls = []
-    for fake, want in ((2.0, True), (1.05, False)):
+    for fake, want in ((2.0, True), (1.1, True), (1.02, False)):
         verify_cost.verify_cost_ratio, real = (lambda r, n, reps=3, f=fake: calls.append(n) or f), verify_cost.verify_cost_ratio
         try:
             with caplog.at_level("INFO"):
                 assert verify_cost.resolve_adaptive("auto", eng.runner, 8) is want
         finally:
             verify_cost.verify_cost_ratio = real
-    assert calls == [8, 8] and "adaptive_draft=auto: on" in caplog.text and "adaptive_draft=auto: off" in caplog.text
+    assert calls == [8, 8, 8] and "adaptive_draft=auto: on" in caplog.text and "adaptive_draft=auto: off" in caplog.text
     assert verify_cost.resolve_adaptive(False, eng.runner, 8) is False and verify_cost.resolve_adaptive("true", eng.runner, 8)
