@@ -132,17 +132,12 @@ class SpeculativeWorker:
         return results
 
     def _draft(self, reqs: list[Request], plan: StepPlan) -> tuple[bool, list[DraftCandidates]]:
-        """The candidates to verify (the policy's one cut of what the drafter proposed), and
-        whether the drafter proposed anything."""
+        """The candidates to verify (the policy's one cut of what the drafter and the draft assist
+        proposed), and whether anything was proposed."""
         if not plan.drafts:  # the policy says drafting does not pay right now: a plain step
             return False, [DraftCandidates.empty() for _ in reqs]
-        extra = None
-        drafting = reqs
-        if self.assist is not None:
-            extra = self.hook.specfw_assist_draft(ctx=self.ctx, reqs=reqs, plan=plan)
-            if extra is None or len(extra) != len(reqs):
-                raise RuntimeError(f"draft assist '{self.ctx.config.draft_assist}': specfw_assist_draft must return one DraftCandidates per request")
-            drafting = [r for r, e in zip(reqs, extra) if not self.policy.assist_suffices(e)]
+        extra = self._assist_draft(reqs, plan)  # None without speculative.draft_assist
+        drafting = reqs if extra is None else [r for r, e in zip(reqs, extra) if not self.policy.assist_suffices(e)]
         candidates = self.hook.specfw_draft(ctx=self.ctx, reqs=drafting, plan=plan) if drafting else []
         if candidates is None or len(candidates) != len(drafting):
             raise RuntimeError(f"algorithm '{self.algorithm}': specfw_draft must return one DraftCandidates per request")
@@ -151,6 +146,15 @@ class SpeculativeWorker:
             candidates = [merge_candidates(by_rid.get(r.rid, DraftCandidates.empty()), e) for r, e in zip(reqs, extra)]
         drafted = any(len(c) for c in candidates)
         return drafted, [self.policy.select(c, plan) for c in candidates]
+
+    def _assist_draft(self, reqs: list[Request], plan: StepPlan) -> list[DraftCandidates] | None:
+        """The draft assist's proposal per request, or None when no assist is configured."""
+        if self.assist is None:
+            return None
+        extra = self.hook.specfw_assist_draft(ctx=self.ctx, reqs=reqs, plan=plan)
+        if extra is None or len(extra) != len(reqs):
+            raise RuntimeError(f"draft assist '{self.ctx.config.draft_assist}': specfw_assist_draft must return one DraftCandidates per request")
+        return extra
 
     def _verify(self, batch: ScheduledBatch, plan: StepPlan, candidates: list[DraftCandidates]) -> list[VerifyResult]:
         reqs = batch.reqs
