@@ -89,7 +89,8 @@ def _key_row(axes, runs: list[BenchRecord], key: str, bs: int) -> None:
     for ax in (tok_ax, acc_ax):
         ax.set_xlabel(f"speculative.{key}\n(best run at each value; auto = the default)", fontsize=8)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if ax.get_legend_handles_labels()[0]:  # an algorithm with one value of the key draws no line
+            ax.legend(fontsize=7)
 
 
 def _concurrency_row(axes, runs: list[BenchRecord], sizes: list[int]) -> None:
