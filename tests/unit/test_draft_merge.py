@@ -63,6 +63,12 @@ def test_ngram_assist_calibration_counts_per_depth():
         assert lp[d] == pytest.approx(acc)
 
 
+def test_ngram_assist_calibrates_per_matched_suffix_length():
+    from specfw_plugins.ngram.assist import window_bucket
+
+    assert [window_bucket(w) for w in (1, 2, 3, 4, 5, 8, 9, 12)] == [0, 1, 2, 2, 3, 3, 4, 4]
+
+
 def test_ngram_assist_is_registered_and_listed():
     pm = PluginManager()
     assert pm.assists["ngram"].module == "specfw_plugins.ngram"
