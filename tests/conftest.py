@@ -46,6 +46,19 @@ def tiny_model_dir(tmp_path_factory, demo_dir):
 
 
 TINY_DRAFT_CHATS = ["Count to ten.", "Name a color.", "What is two plus two?"]
+# raw token-id prompts a drafter can predict (repetitive) and one it cannot
+TINY_RAW_PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [1000, 20, 1000, 20, 1000], [9, 99, 999, 9999]]
+
+
+@pytest.fixture(scope="session")
+def tiny_spec_prompts(tiny_model_dir):
+    """The speculative contract's prompts for the tiny target: TINY_DRAFT_CHATS as chat contexts
+    (the tiny EAGLE heads are trained on them), then TINY_RAW_PROMPTS."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    chat = [list(tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True)["input_ids"]) for c in TINY_DRAFT_CHATS]
+    return chat + TINY_RAW_PROMPTS
 
 
 @pytest.fixture(scope="session")

@@ -4,24 +4,19 @@ accepted, an adversary's wrong ones cost nothing but their verification)."""
 
 import pytest
 
-from conftest import TINY_DRAFT_CHATS, make_cfg
+from conftest import make_cfg
 from specfw import hookspecs
 from specfw.plugins import plugin_manager
 from specfw.sampling import SamplingParams
 from specfw.speculative.types import DraftCandidates
 
 GREEDY = SamplingParams(max_new_tokens=32, temperature=0, ignore_eos=True)
-RAW = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [1000, 20, 1000, 20, 1000], [9, 99, 999, 9999]]
 MODEL_DRAFTERS = ["eagle", "eagle3", "mtp", "standalone"]
 
 
 @pytest.fixture(scope="module")
-def prompts(tiny_model_dir):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    chat = [list(tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True)["input_ids"]) for c in TINY_DRAFT_CHATS]
-    return chat + RAW
+def prompts(tiny_spec_prompts):
+    return tiny_spec_prompts
 
 
 @pytest.fixture(scope="module")

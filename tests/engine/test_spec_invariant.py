@@ -4,14 +4,12 @@ for every installed algorithm, several tree shapes, batch 1 and batch 4."""
 import pytest
 import torch
 
-from conftest import TINY_DRAFT_CHATS, make_cfg
+from conftest import make_cfg
 from specfw.config import ConfigError
 from specfw.plugins import plugin_manager
 from specfw.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=32, temperature=0, ignore_eos=True)
-CHAT = TINY_DRAFT_CHATS  # the tiny EAGLE heads are trained on these
-RAW = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [1000, 20, 1000, 20, 1000], [9, 99, 999, 9999]]
 # topk 1/2/4 and num_steps 1..5 are all covered
 # (3, 4, 16) and (2, 2, 8) are SGLang's documented shapes (the latter adjusted to 7 nodes)
 TREE_SHAPES = [
@@ -32,12 +30,8 @@ NGRAM_SHAPES = [
 
 
 @pytest.fixture(scope="module")
-def prompts(tiny_model_dir):
-    from transformers import AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
-    chat = [list(tok.apply_chat_template([{"role": "user", "content": c}], add_generation_prompt=True, tokenize=True)["input_ids"]) for c in CHAT]
-    return chat + RAW
+def prompts(tiny_spec_prompts):
+    return tiny_spec_prompts
 
 
 @pytest.fixture(scope="module")
