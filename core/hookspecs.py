@@ -155,6 +155,11 @@ def specfw_verify(ctx: "SpecContext", req: "Request", tree: "DraftTree", logits:
     ``accept_threshold_single`` / ``accept_threshold_acc`` otherwise, and chain rejection
     sampling when the tree is a chain carrying draft probabilities.
 
+    Not called (nor :func:`specfw_build_tree`) on a decode step the draft policy plays without a
+    draft when every request in the batch is greedy without penalties or logprobs: the core takes
+    the target's argmax of each request's one row, which is what any lossless verification of a
+    root-only tree returns. Sampled requests always come here.
+
     :returns: :class:`VerifyResult` with the accepted node indices (root first) and the tokens
         to emit (accepted draft tokens + bonus).
     """
@@ -185,7 +190,9 @@ def specfw_on_accept(
     early at eos / a stop condition). Drafters that keep their own cache should treat ``req.seq_ids`` as the source of
     truth and catch up lazily in the next :func:`specfw_draft`.
     ``hidden``/``aux_hidden`` are the verify forward's rows ``[sum(tree sizes), H]``; each
-    result's ``node_rows`` index the accepted nodes in them.
+    result's ``node_rows`` index the accepted nodes in them. Also called after decode steps
+    without a draft (one row per request), so keep it cheap: the EAGLE family only gathers the
+    rows here and runs its own weights when it drafts.
     """
 
 

@@ -72,6 +72,13 @@ def _expand(
     return nxt
 
 
+def _kth_best(scores: list[float], k: int | None) -> float:
+    """The k-th highest score (-inf while there are fewer than k, or without a k)."""
+    if not k or len(scores) < k:
+        return float("-inf")
+    return sorted(scores, reverse=True)[k - 1]
+
+
 def beam_search(
     reqs,
     first_logits: torch.Tensor,
@@ -85,12 +92,16 @@ def beam_search(
     to_target: torch.Tensor | None = None,
     root_position: Callable = lambda r: r.seq_len - 1,
     score_floor: float = float("-inf"),
+    keep: int | None = None,
 ) -> list[DraftCandidates]:
     """``first_logits[i]``/``first_hidden[i]``: the drafter's output at request i's root.
     ``committed_slots(req)`` → its draft KV slots (prefix incl. root). ``to_target`` maps a
     reduced draft vocabulary to target ids (FR-Spec / EAGLE-3 ``d2t``). Beams scoring below
     ``score_floor`` are not expanded (their children would score no higher and be pruned);
-    drafting stops early when no beam is left."""
+    drafting stops early when no beam is left. ``keep``: how many candidates the step verifies at
+    most (``plan.size - 1``, the best by score); a beam scoring below a request's ``keep``-th best
+    candidate so far is not expanded either: its children score no higher than it, so none of
+    them could be among the kept (the cut is the same; the head forwards are fewer)."""
     cands = [_Cands() for _ in reqs]
     beams = [_expand(r, first_logits[i : i + 1], [(-1, 0.0, 0)], topk, cands[i], sampled(r), to_target) for i, r in enumerate(reqs)]
     hidden = first_hidden
@@ -99,7 +110,7 @@ def beam_search(
     row_of = [dict() for _ in reqs]  # candidate index → position in drafted[i]
     try:
         for depth in range(1, num_steps):
-            beams = [[b for b in bs if b[1] >= score_floor] for bs in beams]
+            beams = [[b for b in bs if b[1] >= max(score_floor, _kth_best(c.scores, keep))] for bs, c in zip(beams, cands)]
             live = [i for i, bs in enumerate(beams) if bs]
             if not live:
                 break

@@ -11,9 +11,13 @@ target produced but the head has not consumed yet:
   the last sampled token), then the shared EAGLE-2 beam search, feeding each beam node the
   head's own output hidden of its parent.
 
-Subclasses provide the head (``head_forward``), how target features are formed
-(``target_features``), and the vocabulary mapping (``to_target``, a host tensor). Features and the
-head's KV live on the target runner's device; ``head_forward`` gets its batch there.
+Subclasses provide the head (``head_forward``), what is kept per target position
+(``target_features``: one call per step over the batch's accepted rows), how the head's input is
+formed from it (``project_features``, default identity; applied once per extend pass over every
+request's pending rows, so a step without a draft reads no head weights: EAGLE-3's fc runs
+when drafting resumes, over all pairs at once) and the vocabulary mapping (``to_target``, a
+host tensor). Features and the head's KV live on the target runner's device; ``head_forward``
+gets its batch there.
 """
 
 from __future__ import annotations
@@ -62,7 +66,13 @@ class FeatureDrafter:
 
     # ---- subclass API -----------------------------------------------------------------------
     def target_features(self, hidden: torch.Tensor, aux: list[torch.Tensor], rows: torch.Tensor) -> torch.Tensor:
+        """What the drafter keeps of target positions ``rows`` (one row each), until an extend
+        pass consumes it."""
         raise NotImplementedError
+
+    def project_features(self, features: torch.Tensor) -> torch.Tensor:
+        """The head's feature input from kept rows (``target_features``), at extend time."""
+        return features
 
     def head_forward(self, tokens: torch.Tensor, features: torch.Tensor, fb: ForwardBatch, from_target: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """One head forward over pairs → (draft logits [T, V_draft], output hidden [T, H])."""
@@ -84,10 +94,12 @@ class FeatureDrafter:
 
     @hookimpl
     def specfw_on_accept(self, ctx, reqs, results, hidden, aux_hidden):
-        for r, res in zip(reqs, results):
-            st = self.states.get(r.rid)
-            if st is not None:
-                st.pending.append(self.target_features(hidden, aux_hidden, res.node_rows.to(hidden.device)))
+        kept = [(self.states[r.rid], res.node_rows) for r, res in zip(reqs, results) if r.rid in self.states]
+        if not kept:
+            return
+        feats = self.target_features(hidden, aux_hidden, torch.cat([rows for _, rows in kept]).to(hidden.device))
+        for (st, _), f in zip(kept, feats.split([len(rows) for _, rows in kept])):
+            st.pending.append(f)
 
     @hookimpl
     def specfw_release(self, ctx, req):
@@ -129,7 +141,7 @@ class FeatureDrafter:
             st.slots.append(slots)
             feats.append(f)
         fb = build_forward_batch(chunks, last_only=True).to(self.device)
-        logits, hidden = self.head_forward(fb.input_ids, torch.cat(feats), fb, from_target=True)
+        logits, hidden = self.head_forward(fb.input_ids, self.project_features(torch.cat(feats)), fb, from_target=True)
         return logits, hidden, fb
 
     def _draft(self, reqs, plan):
@@ -155,4 +167,5 @@ class FeatureDrafter:
             to_target=self.to_target,
             root_position=lambda r: r.seq_len - 2,
             score_floor=plan.score_floor,
+            keep=plan.size - 1,
         )

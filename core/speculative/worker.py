@@ -10,7 +10,10 @@
     on_accept(...)                                  # the drafter catches up on the accepted nodes
 
 and returns the results (``VerifyResult``: a ``StepResult`` keeping the accepted path's KV); the
-scheduler applies them.
+scheduler applies them. A step the policy plays plain (no draft) for a batch of greedy requests
+skips the tree and verify hooks: one row per request, its argmax (what any lossless verify of a
+root-only tree returns), then ``on_accept`` as after any step, so such a step costs what a plain
+engine's step costs plus the drafter's bookkeeping.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import torch
 from .. import hookspecs
 from ..model_runner import build_forward_batch
 from ..request import Request
-from ..sampling import TokenLogprob
+from ..sampling import TokenLogprob, greedy_tokens
 from ..scheduler import ScheduledBatch
 from ..step import StepResult
 from ..worker import prefill_chunks, prefill_results, sample_rows
@@ -37,6 +40,13 @@ from .types import DraftCandidates, SpecContext, StepPlan, VerifyResult
 from .verify_cost import resolve_adaptive
 
 logger = logging.getLogger(__name__)
+
+
+def _plain_greedy(req: Request) -> bool:
+    """A request whose next token, without a draft, is the target's argmax (no penalties, no
+    logprobs to report)."""
+    p = req.params
+    return p.greedy and not p.has_penalties and not p.logprobs
 
 
 def _env_flag(name: str) -> bool:
@@ -125,8 +135,11 @@ class SpeculativeWorker:
         t0 = time.perf_counter()
         reqs = batch.reqs
         plan = self.policy.plan(len(reqs))
-        drafted, candidates = self._draft(reqs, plan)
-        results = self._verify(batch, plan, candidates)
+        if not plan.drafts and all(_plain_greedy(r) for r in reqs):
+            drafted, candidates, results = False, [DraftCandidates.empty() for _ in reqs], self._plain_step(batch)
+        else:
+            drafted, candidates = self._draft(reqs, plan)
+            results = self._verify(batch, plan, candidates)
         accepted = [r.tokens[: r.num_accepted] for r in results]
         self.policy.observe(len(reqs), plan, drafted, candidates, accepted, time.perf_counter() - t0)
         return results
@@ -155,6 +168,20 @@ class SpeculativeWorker:
         if extra is None or len(extra) != len(reqs):
             raise RuntimeError(f"draft assist '{self.ctx.config.draft_assist}': specfw_assist_draft must return one DraftCandidates per request")
         return extra
+
+    def _plain_step(self, batch: ScheduledBatch) -> list[VerifyResult]:
+        """A decode step without drafts for greedy requests: the plain worker's forward (one row
+        per request, the drafter's feature taps on), its argmax, the drafter told what was kept."""
+        reqs = batch.reqs
+        chunks = [
+            (torch.tensor(r.seq_ids[-1:], dtype=torch.long), torch.tensor([r.seq_len - 1]), slots[:1], r.slots.slots(), None)
+            for r, slots in zip(reqs, batch.new_slots)
+        ]
+        out = self.runner.forward(build_forward_batch(chunks, capture_layers=self.ctx.capture_layers))
+        results = [VerifyResult([0], [t], 0, node_rows=torch.tensor([i])) for i, t in enumerate(greedy_tokens(out.logits))]
+        self.hook.specfw_on_accept(ctx=self.ctx, reqs=reqs, results=results, hidden=out.hidden, aux_hidden=out.aux_hidden)
+        self.hook.specfw_observe_step(ctx=self.ctx, reqs=reqs, results=results)
+        return results
 
     def _verify(self, batch: ScheduledBatch, plan: StepPlan, candidates: list[DraftCandidates]) -> list[VerifyResult]:
         reqs = batch.reqs

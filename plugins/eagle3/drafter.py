@@ -51,7 +51,11 @@ class Eagle3Drafter(FeatureDrafter):
         logger.info("eagle3 draft %s: draft vocab %d, target taps %s", path, self.head.draft_vocab, ctx.capture_layers)
 
     def target_features(self, hidden, aux, rows):
-        return self.head.fc(torch.cat([a.index_select(0, rows) for a in aux], dim=-1))
+        return torch.cat([a.index_select(0, rows) for a in aux], dim=-1)
+
+    @torch.inference_mode()
+    def project_features(self, features):
+        return self.head.fc(features)
 
     @torch.inference_mode()
     def head_forward(self, tokens, features, fb, from_target):

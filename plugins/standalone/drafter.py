@@ -162,4 +162,5 @@ class StandaloneDrafter:
             step,
             self._sampled,
             score_floor=plan.score_floor,
+            keep=plan.size - 1,
         )

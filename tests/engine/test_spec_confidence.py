@@ -134,6 +134,38 @@ def test_beam_search_stops_expanding_beams_below_the_score_floor():
     assert len(cut) == 2 + 2  # the first level, then the confident beam's children
 
 
+def _random_beam(keep, seed):
+    from specfw.kv_cache import SlotAllocator
+    from specfw.speculative.beam import beam_search
+
+    vocab, calls = 16, []
+
+    def node_logits(token, position):  # a function of the node, not of how many were forwarded
+        return torch.randn(vocab, generator=torch.Generator().manual_seed(seed * 10_000 + position * 100 + token)) * 3
+
+    def step(chunks, parent_hidden):
+        calls.append(sum(int(c[0].numel()) for c in chunks))
+        return torch.stack([node_logits(int(t), int(p)) for c in chunks for t, p in zip(c[0], c[1])]), None
+
+    first = node_logits(99, 0)[None]
+    out = beam_search([_Req()], first, None, topk=4, num_steps=5, committed_slots=lambda r: torch.arange(0), allocator=SlotAllocator(128), step=step, keep=keep)
+    return out[0], calls
+
+
+def test_beam_search_skips_beams_that_cannot_reach_the_kept_candidates():
+    """A beam below the keep-th best candidate so far adds no kept node: the best ``keep``
+    candidates are the same with and without skipping it, with fewer head forwards."""
+    saved = 0
+    for seed in range(20):
+        full, full_calls = _random_beam(None, seed)
+        cut, cut_calls = _random_beam(7, seed)
+        kept_full, kept_cut = full.best(7), cut.best(7)
+        assert sorted(zip(kept_full.tokens.tolist(), kept_full.scores.tolist())) == sorted(zip(kept_cut.tokens.tolist(), kept_cut.scores.tolist()))
+        assert sum(cut_calls) <= sum(full_calls)
+        saved += sum(full_calls) - sum(cut_calls)
+    assert saved > 0
+
+
 @pytest.mark.model
 def test_greedy_equals_plain_with_pruning_active_on_the_demo_eagle3_draft():
     from conftest import make_cfg

@@ -130,3 +130,28 @@ def test_a_step_with_an_unrepresentative_time_counts_its_yield_only():
     b.observe(1, 8, None, {1: 1, 8: 1})  # e.g. the drafter caught up after plain steps
     assert b.cost[1][8].mean == 0.030
     assert b.yields[1][8].mean < 3 and b.played[1][8] == 2
+
+
+def _drafted_share(draft_rate: float, steps: int = 4000) -> float:
+    """Share of steps a [1, 8] budget drafts where plain steps are best and drafting measures
+    ``draft_rate`` times plain's tokens/s."""
+    b = DraftBudget(8, sizes=[1, 8], explore=0.1)
+    cost, tokens = {1: 1.0, 8: 2.0}, {1: 1, 8: 2 * draft_rate}
+    _play(b, cost, tokens, 20)
+    drafted = 0
+    for _ in range(steps):
+        s = b.choose(1)
+        drafted += s > 1
+        b.observe(1, s, cost[s], {k: tokens[k] for k in b.sizes if k <= s})
+    assert b.best(1) == 1
+    return drafted / steps
+
+
+def test_exploring_a_size_that_measured_much_slower_is_rarer():
+    close, far = _drafted_share(0.99), _drafted_share(0.75)
+    assert 0.07 < close < 0.13  # the base rate: sizes within a few % of each other
+    assert 0.01 < far < 0.035  # 25% slower: the floor, a fifth of the base rate, but never zero
+    b = DraftBudget(8, sizes=[1, 8])
+    assert b.explore_weight(1, 1, 8) == 1.0  # nothing measured yet: full rate
+    _play(b, {1: 1.0, 8: 2.0}, {1: 1, 8: 1.0}, 4)  # warm-up: two steps of each, drafting 0.5x
+    assert b.best(1) == 1 and b.explore_weight(1, 1, 8) == 1.0  # two plays of a noisy yield are not enough
