@@ -9,7 +9,7 @@ from specfw.sdk import DraftTrainConfig, SpecAlgoConfig
 
 @dataclass
 class EagleConfig(SpecAlgoConfig):
-    token_map: Optional[str] = None        # FR-Spec: .pt file of target token ids the draft lm_head is restricted to
+    token_map: Optional[str] = None        # FR-Spec: .pt file of target token ids the draft lm_head is restricted to; null = the committed demo draft's map (8,192 ids) with that draft, else the full vocabulary; full = the full vocabulary
     draft_kv_tokens: Optional[int] = None  # draft KV pool size in tokens; null = same as the target's pool
 
 

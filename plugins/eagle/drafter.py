@@ -29,26 +29,29 @@ DEMO_DRAFT = Path(__file__).parent / "demo_draft"
 class EagleDrafter(FeatureDrafter):
     def __init__(self, ctx):
         cfg = ctx.config
-        ref = cfg.draft_model_path
+        ref, token_map = cfg.draft_model_path, cfg.token_map
         if not ref:
             demo = demo_draft_for(ctx, DEMO_DRAFT)
             if demo is None:
                 raise ConfigError("speculative.draft_model_path", "eagle needs a draft checkpoint (EAGLE layout) for this target")
             ref = str(demo)
+            if token_map is None and (DEMO_DRAFT / "token_map.pt").exists():
+                token_map = str(DEMO_DRAFT / "token_map.pt")  # the demo draft's FR-Spec vocabulary
+        token_map = None if token_map == "full" else token_map
         path = resolve_model_path(ref, cfg.draft_model_revision)
         target = ctx.runner.model
         self.head = place_on_target(ctx, load_eagle(Path(path), ctx.runner.hf_config, target_dtype(ctx), draft_load_format(ctx)))
         self.target = target
         self.rotary = Rotary(self.head.config, ctx.runner.max_context, target_dtype(ctx)).to(target_device(ctx))
         self.lm_head = target.lm_head  # shared with the target
-        if cfg.token_map:  # FR-Spec: score only the frequent tokens
-            self.to_target = load_token_map(cfg.token_map, ctx.runner.vocab_size)
+        if token_map:  # FR-Spec: score only the frequent tokens
+            self.to_target = load_token_map(token_map, ctx.runner.vocab_size)
             weight = target.lm_head.weight
             self.lm_head = torch.nn.Linear(self.head.config.hidden_size, len(self.to_target), bias=False, dtype=target_dtype(ctx), device=weight.device)
             self.lm_head.weight = torch.nn.Parameter(weight.index_select(0, self.to_target.to(weight.device)), requires_grad=False)
             self.lm_head = place_on_target(ctx, self.lm_head)
         super().__init__(ctx, self.head.layers[0], draft_kv_slots(ctx, cfg))
-        logger.info("eagle draft %s%s", path, f", FR-Spec token map of {len(self.to_target)} ids" if cfg.token_map else "")
+        logger.info("eagle draft %s%s", path, f", FR-Spec token map of {len(self.to_target)} ids" if token_map else "")
 
     @torch.inference_mode()
     def target_features(self, hidden, aux, rows):

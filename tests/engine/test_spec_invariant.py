@@ -335,3 +335,26 @@ def test_static_row_layout_pads_every_row_past_the_forward():
     assert lay.row_q.tolist() == list(range(8)) and lay.seg_len.tolist() == [5, 1, 1, 1, 1, 1, 1, 1]
     assert lay.seg_start[1:].tolist() == [100] * 7 and lay.ext_len.tolist() == [0] * 8 and int(lay.slots[100]) == 99  # padding rows see the scratch slot
     assert lay.fits(big) and not lay.fits(RowLayout.build([SeqSpan(0, 9, torch.arange(9))]))
+
+
+@pytest.mark.model
+def test_the_demo_eagle_draft_drafts_over_its_committed_token_map(demo_engine):
+    """With the committed demo draft and no ``speculative.token_map``, the EAGLE head scores the
+    8,192 ids of the demo map (FR-Spec); ``token_map=full`` scores the whole vocabulary; greedy
+    output equals plain greedy output either way."""
+    from specfw.datasets import mtbench_first_turns
+    from specfw.engine import Engine
+    from specfw.sampling import SamplingParams
+    from specfw_plugins.eagle.config import EagleConfig
+
+    params = SamplingParams(max_new_tokens=24, temperature=0)
+    prompts = [demo_engine.tokenize_chat([{"role": "user", "content": q}]) for q in mtbench_first_turns(2)]
+    ref = [o.token_ids for o in demo_engine.generate(prompts, params)]
+    for token_map, vocab in ((None, 8192), ("full", None)):
+        spec = EagleConfig(algorithm="eagle", adaptive_draft=False, token_map=token_map)
+        eng = Engine(make_cfg(max_total_tokens=4096, max_running_requests=2, speculative=spec))
+        drafter = eng.worker.runtime
+        assert (None if drafter.to_target is None else len(drafter.to_target)) == vocab
+        assert vocab is None or drafter.lm_head.out_features == vocab
+        assert [o.token_ids for o in eng.generate(prompts, params)] == ref
+        assert eng.stats.accepted_draft_tokens > 0

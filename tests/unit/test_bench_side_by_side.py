@@ -1,0 +1,45 @@
+"""benchmarks/bench_side_by_side.py: configuration parsing and one end-to-end run on the demo target."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_side_by_side import parse  # noqa: E402
+
+
+def test_parse_names_and_typed_keys():
+    assert parse("plain=") == ("plain", {})
+    assert parse("eagle full=algorithm=eagle,token_map=full,adaptive_draft=False,num_steps=3") == (
+        "eagle full",
+        {"algorithm": "eagle", "token_map": "full", "adaptive_draft": False, "num_steps": 3},
+    )
+
+
+@pytest.mark.model
+def test_runs_configurations_side_by_side_and_checks_outputs():
+    r = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks/bench_side_by_side.py"),
+            "--n",
+            "1",
+            "--max-new-tokens",
+            "8",
+            "--rounds",
+            "1",
+            "plain=",
+            "ngram=algorithm=ngram",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert r.returncode == 0, r.stderr[-2000:]
+    lines = [line for line in r.stdout.splitlines() if line.startswith(("plain ", "ngram "))]
+    assert len(lines) == 2 and all("== plain: yes" in line for line in lines)
+    assert "cpus, torch threads" in r.stdout  # the machine is named
