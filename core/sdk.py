@@ -46,6 +46,7 @@ from .request import Request
 from .speculative.beam import beam_search
 from .speculative.config import SpecAlgoConfig, TreeShape
 from .speculative.feature_drafter import FeatureDrafter
+from .speculative.token_map import load_token_map, resolve_token_map
 from .speculative.types import DraftCandidates, DraftTree, SpecContext, StepPlan
 from .step import StepResult, VerifyResult
 from .train.common import ModuleTrainer, load_matching, unroll, unrolled_layer_step
@@ -69,6 +70,8 @@ __all__ = [
     # model-based drafters
     "FeatureDrafter",
     "beam_search",
+    "load_token_map",
+    "resolve_token_map",
     "DraftDecoderLayer",
     "RMSNorm",
     "Rotary",

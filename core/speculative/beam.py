@@ -40,16 +40,25 @@ class _Cands:
 
 
 def _expand(
-    req, logits: torch.Tensor, beams: list[tuple[int, float, int]], k: int, cands: _Cands, sampled: bool, to_target: torch.Tensor | None
+    req,
+    logits: torch.Tensor,
+    beams: list[tuple[int, float, int]],
+    k: int,
+    cands: _Cands,
+    sampled: bool,
+    to_target: torch.Tensor | None,
+    vocab_size: int | None = None,
 ) -> list[tuple[int, float, int]]:
     """beams: (candidate index, score, row in ``logits``). Returns the best ``k`` children as
-    next beams: (candidate index, score, row of ``logits`` that produced them)."""
+    next beams: (candidate index, score, row of ``logits`` that produced them). A sampled draft
+    over a token map keeps its distribution over the whole vocabulary (``vocab_size``; zero off
+    the map) for rejection sampling."""
     children = []
     if sampled:
         for parent, score, row in beams:  # on the host, where the request's generator is
             probs = target_probs(logits[row : row + 1].cpu(), req.params)[0]
             tok = int(torch.multinomial(probs, 1, generator=req.generator))
-            full = probs if to_target is None else None
+            full = probs if to_target is None else (probs.new_zeros(vocab_size).index_copy_(0, to_target, probs) if vocab_size else None)
             children.append((score + float(torch.log(probs[tok] + 1e-20)), parent, tok, full, row))
     else:  # every beam's top k in one call, read back once (one device sync per request and depth)
         rows = [row for _, _, row in beams]
@@ -93,17 +102,19 @@ def beam_search(
     root_position: Callable = lambda r: r.seq_len - 1,
     score_floor: float = float("-inf"),
     keep: int | None = None,
+    vocab_size: int | None = None,
 ) -> list[DraftCandidates]:
     """``first_logits[i]``/``first_hidden[i]``: the drafter's output at request i's root.
     ``committed_slots(req)`` → its draft KV slots (prefix incl. root). ``to_target`` maps a
-    reduced draft vocabulary to target ids (FR-Spec / EAGLE-3 ``d2t``). Beams scoring below
+    reduced draft vocabulary to target ids (FR-Spec / EAGLE-3 ``d2t``; ``vocab_size``: the
+    target's, to give sampled drafts full-vocabulary probabilities). Beams scoring below
     ``score_floor`` are not expanded (their children would score no higher and be pruned);
     drafting stops early when no beam is left. ``keep``: how many candidates the step verifies at
     most (``plan.size - 1``, the best by score); a beam scoring below a request's ``keep``-th best
     candidate so far is not expanded either: its children score no higher than it, so none of
     them could be among the kept (the cut is the same; the head forwards are fewer)."""
     cands = [_Cands() for _ in reqs]
-    beams = [_expand(r, first_logits[i : i + 1], [(-1, 0.0, 0)], topk, cands[i], sampled(r), to_target) for i, r in enumerate(reqs)]
+    beams = [_expand(r, first_logits[i : i + 1], [(-1, 0.0, 0)], topk, cands[i], sampled(r), to_target, vocab_size) for i, r in enumerate(reqs)]
     hidden = first_hidden
     row_base = list(range(len(reqs)))  # request i's first row in ``hidden`` (the last step's output)
     drafted = [[] for _ in reqs]  # per request: draft slots of forwarded beam nodes, in order
@@ -137,7 +148,9 @@ def beam_search(
             off = 0
             for i in live:
                 r, n = reqs[i], len(beams[i])
-                beams[i] = _expand(r, logits[off : off + n], [(c, s, j) for j, (c, s, _) in enumerate(beams[i])], topk, cands[i], sampled(r), to_target)
+                beams[i] = _expand(
+                    r, logits[off : off + n], [(c, s, j) for j, (c, s, _) in enumerate(beams[i])], topk, cands[i], sampled(r), to_target, vocab_size
+                )
                 row_base[i] = off
                 off += n
     finally:

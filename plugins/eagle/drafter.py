@@ -14,13 +14,15 @@ from specfw.sdk import (
     Rotary,
     draft_kv_slots,
     draft_load_format,
+    load_token_map,
     place_on_target,
     resolve_model_path,
+    resolve_token_map,
     target_device,
     target_dtype,
 )
 
-from .model import load_eagle, load_token_map
+from .model import load_eagle
 
 logger = logging.getLogger(__name__)
 DEMO_DRAFT = Path(__file__).parent / "demo_draft"
@@ -35,9 +37,7 @@ class EagleDrafter(FeatureDrafter):
             if demo is None:
                 raise ConfigError("speculative.draft_model_path", "eagle needs a draft checkpoint (EAGLE layout) for this target")
             ref = str(demo)
-            if token_map is None and (DEMO_DRAFT / "token_map.pt").exists():
-                token_map = str(DEMO_DRAFT / "token_map.pt")  # the demo draft's FR-Spec vocabulary
-        token_map = None if token_map == "full" else token_map
+        token_map = resolve_token_map(token_map, None if cfg.draft_model_path else DEMO_DRAFT)  # the demo draft's FR-Spec map
         path = resolve_model_path(ref, cfg.draft_model_revision)
         target = ctx.runner.model
         self.head = place_on_target(ctx, load_eagle(Path(path), ctx.runner.hf_config, target_dtype(ctx), draft_load_format(ctx)))

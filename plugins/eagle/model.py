@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specfw.sdk import ConfigError, DraftDecoderLayer
+from specfw.sdk import ConfigError, DraftDecoderLayer, load_token_map  # noqa: F401 (load_token_map: re-exported)
 
 
 class EagleHead(nn.Module):
@@ -47,11 +47,3 @@ def load_eagle(path: Path, target_cfg, dtype: torch.dtype, load_format: str = "a
         raise ConfigError("speculative.draft_model_path", f"EAGLE checkpoint {path} lacks tensors: {missing[:6]}")
     head.unexpected = unexpected
     return head.to(dtype).eval().requires_grad_(False)
-
-
-def load_token_map(path: str, vocab_size: int) -> torch.Tensor:
-    ids = torch.load(path, map_location="cpu", weights_only=True)
-    ids = torch.as_tensor(ids, dtype=torch.long).flatten()
-    if ids.numel() == 0 or int(ids.min()) < 0 or int(ids.max()) >= vocab_size:
-        raise ConfigError("speculative.token_map", f"{path}: token ids must be in [0, {vocab_size})")
-    return torch.unique(ids)

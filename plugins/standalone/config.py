@@ -11,6 +11,7 @@ from specfw.sdk import ConfigError, DraftTrainConfig, SpecAlgoConfig, TreeShape
 class StandaloneConfig(SpecAlgoConfig):
     draft_kv_tokens: Optional[int] = None   # draft KV pool size in tokens; null = same as the target's pool
     sample_draft: bool = True               # topk=1 + sampled requests: sample drafts and verify by rejection sampling
+    token_map: Optional[str] = None         # FR-Spec: .pt file of target token ids the draft's lm_head is restricted to; null = the committed demo draft's map (8,192 ids) with that draft, else the full vocabulary; full = the full vocabulary
 
     def auto_shape(self, target_arch: str) -> TreeShape:
         """SGLang's STANDALONE auto default: (num_steps, topk, num_draft_tokens) = (3, 1, 4)."""

@@ -26,6 +26,8 @@ from specfw.sdk import (
     draft_load_format,
     hookimpl,
     load_model,
+    load_token_map,
+    resolve_token_map,
     target_device,
     target_dtype,
 )
@@ -58,6 +60,14 @@ def default_draft(ctx) -> str:
     )
 
 
+def restricted_lm_head(lm_head: torch.nn.Linear, ids: torch.Tensor) -> torch.nn.Linear:
+    """An lm_head scoring only target ids ``ids`` (its rows, in that order)."""
+    w = lm_head.weight
+    out = torch.nn.Linear(w.shape[1], len(ids), bias=False, dtype=w.dtype, device=w.device)
+    out.weight = torch.nn.Parameter(w.detach().index_select(0, ids.to(w.device)), requires_grad=False)
+    return out
+
+
 class _DraftState:
     def __init__(self):
         self.slots = SlotTable()  # draft KV of seq_ids[:len(slots)]
@@ -84,12 +94,22 @@ class StandaloneDrafter:
         check_same_tokenizer(ctx.tokenizer, loaded.tokenizer, ref)
         if loaded.hf_config.vocab_size != ctx.runner.vocab_size:
             raise ConfigError("speculative.draft_model_path", f"draft vocab_size {loaded.hf_config.vocab_size} != target vocab_size {ctx.runner.vocab_size}")
+        self.to_target = None  # draft lm_head row -> target id (FR-Spec token map), None = the whole vocabulary
+        token_map = resolve_token_map(cfg.token_map, None if cfg.draft_model_path else DEMO_DRAFT)
+        if token_map:
+            self.to_target = load_token_map(token_map, ctx.runner.vocab_size)
+            loaded.model.lm_head = restricted_lm_head(loaded.model.lm_head, self.to_target)
         slots = draft_kv_slots(ctx, cfg)
         self.draft = ModelRunner(loaded.model, loaded.hf_config, slots, target_dtype(ctx), backend=ctx.runner.backend.for_drafting())
         self.shape = ctx.shape
         self.sample_draft = cfg.sample_draft and not ctx.force_greedy
         self.states: dict[str, _DraftState] = {}
-        logger.info("standalone draft: %s (%d layers)", loaded.path, loaded.model.num_layers)
+        logger.info(
+            "standalone draft: %s (%d layers)%s",
+            loaded.path,
+            loaded.model.num_layers,
+            f", FR-Spec token map of {len(self.to_target)} ids" if self.to_target is not None else "",
+        )
 
     # ---- hooks ----------------------------------------------------------------------------
     @hookimpl
@@ -161,6 +181,8 @@ class StandaloneDrafter:
             self.draft.allocator,
             step,
             self._sampled,
+            to_target=self.to_target,
             score_floor=plan.score_floor,
             keep=plan.size - 1,
+            vocab_size=self.ctx.runner.vocab_size,
         )

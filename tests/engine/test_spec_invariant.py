@@ -358,3 +358,59 @@ def test_the_demo_eagle_draft_drafts_over_its_committed_token_map(demo_engine):
         assert vocab is None or drafter.lm_head.out_features == vocab
         assert [o.token_ids for o in eng.generate(prompts, params)] == ref
         assert eng.stats.accepted_draft_tokens > 0
+
+
+def test_standalone_over_a_token_map_is_lossless_greedy_and_sampled(tiny_model_dir, tiny_draft_dir, tiny_spec_prompts, tmp_path):
+    """FR-Spec for the standalone draft: its lm_head scores the map's ids only; greedy output is
+    plain greedy output, and sampled chains (topk 1) verify by rejection sampling against the
+    draft's distribution spread over the whole vocabulary (zero off the map)."""
+    from specfw.engine import Engine
+    from specfw_plugins.standalone.config import StandaloneConfig
+
+    greedy = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
+    plain = Engine(make_cfg(model_path=str(tiny_model_dir), model_dtype="float32", max_total_tokens=4096))
+    ref = [o.token_ids for o in plain.generate(tiny_spec_prompts, greedy)]
+    ids = sorted(set(range(64)) | {t for seq in ref for t in seq[::2]})  # half of what the target writes, and more
+    torch.save(torch.tensor(ids), tmp_path / "map.pt")
+
+    def engine(**kw):
+        spec = StandaloneConfig(algorithm="standalone", draft_model_path=str(tiny_draft_dir), token_map=str(tmp_path / "map.pt"), adaptive_draft=False, **kw)
+        spec.validate()
+        return Engine(make_cfg(model_path=str(tiny_model_dir), model_dtype="float32", max_total_tokens=4096, max_running_requests=4, speculative=spec))
+
+    eng = engine(num_steps=3, topk=2, num_draft_tokens=6)
+    assert eng.worker.runtime.draft.model.lm_head.out_features == len(ids)
+    assert [o.token_ids for o in eng.generate(tiny_spec_prompts, greedy)] == ref
+    assert eng.stats.accepted_draft_tokens > 0
+    chain = engine(num_steps=3, topk=1, num_draft_tokens=4)
+    seen = []
+    verify = chain.worker.hook.specfw_verify
+
+    def spy(**kw):
+        seen.append(kw["tree"].draft_probs)
+        return verify(**kw)
+
+    chain.worker.hook.specfw_verify = spy
+    outs = chain.generate(tiny_spec_prompts[:2], SamplingParams(max_new_tokens=16, temperature=0.8, seed=3, ignore_eos=True))
+    assert all(len(o.token_ids) == 16 for o in outs)
+    probs = [p for p in seen if p is not None]
+    assert probs and all(p.shape[-1] == plain.runner.vocab_size for p in probs)
+    off_map = torch.ones(plain.runner.vocab_size, dtype=torch.bool)
+    off_map[torch.tensor(ids)] = False
+    assert all(float(p[:, off_map].abs().sum()) == 0.0 for p in probs)
+
+
+@pytest.mark.model
+def test_the_demo_standalone_draft_drafts_over_its_committed_token_map(demo_engine):
+    from specfw.datasets import mtbench_first_turns
+    from specfw.engine import Engine
+    from specfw_plugins.standalone.config import StandaloneConfig
+
+    params = SamplingParams(max_new_tokens=24, temperature=0)
+    prompts = [demo_engine.tokenize_chat([{"role": "user", "content": q}]) for q in mtbench_first_turns(2)]
+    ref = [o.token_ids for o in demo_engine.generate(prompts, params)]
+    eng = Engine(make_cfg(max_total_tokens=4096, max_running_requests=2, speculative=StandaloneConfig(algorithm="standalone", adaptive_draft=False)))
+    drafter = eng.worker.runtime
+    assert len(drafter.to_target) == 8192 and drafter.draft.model.lm_head.out_features == 8192
+    assert [o.token_ids for o in eng.generate(prompts, params)] == ref
+    assert eng.stats.accepted_draft_tokens > 0
