@@ -46,7 +46,7 @@ from .request import Request
 from .speculative.beam import beam_search
 from .speculative.config import SpecAlgoConfig, TreeShape
 from .speculative.feature_drafter import FeatureDrafter
-from .speculative.token_map import load_token_map, resolve_token_map
+from .speculative.token_map import load_token_map, resolve_token_map, restricted_lm_head
 from .speculative.types import DraftCandidates, DraftTree, SpecContext, StepPlan
 from .step import StepResult, VerifyResult
 from .train.common import ModuleTrainer, load_matching, unroll, unrolled_layer_step
@@ -72,6 +72,7 @@ __all__ = [
     "beam_search",
     "load_token_map",
     "resolve_token_map",
+    "restricted_lm_head",
     "DraftDecoderLayer",
     "RMSNorm",
     "Rotary",

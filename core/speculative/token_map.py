@@ -32,3 +32,11 @@ def resolve_token_map(configured: str | None, demo_draft_dir: Path | None) -> st
     if configured is None and demo_draft_dir is not None and (Path(demo_draft_dir) / "token_map.pt").exists():
         return str(Path(demo_draft_dir) / "token_map.pt")
     return None if configured == FULL else configured
+
+
+def restricted_lm_head(weight: torch.Tensor, ids: torch.Tensor) -> torch.nn.Linear:
+    """An lm_head (no bias) scoring only target ids ``ids``: ``weight``'s rows, in that order."""
+    w = weight.detach()
+    out = torch.nn.Linear(w.shape[1], len(ids), bias=False, dtype=w.dtype, device=w.device)
+    out.weight = torch.nn.Parameter(w.index_select(0, ids.to(w.device)), requires_grad=False)
+    return out

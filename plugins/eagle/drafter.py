@@ -18,6 +18,7 @@ from specfw.sdk import (
     place_on_target,
     resolve_model_path,
     resolve_token_map,
+    restricted_lm_head,
     target_device,
     target_dtype,
 )
@@ -46,10 +47,7 @@ class EagleDrafter(FeatureDrafter):
         self.lm_head = target.lm_head  # shared with the target
         if token_map:  # FR-Spec: score only the frequent tokens
             self.to_target = load_token_map(token_map, ctx.runner.vocab_size)
-            weight = target.lm_head.weight
-            self.lm_head = torch.nn.Linear(self.head.config.hidden_size, len(self.to_target), bias=False, dtype=target_dtype(ctx), device=weight.device)
-            self.lm_head.weight = torch.nn.Parameter(weight.index_select(0, self.to_target.to(weight.device)), requires_grad=False)
-            self.lm_head = place_on_target(ctx, self.lm_head)
+            self.lm_head = place_on_target(ctx, restricted_lm_head(target.lm_head.weight, self.to_target))
         super().__init__(ctx, self.head.layers[0], draft_kv_slots(ctx, cfg))
         logger.info("eagle draft %s%s", path, f", FR-Spec token map of {len(self.to_target)} ids" if token_map else "")
 

@@ -14,9 +14,12 @@ class MtpConfig(SpecAlgoConfig):
     mtp_layer: int = 0                     # which NextN layer drafts (each step reuses it, as SGLang does); with multi_layer, the first of the layers
     multi_layer: bool = False              # SGLang's --enable-multi-layer-eagle: NextN layer mtp_layer+i drafts chain step i (each with its own KV), for checkpoints with several NextN layers; topk=1 only, num_steps <= the layers
     draft_kv_tokens: Optional[int] = None  # draft KV pool size in tokens; null = same as the target's pool
+    token_map: Optional[str] = None        # FR-Spec: .pt file of target token ids the NextN lm_head is restricted to; null = the committed demo layer's map (8,192 ids) with that layer, else the full vocabulary; full = the full vocabulary; not with multi_layer
 
     def validate(self) -> None:
         super().validate()
+        if self.multi_layer and self.token_map not in (None, "full"):
+            raise ConfigError("speculative.token_map", "speculative.multi_layer drafts over the full vocabulary: token_map must be null or full")
         if self.mtp_layer < 0:
             raise ConfigError("speculative.mtp_layer", f"must be >= 0, got {self.mtp_layer}")
         if self.multi_layer and self.topk not in (None, 1):

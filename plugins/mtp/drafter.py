@@ -20,8 +20,11 @@ from specfw.sdk import (
     Rotary,
     draft_kv_slots,
     draft_load_format,
+    load_token_map,
     place_on_target,
     resolve_model_path,
+    resolve_token_map,
+    restricted_lm_head,
     target_device,
     target_dtype,
 )
@@ -51,8 +54,22 @@ class MtpDrafter(FeatureDrafter):
         self.head = place_on_target(ctx, load_mtp(path, ctx.runner.hf_config, target_dtype(ctx), cfg.mtp_layer, self.load_format))
         self.target = target
         self.rotary = Rotary(self.head.config, ctx.runner.max_context, target_dtype(ctx)).to(target_device(ctx))
+        # FR-Spec: the committed demo layer scores its map's ids (the lm_head is most of a draft step)
+        self.map_head = None
+        demo = not cfg.draft_model_path and demo_draft_for(ctx, DEMO_DRAFT) is not None
+        token_map = None if cfg.multi_layer else resolve_token_map(cfg.token_map, DEMO_DRAFT if demo else None)
+        if token_map:
+            self.to_target = load_token_map(token_map, ctx.runner.vocab_size)
+            full = self.head.head if self.head.head is not None else target.lm_head
+            self.map_head = place_on_target(ctx, restricted_lm_head(full.weight, self.to_target))
         super().__init__(ctx, self.head.layer, draft_kv_slots(ctx, cfg))
-        logger.info("mtp: NextN layer %d of %s (%s layout)", cfg.mtp_layer, path, self.head.layout)
+        logger.info(
+            "mtp: NextN layer %d of %s (%s layout)%s",
+            cfg.mtp_layer,
+            path,
+            self.head.layout,
+            f", FR-Spec token map of {len(self.to_target)} ids" if self.to_target is not None else "",
+        )
 
     @torch.inference_mode()
     def target_features(self, hidden, aux, rows):
@@ -68,5 +85,8 @@ class MtpDrafter(FeatureDrafter):
         x = head.fuse(self.target.embed_tokens(tokens), features)
         out = head.layer(head.input_layernorm(x), x, fb, kv, self.rotary)
         sel = out if fb.logits_indices is None else out.index_select(0, fb.logits_indices)
-        lm_head = head.head if head.head is not None else self.target.lm_head
+        if head is self.head and self.map_head is not None:
+            lm_head = self.map_head
+        else:
+            lm_head = head.head if head.head is not None else self.target.lm_head
         return lm_head(head.final_norm(sel)).float(), out

@@ -28,6 +28,7 @@ from specfw.sdk import (
     load_model,
     load_token_map,
     resolve_token_map,
+    restricted_lm_head,
     target_device,
     target_dtype,
 )
@@ -60,14 +61,6 @@ def default_draft(ctx) -> str:
     )
 
 
-def restricted_lm_head(lm_head: torch.nn.Linear, ids: torch.Tensor) -> torch.nn.Linear:
-    """An lm_head scoring only target ids ``ids`` (its rows, in that order)."""
-    w = lm_head.weight
-    out = torch.nn.Linear(w.shape[1], len(ids), bias=False, dtype=w.dtype, device=w.device)
-    out.weight = torch.nn.Parameter(w.detach().index_select(0, ids.to(w.device)), requires_grad=False)
-    return out
-
-
 class _DraftState:
     def __init__(self):
         self.slots = SlotTable()  # draft KV of seq_ids[:len(slots)]
@@ -98,7 +91,7 @@ class StandaloneDrafter:
         token_map = resolve_token_map(cfg.token_map, None if cfg.draft_model_path else DEMO_DRAFT)
         if token_map:
             self.to_target = load_token_map(token_map, ctx.runner.vocab_size)
-            loaded.model.lm_head = restricted_lm_head(loaded.model.lm_head, self.to_target)
+            loaded.model.lm_head = restricted_lm_head(loaded.model.lm_head.weight, self.to_target)
         slots = draft_kv_slots(ctx, cfg)
         self.draft = ModelRunner(loaded.model, loaded.hf_config, slots, target_dtype(ctx), backend=ctx.runner.backend.for_drafting())
         self.shape = ctx.shape

@@ -414,3 +414,27 @@ def test_the_demo_standalone_draft_drafts_over_its_committed_token_map(demo_engi
     assert len(drafter.to_target) == 8192 and drafter.draft.model.lm_head.out_features == 8192
     assert [o.token_ids for o in eng.generate(prompts, params)] == ref
     assert eng.stats.accepted_draft_tokens > 0
+
+
+@pytest.mark.model
+def test_the_demo_mtp_layer_drafts_over_its_committed_token_map(demo_engine):
+    from specfw.datasets import mtbench_first_turns
+    from specfw.engine import Engine
+    from specfw_plugins.mtp.config import MtpConfig
+
+    params = SamplingParams(max_new_tokens=24, temperature=0)
+    prompts = [demo_engine.tokenize_chat([{"role": "user", "content": q}]) for q in mtbench_first_turns(2)]
+    ref = [o.token_ids for o in demo_engine.generate(prompts, params)]
+    eng = Engine(make_cfg(max_total_tokens=4096, max_running_requests=2, speculative=MtpConfig(algorithm="mtp", adaptive_draft=False)))
+    drafter = eng.worker.runtime
+    assert len(drafter.to_target) == 8192 and drafter.map_head.out_features == 8192
+    assert [o.token_ids for o in eng.generate(prompts, params)] == ref
+    assert eng.stats.accepted_draft_tokens > 0
+
+
+def test_mtp_multi_layer_refuses_a_token_map():
+    from specfw_plugins.mtp.config import MtpConfig
+
+    with pytest.raises(ConfigError, match="speculative.token_map"):
+        MtpConfig(algorithm="mtp", multi_layer=True, topk=1, token_map="freq.pt").validate()
+    MtpConfig(algorithm="mtp", multi_layer=True, topk=1, token_map="full").validate()
