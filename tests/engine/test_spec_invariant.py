@@ -400,34 +400,27 @@ def test_standalone_over_a_token_map_is_lossless_greedy_and_sampled(tiny_model_d
     assert all(float(p[:, off_map].abs().sum()) == 0.0 for p in probs)
 
 
+def _standalone_head(drafter):
+    return drafter.draft.model.lm_head
+
+
+def _mtp_head(drafter):
+    return drafter.map_head
+
+
 @pytest.mark.model
-def test_the_demo_standalone_draft_drafts_over_its_committed_token_map(demo_engine):
+@pytest.mark.parametrize("algo, head", [("standalone", _standalone_head), ("mtp", _mtp_head)])
+def test_the_demo_standalone_and_mtp_drafts_score_their_committed_token_map(demo_engine, algo, head):
     from specfw.datasets import mtbench_first_turns
     from specfw.engine import Engine
-    from specfw_plugins.standalone.config import StandaloneConfig
 
     params = SamplingParams(max_new_tokens=24, temperature=0)
     prompts = [demo_engine.tokenize_chat([{"role": "user", "content": q}]) for q in mtbench_first_turns(2)]
     ref = [o.token_ids for o in demo_engine.generate(prompts, params)]
-    eng = Engine(make_cfg(max_total_tokens=4096, max_running_requests=2, speculative=StandaloneConfig(algorithm="standalone", adaptive_draft=False)))
+    spec = plugin_manager().algorithms[algo].config_class(algorithm=algo, adaptive_draft=False)
+    eng = Engine(make_cfg(max_total_tokens=4096, max_running_requests=2, speculative=spec))
     drafter = eng.worker.runtime
-    assert len(drafter.to_target) == 8192 and drafter.draft.model.lm_head.out_features == 8192
-    assert [o.token_ids for o in eng.generate(prompts, params)] == ref
-    assert eng.stats.accepted_draft_tokens > 0
-
-
-@pytest.mark.model
-def test_the_demo_mtp_layer_drafts_over_its_committed_token_map(demo_engine):
-    from specfw.datasets import mtbench_first_turns
-    from specfw.engine import Engine
-    from specfw_plugins.mtp.config import MtpConfig
-
-    params = SamplingParams(max_new_tokens=24, temperature=0)
-    prompts = [demo_engine.tokenize_chat([{"role": "user", "content": q}]) for q in mtbench_first_turns(2)]
-    ref = [o.token_ids for o in demo_engine.generate(prompts, params)]
-    eng = Engine(make_cfg(max_total_tokens=4096, max_running_requests=2, speculative=MtpConfig(algorithm="mtp", adaptive_draft=False)))
-    drafter = eng.worker.runtime
-    assert len(drafter.to_target) == 8192 and drafter.map_head.out_features == 8192
+    assert len(drafter.to_target) == 8192 and head(drafter).out_features == 8192
     assert [o.token_ids for o in eng.generate(prompts, params)] == ref
     assert eng.stats.accepted_draft_tokens > 0
 
