@@ -121,7 +121,8 @@ def beam_search(
     row_of = [dict() for _ in reqs]  # candidate index → position in drafted[i]
     try:
         for depth in range(1, num_steps):
-            beams = [[b for b in bs if b[1] >= max(score_floor, _kth_best(c.scores, keep))] for bs, c in zip(beams, cands)]
+            floors = [max(score_floor, _kth_best(c.scores, keep)) for c in cands]  # once per request and depth
+            beams = [[b for b in bs if b[1] >= floor] for bs, floor in zip(beams, floors)]
             live = [i for i, bs in enumerate(beams) if bs]
             if not live:
                 break

@@ -32,13 +32,13 @@ DEMO_DRAFT = Path(__file__).parent / "demo_draft"
 class EagleDrafter(FeatureDrafter):
     def __init__(self, ctx):
         cfg = ctx.config
-        ref, token_map = cfg.draft_model_path, cfg.token_map
+        ref = cfg.draft_model_path
         if not ref:
             demo = demo_draft_for(ctx, DEMO_DRAFT)
             if demo is None:
                 raise ConfigError("speculative.draft_model_path", "eagle needs a draft checkpoint (EAGLE layout) for this target")
             ref = str(demo)
-        token_map = resolve_token_map(token_map, None if cfg.draft_model_path else DEMO_DRAFT)  # the demo draft's FR-Spec map
+        token_map = resolve_token_map(cfg.token_map, None if cfg.draft_model_path else DEMO_DRAFT)  # the demo draft's FR-Spec map
         path = resolve_model_path(ref, cfg.draft_model_revision)
         target = ctx.runner.model
         self.head = place_on_target(ctx, load_eagle(Path(path), ctx.runner.hf_config, target_dtype(ctx), draft_load_format(ctx)))

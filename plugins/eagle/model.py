@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from specfw.sdk import ConfigError, DraftDecoderLayer, load_token_map  # noqa: F401 (load_token_map: re-exported)
+from specfw.sdk import ConfigError, DraftDecoderLayer
 
 
 class EagleHead(nn.Module):

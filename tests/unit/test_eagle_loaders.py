@@ -8,7 +8,8 @@ from safetensors.torch import save_file
 from transformers import LlamaConfig
 
 from specfw.config import ConfigError
-from specfw_plugins.eagle.model import load_eagle, load_token_map
+from specfw.sdk import load_token_map
+from specfw_plugins.eagle.model import load_eagle
 from specfw_plugins.eagle3.model import aux_layer_ids, load_eagle3
 
 H, I, NH, NKV, V, DV = 64, 128, 4, 2, 1000, 100
