@@ -16,6 +16,7 @@ import argparse
 import gc
 import json
 import time
+import traceback
 from pathlib import Path
 
 import torch
@@ -29,10 +30,11 @@ ALGOS = {
 
 
 def settings(backends: list[str], device: str) -> list[tuple[str, str, bool]]:
-    """(label, attention backend, graphs): each backend eager, triton also with CUDA graphs."""
+    """(label, attention backend, graphs): triton with CUDA graphs first (the issue's target row),
+    then each backend eager."""
     out = [(b, b, False) for b in backends]
     if "triton" in backends and device.startswith("cuda"):
-        out.append(("triton + CUDA graphs", "triton", True))
+        out.insert(0, ("triton + CUDA graphs", "triton", True))
     return out
 
 
@@ -65,6 +67,7 @@ def main():
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--out", default="bench_results/gpu")
+    ap.add_argument("--deadline-s", type=float, default=0, help="start no configuration after this many seconds (0: none); the table says what was left out")
     ap.add_argument(
         "--load-format",
         default="auto",
@@ -83,7 +86,7 @@ def main():
         model = str(tiny_model())
     bss = [int(b) for b in a.batch_sizes.split(",")]
     algos = {k: ALGOS[k] for k in a.algos.split(",")}
-    questions = datasets.mtbench_first_turns(a.prompts)
+    questions = datasets.mtbench_first_turns(a.prompts + max(bss))  # the last max(bss) warm the engines up
     params = SamplingParams(max_new_tokens=a.new_tokens, temperature=0, ignore_eos=True)
     gpu = torch.cuda.get_device_name() if a.device.startswith("cuda") else f"no GPU ({a.device})"
     weights = "" if a.load_format == "auto" else f", {a.load_format} weights"
@@ -92,20 +95,33 @@ def main():
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     rows, records = [], []
+    t_start = time.perf_counter()
     for label, attention, graphs in settings(a.backends.split(","), a.device):
         plain = {}
         for name, algo in algos.items():
-            try:
-                eng = build(model, a.dtype, a.device, attention, graphs, algo, max(bss), a.load_format)
-            except Exception as e:  # a backend this machine lacks: say so, go on
-                print(f"{label} {name}: not run ({type(e).__name__}: {e})", flush=True)
-                rows.append((label, name, "-", "-", "-", "-", "-", f"not run: {e}"))
+            if a.deadline_s and time.perf_counter() - t_start > a.deadline_s:
+                print(f"{label} {name}: not run (past --deadline-s {a.deadline_s:.0f})", flush=True)
+                rows.append((label, name, "-", "-", "-", "-", "-", "not run: past the deadline"))
                 continue
-            prompts = [eng.tokenize_chat([{"role": "user", "content": q}]) for q in questions]
-            run_engine(eng, prompts[:1], SamplingParams(max_new_tokens=8, temperature=0), 1, "warm-up")  # kernels compiled, graphs captured
-            for bs in bss:
-                run_engine(eng, prompts[:bs], SamplingParams(max_new_tokens=16, temperature=0), bs, "warm-up")  # this concurrency's graphs
-                res = run_engine(eng, prompts, params, bs, f"{label} {name} bs={bs}")
+            for bs in bss:  # a fresh engine per concurrency: no n-gram cache or draft-budget statistics carried over
+                try:
+                    eng = build(model, a.dtype, a.device, attention, graphs, algo, bs, a.load_format)
+                except Exception as e:  # a backend this machine lacks: say so, go on
+                    print(f"{label} {name}: not run ({type(e).__name__}: {e})", flush=True)
+                    rows.append((label, name, bs, "-", "-", "-", "-", f"not run: {e}"))
+                    continue
+                chat = [eng.tokenize_chat([{"role": "user", "content": q}]) for q in questions]
+                prompts, warm = chat[: a.prompts], chat[a.prompts :]
+                try:
+                    # kernels compiled, this concurrency's graphs captured, on other prompts than the timed ones
+                    run_engine(eng, warm[:bs], SamplingParams(max_new_tokens=16, temperature=0), bs, "warm-up")
+                    res = run_engine(eng, prompts, params, bs, f"{label} {name} bs={bs}")
+                except Exception as e:  # a failing setting must not cost the rest of the table
+                    traceback.print_exc()
+                    rows.append((label, name, bs, "-", "-", "-", "-", f"failed: {type(e).__name__}: {e}"))
+                    _write(out, header, rows, records)
+                    _close(eng)
+                    continue
                 if algo is None:
                     plain[bs] = res
                 base = plain.get(bs)
@@ -120,11 +136,20 @@ def main():
                     )
                 )
                 print(" | ".join(str(x) for x in rows[-1]), flush=True)
-            eng.close()
-            del eng
-            gc.collect()
-            if torch.cuda.is_available():
-                torch.cuda.empty_cache()
+                _write(out, header, rows, records)
+                _close(eng)
+    print(_write(out, header, rows, records))
+
+
+def _close(eng) -> None:
+    eng.close()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _write(out: Path, header: str, rows: list, records: list) -> str:
+    """results.md / results.jsonl as they stand (rewritten after every row: a run cut short keeps its rows)."""
     table = [
         f"{header} ({time.strftime('%Y-%m-%d')})",
         "",
@@ -134,7 +159,7 @@ def main():
     table += ["| " + " | ".join(str(x) for x in r) + " |" for r in rows]
     (out / "results.md").write_text("\n".join(table) + "\n")
     (out / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    print("\n".join(table))
+    return "\n".join(table)
 
 
 if __name__ == "__main__":

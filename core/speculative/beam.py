@@ -64,8 +64,9 @@ def _expand(
         rows = [row for _, _, row in beams]
         block = logits if rows == list(range(logits.shape[0])) else logits[rows]
         v, ix = torch.topk(torch.log_softmax(block.float(), -1), k)
-        for (parent, score, row), vs, ids in zip(beams, v.tolist(), ix.tolist()):
-            children.extend((score + a, parent, b, None, row) for a, b in zip(vs, ids))
+        vs, ids = torch.stack([v, ix.float()]).tolist()  # one read back (ids < 2^24 are exact in float32)
+        for (parent, score, row), va, ia in zip(beams, vs, ids):
+            children.extend((score + a, parent, int(b), None, row) for a, b in zip(va, ia))
     children.sort(key=lambda c: -c[0])
     toks = [c[2] for c in children]
     if to_target is not None and toks:

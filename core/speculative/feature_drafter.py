@@ -140,19 +140,26 @@ class FeatureDrafter:
             chunks.append((tokens, torch.arange(d, d + m), slots, st.slots.slots(), None))
             st.slots.append(slots)
             feats.append(f)
-        fb = build_forward_batch(chunks, last_only=True).to(self.device)
-        logits, hidden = self.head_forward(fb.input_ids, self.project_features(torch.cat(feats)), fb, from_target=True)
+        fb = build_forward_batch(chunks, last_only=True)  # on the host: a graph copies it in at once
+        features = self.project_features(torch.cat(feats))
+        if self.graphs is not None:  # a step's few accepted pairs fit a graph; a prompt's do not
+            out = self.graphs.run(fb, features)
+            if out is not None:
+                return out[0], out[1], fb
+        fb = fb.to(self.device)
+        logits, hidden = self.head_forward(fb.input_ids, features, fb, from_target=True)
         return logits, hidden, fb
 
     def _draft(self, reqs, plan):
         logits, last_hidden = self._extend(reqs)
 
         def step(step_chunks, parent_hidden):
-            sfb = build_forward_batch(step_chunks).to(self.device)
+            sfb = build_forward_batch(step_chunks)  # on the host: a graph copies it in at once
             if self.graphs is not None:
                 out = self.graphs.run(sfb, parent_hidden)
                 if out is not None:
                     return out
+            sfb = sfb.to(self.device)
             return self.head_forward(sfb.input_ids, parent_hidden, sfb, from_target=False)
 
         return beam_search(

@@ -63,7 +63,10 @@ def test_greedy_walk_matches_the_reference_and_the_host_walk():
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (scripts/gpu_check.sh runs it on a GPU)")
-def test_verify_greedy_walks_on_the_device_on_cuda():
+def test_verify_greedy_walks_on_the_device_on_cuda(monkeypatch):
+    from specfw.speculative import verify
+
+    monkeypatch.setattr(verify, "DEVICE_WALK_MIN_NODES", 2)  # every tree on the device (by default only large ones)
     for tree, bst in _trees(torch.Generator().manual_seed(1)):
         logits = torch.full((len(tree), 16), -1.0)
         logits[torch.arange(len(tree)), bst] = 1.0

@@ -1,0 +1,222 @@
+"""Where a decode step's time goes, per phase, plain decoding beside speculative algorithms, at one
+request in flight (issue 23 on a GPU, issue 17 on a CPU).
+
+    python benchmarks/bench_step_phases.py --device cuda --attention triton --graphs 1 --algos plain,eagle3,ngram
+    python benchmarks/bench_step_phases.py --device cpu --algos plain,eagle3          # the CPU kernels
+
+Every phase is timed by wrapping the function that does it (the engine's step, the worker's
+decode, the hooks the speculative worker calls, the target forward and, inside it, the host-side
+preparation of a graphed forward). With ``--sync`` (default on CUDA) each phase boundary waits for
+the device, so a phase owns the device work it launched: the phases then add up to what a step
+costs, and the step itself is slower than unsynchronised by the few microseconds per boundary.
+Prints milliseconds per decode step for each phase, tokens per step and ms per token; names the
+device (and the CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from collections import defaultdict
+
+import torch
+
+# (phase, its parent): what is wrapped where is set up in Phases.install
+GRAPH_PREP = "host prep of graphed forwards (layouts and inputs copied in; target and head, within the phases above)"
+PHASES = [
+    ("engine step", None),
+    ("worker decode", "engine step"),
+    ("draft (hook)", "worker decode"),
+    ("extend pass", "draft (hook)"),
+    ("beam search", "draft (hook)"),
+    ("build tree (hook)", "worker decode"),
+    ("target forward", "worker decode"),
+    ("verify (hook)", "worker decode"),
+    ("on_accept (hook)", "worker decode"),
+    ("observe (hook)", "worker decode"),
+]
+
+
+class Phases:
+    """Wall time per phase; only decode steps count (prefill steps are kept apart)."""
+
+    def __init__(self, sync: bool):
+        self.sync = sync
+        self.seconds: dict[str, float] = defaultdict(float)
+        self.calls: dict[str, int] = defaultdict(int)
+        self.decoding = False
+
+    def _wait(self):
+        if self.sync:
+            torch.cuda.synchronize()
+
+    def wrap(self, name: str, fn, only_decode: bool = True):
+        def timed(*args, **kwargs):
+            if only_decode and not self.decoding:
+                return fn(*args, **kwargs)
+            self._wait()
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self._wait()
+                self.seconds[name] += time.perf_counter() - t0
+                self.calls[name] += 1
+
+        return timed
+
+    def install(self, engine) -> None:
+        from specfw import graphs
+        from specfw.speculative import feature_drafter
+
+        worker = engine.worker
+        run = worker.run
+
+        def worker_run(batch):
+            self.decoding = not batch.is_prefill
+            try:
+                return (self.wrap("worker decode", run) if self.decoding else run)(batch)
+            finally:
+                self.decoding = False
+
+        step = engine.step
+
+        def engine_step(*a, **k):
+            self._wait()
+            t0 = time.perf_counter()
+            before = self.calls["worker decode"]
+            out = step(*a, **k)
+            self._wait()
+            if self.calls["worker decode"] > before:  # a decode step (prefill steps are not counted)
+                self.seconds["engine step"] += time.perf_counter() - t0
+                self.calls["engine step"] += 1
+            return out
+
+        worker.run, engine.step = worker_run, engine_step
+        engine.runner.forward = self.wrap("target forward", engine.runner.forward)
+        # the host side of every graphed forward (the target's and the draft head's beam steps)
+        graphs.RowLayout.build = self.wrap(GRAPH_PREP, graphs.RowLayout.build)
+        graphs._load_inputs = self.wrap(GRAPH_PREP, graphs._load_inputs)
+        graphs.StaticRowLayout.load = self.wrap(GRAPH_PREP, graphs.StaticRowLayout.load)
+        hook = getattr(worker, "hook", None)
+        if hook is not None:
+            worker.hook = _HookProxy(
+                hook,
+                {
+                    "specfw_draft": self.wrap("draft (hook)", hook.specfw_draft),
+                    "specfw_build_tree": self.wrap("build tree (hook)", hook.specfw_build_tree),
+                    "specfw_verify": self.wrap("verify (hook)", hook.specfw_verify),
+                    "specfw_on_accept": self.wrap("on_accept (hook)", hook.specfw_on_accept),
+                    "specfw_observe_step": self.wrap("observe (hook)", hook.specfw_observe_step),
+                },
+            )
+            feature_drafter.FeatureDrafter._extend = self.wrap("extend pass", feature_drafter.FeatureDrafter._extend)
+            feature_drafter.beam_search = self.wrap("beam search", feature_drafter.beam_search)
+
+    def table(self) -> list[tuple[str, float, float]]:
+        """(phase, ms per decode step, share of the step) for every phase seen, children indented."""
+        steps = max(self.calls["engine step"], 1)
+        total = self.seconds["engine step"] or 1e-12
+        rows = []
+        depth = {}
+        for name, parent in PHASES:
+            depth[name] = 0 if parent is None else depth[parent] + 1
+            if self.calls.get(name):
+                rows.append(("  " * depth[name] + name, 1e3 * self.seconds[name] / steps, self.seconds[name] / total))
+        for parent in ("engine step", "worker decode", "draft (hook)", "target forward"):
+            if not self.calls.get(parent):
+                continue
+            if not any(p == parent and self.calls.get(n) for n, p in PHASES):
+                continue
+            kids = sum(self.seconds[n] for n, p in PHASES if p == parent and self.calls.get(n))
+            rest = self.seconds[parent] - kids
+            i = next(i for i, r in enumerate(rows) if r[0].strip() == parent)
+            end = i + 1
+            while end < len(rows) and rows[end][0].startswith("  " * (depth[parent] + 1)):
+                end += 1
+            rows.insert(end, ("  " * (depth[parent] + 1) + f"(rest of {parent})", 1e3 * rest / steps, rest / total))
+        if self.calls.get(GRAPH_PREP):
+            rows.append((GRAPH_PREP, 1e3 * self.seconds[GRAPH_PREP] / steps, self.seconds[GRAPH_PREP] / total))
+        return rows
+
+
+class _HookProxy:
+    def __init__(self, hook, wrapped: dict):
+        self._hook, self._wrapped = hook, wrapped
+
+    def __getattr__(self, name):
+        return self._wrapped.get(name) or getattr(self._hook, name)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on a CPU")
+    ap.add_argument("--model", default="demo", help="demo, tiny (a random 2-layer model: smoke runs), or a model directory")
+    ap.add_argument("--load-format", default="auto")
+    ap.add_argument("--attention", default="auto", help="model.attention_backend")
+    ap.add_argument("--graphs", type=int, default=1, help="engine.cuda_graph_max_bs (0: no CUDA graphs)")
+    ap.add_argument("--algos", default="plain,eagle3,ngram", help="plain or algorithms (auto shape); name:steps:topk:tokens for a shape")
+    ap.add_argument("--adaptive", default="auto", help="speculative.adaptive_draft")
+    ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--sync", type=int, default=None, help="wait for the device at phase boundaries (default: on CUDA)")
+    a = ap.parse_args()
+
+    from specfw import datasets
+    from specfw.bench.drive import run_engine
+    from specfw.config import EngineConfig, ModelConfig, SpecfwConfig, SpeculativeConfig
+    from specfw.engine import Engine
+    from specfw.machine import cpu_description
+    from specfw.plugins import plugin_manager
+    from specfw.sampling import SamplingParams
+
+    if a.model == "tiny":
+        from specfw.testing import tiny_model
+
+        a.model = str(tiny_model())
+    dtype = a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float32")
+    sync = bool(a.sync if a.sync is not None else a.device.startswith("cuda"))
+    where = torch.cuda.get_device_name() if a.device.startswith("cuda") else "no GPU"
+    print(f"{where}; CPU: {cpu_description()}; torch {torch.__version__}; model {a.model} ({dtype}, {a.load_format} weights); "
+          f"attention {a.attention}; cuda_graph_max_bs {a.graphs}; sync at phase boundaries: {sync}; "
+          f"MT-bench 1-{a.prompts} x {a.new_tokens} tokens, greedy, one request in flight", flush=True)  # fmt: skip
+    questions = datasets.mtbench_first_turns(a.prompts + 1)
+    params = SamplingParams(max_new_tokens=a.new_tokens, temperature=0, ignore_eos=True)
+    results = {}
+    for spec_name in a.algos.split(","):
+        name, *shape = spec_name.split(":")
+        spec = SpeculativeConfig()
+        if name != "plain":
+            kw = dict(algorithm=name, adaptive_draft=a.adaptive)
+            if shape:
+                kw.update(num_steps=int(shape[0]), topk=int(shape[1]), num_draft_tokens=int(shape[2]))
+            spec = plugin_manager().algorithms[name].config_class(**kw)
+        engine = EngineConfig(max_running_requests=1, cuda_graph_max_bs=a.graphs, max_total_tokens=16384)
+        model = ModelConfig(path=None if a.model == "demo" else a.model, dtype=dtype, device=a.device, attention_backend=a.attention, load_format=a.load_format)
+        with Engine(SpecfwConfig(model=model, engine=engine, speculative=spec)) as eng:
+            chat = [eng.tokenize_chat([{"role": "user", "content": q}]) for q in questions]
+            run_engine(eng, chat[-1:], SamplingParams(max_new_tokens=24, temperature=0), 1, "warm-up")
+            phases = Phases(sync)
+            phases.install(eng)
+            t0 = time.perf_counter()
+            res = run_engine(eng, chat[:-1], params, 1, spec_name)
+            wall = time.perf_counter() - t0
+        steps = phases.calls["engine step"]
+        tokens = sum(len(o) for o in res.outputs)
+        results[spec_name] = res.outputs
+        same = ""
+        if name != "plain" and "plain" in results:
+            same = f"; == plain: {sum(x == y for x, y in zip(res.outputs, results['plain']))}/{len(res.outputs)}"
+        per_step, per_token = tokens / max(steps, 1), 1e3 * phases.seconds["engine step"] / max(tokens, 1)
+        print(
+            f"\n## {spec_name}: {steps} decode steps, {per_step:.2f} tokens per step (prefill's token included), "
+            f"{per_token:.3f} ms per token in decode steps, {tokens / wall:.1f} tok/s end to end{same}"
+        )
+        print("| phase | ms per decode step | share |\n|---|---|---|")
+        for label, ms, share in phases.table():
+            print(f"| {label} | {ms:.3f} | {100 * share:.1f}% |")
+
+
+if __name__ == "__main__":
+    main()

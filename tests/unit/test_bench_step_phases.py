@@ -1,0 +1,41 @@
+"""benchmarks/bench_step_phases.py: the phases a decode step is split into, on a tiny model."""
+
+import sys
+from pathlib import Path
+
+from conftest import make_cfg
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from bench_step_phases import Phases  # noqa: E402
+
+
+def test_phases_split_decode_steps_and_leave_output_unchanged(tiny_model_dir, monkeypatch):
+    from specfw import graphs
+    from specfw.engine import Engine
+    from specfw.plugins import plugin_manager
+    from specfw.sampling import SamplingParams
+    from specfw.speculative import feature_drafter
+
+    # install() patches module attributes for the run it measures; undo them after the test
+    monkeypatch.setattr(feature_drafter.FeatureDrafter, "_extend", feature_drafter.FeatureDrafter._extend)
+    monkeypatch.setattr(feature_drafter, "beam_search", feature_drafter.beam_search)
+    monkeypatch.setattr(graphs, "_load_inputs", graphs._load_inputs)
+    monkeypatch.setattr(graphs.RowLayout, "build", graphs.RowLayout.build)
+    monkeypatch.setattr(graphs.StaticRowLayout, "load", graphs.StaticRowLayout.load)
+    params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+    prompt = [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]
+    spec = plugin_manager().algorithms["ngram"].config_class(algorithm="ngram", adaptive_draft="false")
+    with Engine(make_cfg(model_path=str(tiny_model_dir), max_total_tokens=1024, speculative=spec)) as eng:
+        ref = eng.generate([prompt], params)[0].token_ids
+        phases = Phases(sync=False)
+        phases.install(eng)
+        assert eng.generate([prompt], params)[0].token_ids == ref
+    steps = phases.calls["engine step"]
+    assert 0 < steps < 12 and phases.calls["worker decode"] == steps  # prefill steps are not counted
+    assert phases.calls["draft (hook)"] == steps and phases.calls["target forward"] == steps
+    rows = {label.strip(): ms for label, ms, _ in phases.table()}
+    kids = ("draft (hook)", "build tree (hook)", "target forward", "verify (hook)", "on_accept (hook)", "observe (hook)", "(rest of worker decode)")
+    assert abs(sum(rows[k] for k in kids) - rows["worker decode"]) < 1e-6  # the children and the rest add up to the parent
+    assert rows["worker decode"] <= rows["engine step"] and all(rows[k] >= 0 for k in kids[:-1])
