@@ -1,6 +1,8 @@
 """Named engine configurations side by side in one process: every round runs the same prompts
-through each engine in turn (engines stay warm, their adaptive policies keep learning), so a
-machine whose speed drifts 10-30% within minutes drifts for all of them alike. Prints tok/s per
+through each engine in turn (engines stay warm, their adaptive policies keep learning; what
+drafters learned from the tokens of earlier rounds is flushed before each round: the n-gram trie
+would otherwise know the answers), so a machine whose speed drifts 10-30% within minutes drifts
+for all of them alike. Prints tok/s per
 round, each configuration's median and its ratio to the first (``plain``), and checks every
 greedy output equals the plain engine's.
 
@@ -76,6 +78,7 @@ def main():
         for _ in range(args.rounds):
             reference = None
             for name, eng in engines.items():
+                eng.flush_cache()  # the n-gram trie must not remember the last round's outputs of these prompts
                 ids = [eng.tokenize_chat([{"role": "user", "content": t}]) if args.dataset == "mtbench" else eng.tokenizer.encode(t) for t in texts]
                 t0 = time.perf_counter()
                 outs = eng.generate(ids, params)

@@ -158,6 +158,7 @@ def main():
     ap.add_argument("--graphs", type=int, default=1, help="engine.cuda_graph_max_bs (0: no CUDA graphs)")
     ap.add_argument("--algos", default="plain,eagle3,ngram", help="plain or algorithms (auto shape); name:steps:topk:tokens for a shape")
     ap.add_argument("--adaptive", default="auto", help="speculative.adaptive_draft")
+    ap.add_argument("--dataset", default="mtbench", choices=["mtbench", "humaneval"], help="MT-bench first turns (chat) or HumanEval prompts (raw code)")
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--sync", type=int, default=None, help="wait for the device at phase boundaries (default: on CUDA)")
@@ -180,8 +181,8 @@ def main():
     where = torch.cuda.get_device_name() if a.device.startswith("cuda") else "no GPU"
     print(f"{where}; CPU: {cpu_description()}; torch {torch.__version__}; model {a.model} ({dtype}, {a.load_format} weights); "
           f"attention {a.attention}; cuda_graph_max_bs {a.graphs}; sync at phase boundaries: {sync}; "
-          f"MT-bench 1-{a.prompts} x {a.new_tokens} tokens, greedy, one request in flight", flush=True)  # fmt: skip
-    questions = datasets.mtbench_first_turns(a.prompts + 1)
+          f"{a.dataset} 1-{a.prompts} x {a.new_tokens} tokens, greedy, one request in flight", flush=True)  # fmt: skip
+    texts = datasets.mtbench_first_turns(a.prompts + 1) if a.dataset == "mtbench" else datasets.humaneval_prompts(a.prompts + 1)
     params = SamplingParams(max_new_tokens=a.new_tokens, temperature=0, ignore_eos=True)
     results = {}
     for spec_name in a.algos.split(","):
@@ -195,7 +196,7 @@ def main():
         engine = EngineConfig(max_running_requests=1, cuda_graph_max_bs=a.graphs, max_total_tokens=16384)
         model = ModelConfig(path=None if a.model == "demo" else a.model, dtype=dtype, device=a.device, attention_backend=a.attention, load_format=a.load_format)
         with Engine(SpecfwConfig(model=model, engine=engine, speculative=spec)) as eng:
-            chat = [eng.tokenize_chat([{"role": "user", "content": q}]) for q in questions]
+            chat = [eng.tokenize_chat([{"role": "user", "content": q}]) if a.dataset == "mtbench" else eng.tokenizer(q)["input_ids"] for q in texts]
             run_engine(eng, chat[-1:], SamplingParams(max_new_tokens=24, temperature=0), 1, "warm-up")
             phases = Phases(sync)
             phases.install(eng)

@@ -204,6 +204,17 @@ class Engine:
     def has_work(self) -> bool:
         return self.scheduler.has_work or (self.overlap is not None and self.overlap.has_work)
 
+    def flush_cache(self) -> bool:
+        """Forget what drafting learned from earlier requests' tokens (``specfw_flush_cache``:
+        the n-gram trie), as SGLang's ``/flush_cache``; only with no request in flight. Returns
+        whether it flushed."""
+        if self.has_work:
+            return False
+        flush = getattr(self.worker, "flush_cache", None)
+        if flush is not None:
+            flush()
+        return True
+
     # ---- the step -----------------------------------------------------------------------
     def step(self, deliver=None) -> list[RequestOutput]:
         """One step; returns its outputs. ``deliver(outputs)``, if given, may be called from another

@@ -201,6 +201,14 @@ def specfw_release(ctx: "SpecContext", req: "Request") -> None:
     """A request finished or was aborted/retracted: drop its drafter state (and draft KV)."""
 
 
+@hookspec
+def specfw_flush_cache(ctx: "SpecContext") -> None:
+    """Forget what was learned from earlier requests' tokens (the n-gram trie: SGLang's
+    ``/flush_cache``), so that later requests are drafted as on a fresh engine. Called between
+    steps with no request in flight (``Engine.flush_cache``). Statistics that are not token
+    content (the draft policy's timings, acceptance calibrations) stay."""
+
+
 # ---- observers --------------------------------------------------------------------------
 @hookspec
 def specfw_observe_step(ctx: "SpecContext", reqs: "list[Request]", results: "list[VerifyResult]") -> None:

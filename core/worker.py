@@ -60,3 +60,6 @@ class PlainWorker:
 
     def release(self, req: Request) -> None:
         """Drop any per-request worker state (none for plain decoding)."""
+
+    def flush_cache(self) -> None:
+        """Drop state learned from earlier requests (none for plain decoding)."""

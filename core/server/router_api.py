@@ -7,8 +7,9 @@ workers, with SGLang's names and shapes.
 * ``GET /model_info``: as ``/get_model_info``;
 * ``GET /get_load``, ``GET /v1/loads``: one entry per data-parallel rank (here one), SGLang's fields,
   for load-aware policies;
-* ``POST /flush_cache``: the router broadcasts it; specfw keeps no prefix cache, so there is
-  nothing to drop and it answers 200;
+* ``POST /flush_cache``: the router broadcasts it; specfw keeps no prefix cache, but drafters
+  that learn from every request's tokens (the n-gram trie) forget them (``Engine.flush_cache``);
+  200 when flushed, 400 while requests are in flight (as SGLang: nothing is flushed then);
 * ``GET /health_generate``: healthy when the engine thread runs (as ``/health``).
 """
 
@@ -88,8 +89,10 @@ async def v1_loads(raw: Request):
 
 @router.post("/flush_cache")
 async def flush_cache(raw: Request):
-    get_state(raw)
-    return PlainTextResponse("Cache flushed (specfw keeps no prefix cache).\n")
+    state = get_state(raw)
+    if not await state.bridge.run(lambda engine: engine.flush_cache()):
+        raise APIError(400, "Cache not flushed: requests are in flight. Retry when the server is idle.", None, "cache_not_flushed")
+    return PlainTextResponse("Cache flushed.\n")
 
 
 @router.get("/flush_cache")

@@ -39,6 +39,14 @@ class _Cands:
         )
 
 
+def _top_rows(logits: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
+    """Each row's ``k`` best log-probabilities and their ids, read back in one copy (one device
+    sync for every row of every request: ids < 2^24 are exact in float32)."""
+    v, ix = torch.topk(torch.log_softmax(logits.float(), -1), k)
+    vs, ids = torch.stack([v, ix.float()]).tolist()
+    return vs, [[int(i) for i in row] for row in ids]
+
+
 def _expand(
     req,
     logits: torch.Tensor,
@@ -48,25 +56,29 @@ def _expand(
     sampled: bool,
     to_target: torch.Tensor | None,
     vocab_size: int | None = None,
+    top: tuple[list[list[float]], list[list[int]]] | None = None,
 ) -> list[tuple[int, float, int]]:
     """beams: (candidate index, score, row in ``logits``). Returns the best ``k`` children as
     next beams: (candidate index, score, row of ``logits`` that produced them). A sampled draft
     over a token map keeps its distribution over the whole vocabulary (``vocab_size``; zero off
-    the map) for rejection sampling."""
+    the map) for rejection sampling. ``top``: ``_top_rows`` of ``logits`` already read back
+    (greedy drafts of a whole batch at once)."""
     children = []
-    if sampled:
+    if top is not None:
+        for parent, score, row in beams:
+            children.extend((score + a, parent, b, None, row) for a, b in zip(top[0][row], top[1][row]))
+    elif sampled:
         for parent, score, row in beams:  # on the host, where the request's generator is
             probs = target_probs(logits[row : row + 1].cpu(), req.params)[0]
             tok = int(torch.multinomial(probs, 1, generator=req.generator))
             full = probs if to_target is None else (probs.new_zeros(vocab_size).index_copy_(0, to_target, probs) if vocab_size else None)
             children.append((score + float(torch.log(probs[tok] + 1e-20)), parent, tok, full, row))
-    else:  # every beam's top k in one call, read back once (one device sync per request and depth)
+    else:  # every beam's top k in one call, read back once
         rows = [row for _, _, row in beams]
         block = logits if rows == list(range(logits.shape[0])) else logits[rows]
-        v, ix = torch.topk(torch.log_softmax(block.float(), -1), k)
-        vs, ids = torch.stack([v, ix.float()]).tolist()  # one read back (ids < 2^24 are exact in float32)
+        vs, ids = _top_rows(block, k)
         for (parent, score, row), va, ia in zip(beams, vs, ids):
-            children.extend((score + a, parent, int(b), None, row) for a, b in zip(va, ia))
+            children.extend((score + a, parent, b, None, row) for a, b in zip(va, ia))
     children.sort(key=lambda c: -c[0])
     toks = [c[2] for c in children]
     if to_target is not None and toks:
@@ -115,7 +127,15 @@ def beam_search(
     candidate so far is not expanded either: its children score no higher than it, so none of
     them could be among the kept (the cut is the same; the head forwards are fewer)."""
     cands = [_Cands() for _ in reqs]
-    beams = [_expand(r, first_logits[i : i + 1], [(-1, 0.0, 0)], topk, cands[i], sampled(r), to_target, vocab_size) for i, r in enumerate(reqs)]
+    greedy = not any(sampled(r) for r in reqs)  # then every request's top k comes back in one copy per depth
+
+    def rows_of(top, start: int, n: int):
+        return None if top is None else (top[0][start : start + n], top[1][start : start + n])
+
+    top = _top_rows(first_logits, topk) if greedy else None
+    beams = [
+        _expand(r, first_logits[i : i + 1], [(-1, 0.0, 0)], topk, cands[i], sampled(r), to_target, vocab_size, rows_of(top, i, 1)) for i, r in enumerate(reqs)
+    ]
     hidden = first_hidden
     row_base = list(range(len(reqs)))  # request i's first row in ``hidden`` (the last step's output)
     drafted = [[] for _ in reqs]  # per request: draft slots of forwarded beam nodes, in order
@@ -147,11 +167,20 @@ def beam_search(
                 parent_rows.extend(row_base[i] + row for _, _, row in bs)
             parent_hidden = hidden[torch.tensor(parent_rows).to(hidden.device)] if hidden is not None else None
             logits, hidden = step(chunks, parent_hidden)
+            top = _top_rows(logits, topk) if greedy else None
             off = 0
             for i in live:
                 r, n = reqs[i], len(beams[i])
                 beams[i] = _expand(
-                    r, logits[off : off + n], [(c, s, j) for j, (c, s, _) in enumerate(beams[i])], topk, cands[i], sampled(r), to_target, vocab_size
+                    r,
+                    logits[off : off + n],
+                    [(c, s, j) for j, (c, s, _) in enumerate(beams[i])],
+                    topk,
+                    cands[i],
+                    sampled(r),
+                    to_target,
+                    vocab_size,
+                    rows_of(top, off, n),
                 )
                 row_base[i] = off
                 off += n

@@ -222,3 +222,6 @@ class SpeculativeWorker:
 
     def release(self, req: Request) -> None:
         self.hook.specfw_release(ctx=self.ctx, req=req)
+
+    def flush_cache(self) -> None:
+        self.hook.specfw_flush_cache(ctx=self.ctx)

@@ -97,3 +97,7 @@ class NgramAssist:
     def specfw_release(self, ctx, req):
         self.cache.release(req)
         self.proposed.pop(req.rid, None)
+
+    @hookimpl
+    def specfw_flush_cache(self, ctx):
+        self.cache.clear()  # the depth calibration stays: acceptance rates, not tokens

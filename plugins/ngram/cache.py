@@ -28,3 +28,8 @@ class NgramCache:
 
     def release(self, req) -> None:
         self.open.pop(req.rid, None)
+
+    def clear(self) -> None:
+        """Forget every token seen (``specfw_flush_cache``): an empty trie, no open paths."""
+        self.trie = NgramTrie(self.cfg.branch_length, self.cfg.capacity)
+        self.open.clear()

@@ -44,3 +44,7 @@ class NgramDrafter:
     @hookimpl
     def specfw_release(self, ctx, req):
         self.cache.release(req)
+
+    @hookimpl
+    def specfw_flush_cache(self, ctx):
+        self.cache.clear()

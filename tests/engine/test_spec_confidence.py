@@ -96,11 +96,11 @@ def test_observe_labels_the_accepted_path_and_feeds_the_cost_fit():
 
 
 class _Req:
-    def __init__(self):
+    def __init__(self, seq_len: int = 5):
         from specfw.sampling import SamplingParams
 
         self.params = SamplingParams(temperature=0)
-        self.seq_len = 5
+        self.seq_len = seq_len
 
 
 def _beam(score_floor):
@@ -164,6 +164,34 @@ def test_beam_search_skips_beams_that_cannot_reach_the_kept_candidates():
         assert sum(cut_calls) <= sum(full_calls)
         saved += sum(full_calls) - sum(cut_calls)
     assert saved > 0
+
+
+def test_beam_search_over_a_batch_equals_each_request_alone():
+    """Greedy drafts read every request's top k back in one copy per depth: the candidates of
+    each request are those of a search over that request alone (its own logits, its own keep)."""
+    from specfw.kv_cache import SlotAllocator
+    from specfw.speculative.beam import beam_search
+
+    vocab = 16
+
+    def node_logits(token, position):  # positions differ per request (their seq_len), so do the logits
+        return torch.randn(vocab, generator=torch.Generator().manual_seed(position * 100 + token)) * 3
+
+    def step(chunks, parent_hidden):
+        return torch.stack([node_logits(int(t), int(p)) for c in chunks for t, p in zip(c[0], c[1])]), None
+
+    def search(reqs):
+        first = torch.stack([node_logits(99, r.seq_len) for r in reqs])
+        kw = dict(topk=4, num_steps=5, committed_slots=lambda r: torch.arange(0), allocator=SlotAllocator(256), step=step, keep=7)
+        return beam_search(reqs, first, None, **kw)
+
+    reqs = [_Req(5), _Req(40), _Req(90)]
+    batch = search(reqs)
+    for r, got in zip(reqs, batch):
+        alone = search([r])[0]
+        assert got.tokens.tolist() == alone.tokens.tolist() and got.parents.tolist() == alone.parents.tolist()
+        assert torch.equal(got.scores, alone.scores)
+    assert len({tuple(c.tokens.tolist()) for c in batch}) == 3
 
 
 @pytest.mark.model

@@ -342,6 +342,21 @@ def test_disconnect_mid_stream_aborts_and_frees_kv(server, client, http):
     assert _chat(client, QUESTIONS[0]).choices[0].message.content == server.refs[QUESTIONS[0]].text
 
 
+def test_flush_cache_is_refused_while_a_request_is_in_flight(server, http):
+    """POST /flush_cache (SGLang's): 400 with an OpenAI-style error while a stream runs, 200 once idle."""
+    s = _raw_post(server.port, "/v1/chat/completions", {"messages": _msgs(QUESTIONS[0]), "stream": True, **LONG})
+    buf = b""
+    while buf.count(b"data: ") < 3:
+        chunk = s.recv(4096)
+        assert chunk, "server closed the stream early"
+        buf += chunk
+    r = http.post("/flush_cache")
+    assert r.status_code == 400 and r.json()["error"]["code"] == "cache_not_flushed"
+    s.close()
+    assert engine_idle(server, 15)
+    assert http.post("/flush_cache").status_code == 200
+
+
 def test_disconnect_before_non_stream_response_aborts(server, client):
     s = _raw_post(server.port, "/v1/completions", {"prompt": "Tell me a long story.", **LONG})
     assert wait_until(lambda: server.state.bridge.snapshot.running == 1, 20)

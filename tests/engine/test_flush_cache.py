@@ -1,0 +1,40 @@
+"""``Engine.flush_cache`` (``specfw_flush_cache``, SGLang's ``/flush_cache``): the n-gram trie
+forgets earlier requests' tokens, so a request drafts as on a fresh engine; refused while
+requests are in flight."""
+
+from conftest import make_cfg
+from specfw.engine import Engine
+from specfw.plugins import plugin_manager
+from specfw.sampling import SamplingParams
+
+PARAMS = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
+PROMPT = [11, 42, 7, 300, 5, 99, 1234, 8, 77, 5000, 13, 21]
+
+
+def _accepted(eng: Engine, spec_cfg) -> tuple[int, int, list[int]]:
+    """(verify forwards, accepted draft tokens, output) of one run of PROMPT."""
+    v, a = eng.stats.verify_forwards, eng.stats.accepted_draft_tokens
+    out = eng.generate([PROMPT], PARAMS)[0].token_ids
+    return eng.stats.verify_forwards - v, eng.stats.accepted_draft_tokens - a, out
+
+
+def test_flush_cache_makes_ngram_draft_as_on_a_fresh_engine(tiny_model_dir):
+    spec = plugin_manager().algorithms["ngram"].config_class(algorithm="ngram", adaptive_draft="false")
+    with Engine(make_cfg(model_path=str(tiny_model_dir), max_total_tokens=1024, speculative=spec)) as eng:
+        first = _accepted(eng, spec)
+        again = _accepted(eng, spec)  # the trie holds the first run's output: the whole answer matches
+        assert eng.flush_cache()
+        assert len(eng.worker.runtime.cache.trie) == 0
+        flushed = _accepted(eng, spec)
+    assert again[2] == first[2] == flushed[2]
+    assert again[1] > first[1] and again[0] < first[0]
+    assert flushed[:2] == first[:2]  # as on the fresh engine: same steps, same accepted tokens
+
+
+def test_flush_cache_is_refused_while_requests_are_in_flight(tiny_model_dir):
+    with Engine(make_cfg(model_path=str(tiny_model_dir), max_total_tokens=1024)) as eng:
+        eng.add_request(eng.make_request(PROMPT, PARAMS))
+        assert not eng.flush_cache()  # plain decoding too: nothing flushed mid-flight
+        while eng.has_work:
+            eng.step()
+        assert eng.flush_cache()
