@@ -1,5 +1,5 @@
 """Where a decode step's time goes, per phase, plain decoding beside speculative algorithms, at one
-request in flight (issue 23 on a GPU, issue 17 on a CPU).
+request in flight or ``--batch`` (issue 23 on a GPU, issue 17 on a CPU).
 
     python benchmarks/bench_step_phases.py --device cuda --attention triton --graphs 1 --algos plain,eagle3,ngram
     python benchmarks/bench_step_phases.py --device cpu --algos plain,eagle3          # the CPU kernels
@@ -160,6 +160,7 @@ def main():
     ap.add_argument("--adaptive", default="auto", help="speculative.adaptive_draft")
     ap.add_argument("--dataset", default="mtbench", choices=["mtbench", "humaneval"], help="MT-bench first turns (chat) or HumanEval prompts (raw code)")
     ap.add_argument("--prompts", type=int, default=8)
+    ap.add_argument("--batch", type=int, default=1, help="requests in flight")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--sync", type=int, default=None, help="wait for the device at phase boundaries (default: on CUDA)")
     a = ap.parse_args()
@@ -181,8 +182,8 @@ def main():
     where = torch.cuda.get_device_name() if a.device.startswith("cuda") else "no GPU"
     print(f"{where}; CPU: {cpu_description()}; torch {torch.__version__}; model {a.model} ({dtype}, {a.load_format} weights); "
           f"attention {a.attention}; cuda_graph_max_bs {a.graphs}; sync at phase boundaries: {sync}; "
-          f"{a.dataset} 1-{a.prompts} x {a.new_tokens} tokens, greedy, one request in flight", flush=True)  # fmt: skip
-    texts = datasets.mtbench_first_turns(a.prompts + 1) if a.dataset == "mtbench" else datasets.humaneval_prompts(a.prompts + 1)
+          f"{a.dataset} 1-{a.prompts} x {a.new_tokens} tokens, greedy, {a.batch} in flight", flush=True)  # fmt: skip
+    texts = (datasets.mtbench_first_turns if a.dataset == "mtbench" else datasets.humaneval_prompts)(a.prompts + a.batch)  # the last batch warm up
     params = SamplingParams(max_new_tokens=a.new_tokens, temperature=0, ignore_eos=True)
     results = {}
     for spec_name in a.algos.split(","):
@@ -193,15 +194,15 @@ def main():
             if shape:
                 kw.update(num_steps=int(shape[0]), topk=int(shape[1]), num_draft_tokens=int(shape[2]))
             spec = plugin_manager().algorithms[name].config_class(**kw)
-        engine = EngineConfig(max_running_requests=1, cuda_graph_max_bs=a.graphs, max_total_tokens=16384)
+        engine = EngineConfig(max_running_requests=a.batch, cuda_graph_max_bs=a.graphs and max(a.graphs, a.batch), max_total_tokens=32768)
         model = ModelConfig(path=None if a.model == "demo" else a.model, dtype=dtype, device=a.device, attention_backend=a.attention, load_format=a.load_format)
         with Engine(SpecfwConfig(model=model, engine=engine, speculative=spec)) as eng:
             chat = [eng.tokenize_chat([{"role": "user", "content": q}]) if a.dataset == "mtbench" else eng.tokenizer(q)["input_ids"] for q in texts]
-            run_engine(eng, chat[-1:], SamplingParams(max_new_tokens=24, temperature=0), 1, "warm-up")
+            run_engine(eng, chat[a.prompts :], SamplingParams(max_new_tokens=24, temperature=0), a.batch, "warm-up")
             phases = Phases(sync)
             phases.install(eng)
             t0 = time.perf_counter()
-            res = run_engine(eng, chat[:-1], params, 1, spec_name)
+            res = run_engine(eng, chat[: a.prompts], params, a.batch, spec_name)
             wall = time.perf_counter() - t0
         steps = phases.calls["engine step"]
         tokens = sum(len(o) for o in res.outputs)
