@@ -325,14 +325,21 @@ def _raw_post(port, path, body):
 LONG = {"max_tokens": 3000, "temperature": 0, "ignore_eos": True}
 
 
-def test_disconnect_mid_stream_aborts_and_frees_kv(server, client, http):
-    before = _metric(http.get("/metrics").text, "specfw_requests_total", endpoint="/v1/chat/completions", finish_reason="abort") or 0
+def _long_stream(server, events: int):
+    """A raw socket streaming a long chat completion, read until ``events`` SSE events arrived:
+    (the socket, the bytes read so far)."""
     s = _raw_post(server.port, "/v1/chat/completions", {"messages": _msgs(QUESTIONS[0]), "stream": True, **LONG})
     buf = b""
-    while buf.count(b"data: ") < 5:
+    while buf.count(b"data: ") < events:
         chunk = s.recv(4096)
         assert chunk, "server closed the stream early"
         buf += chunk
+    return s, buf
+
+
+def test_disconnect_mid_stream_aborts_and_frees_kv(server, client, http):
+    before = _metric(http.get("/metrics").text, "specfw_requests_total", endpoint="/v1/chat/completions", finish_reason="abort") or 0
+    s, buf = _long_stream(server, 5)
     assert b" 200 OK" in buf.split(b"\r\n", 1)[0]
     assert server.engine.runner.allocator.num_used > 0
     s.close()
@@ -344,12 +351,7 @@ def test_disconnect_mid_stream_aborts_and_frees_kv(server, client, http):
 
 def test_flush_cache_is_refused_while_a_request_is_in_flight(server, http):
     """POST /flush_cache (SGLang's): 400 with an OpenAI-style error while a stream runs, 200 once idle."""
-    s = _raw_post(server.port, "/v1/chat/completions", {"messages": _msgs(QUESTIONS[0]), "stream": True, **LONG})
-    buf = b""
-    while buf.count(b"data: ") < 3:
-        chunk = s.recv(4096)
-        assert chunk, "server closed the stream early"
-        buf += chunk
+    s, _ = _long_stream(server, 3)
     r = http.post("/flush_cache")
     assert r.status_code == 400 and r.json()["error"]["code"] == "cache_not_flushed"
     s.close()
