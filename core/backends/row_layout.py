@@ -75,12 +75,29 @@ class RowLayout:
         return cls(*(torch.from_numpy(a) for a in parts))
 
     def to(self, device: torch.device) -> "RowLayout":
-        """On ``device`` in one host-to-device copy (the seven arrays are views of one buffer there)."""
+        """On ``device`` in one host-to-device copy: the seven arrays are views of one buffer there,
+        each starting 64-byte aligned (Triton specialises a kernel on its pointers' alignment:
+        unaligned views would compile variants as offsets vary)."""
         parts = (self.row_q, self.seg_start, self.seg_len, self.ext_start, self.ext_len, self.slots, self.ext_slots)
         if torch.device(device).type == "cpu":
             return RowLayout(*(t.cpu() for t in parts))
-        flat = torch.from_numpy(np.concatenate([t.cpu().numpy() for t in parts])).to(device, non_blocking=True)
-        return RowLayout(*flat.split([t.numel() for t in parts]))
+        flat, starts = pack_aligned(parts)
+        return RowLayout(*unpack(flat.to(device, non_blocking=True), starts, parts))
+
+
+def pack_aligned(parts) -> tuple[torch.Tensor, list[int]]:
+    """``parts`` (1-D int32 host tensors) in one host tensor, each from a start that is a multiple
+    of 16 elements: (the tensor, the starts)."""
+    starts = np.cumsum([0] + [-(-t.numel() // 16) * 16 for t in parts]).tolist()
+    host = np.zeros(starts[-1], np.int32)
+    for a, t in zip(starts, parts):
+        host[a : a + t.numel()] = t.cpu().numpy()
+    return torch.from_numpy(host), starts
+
+
+def unpack(flat: torch.Tensor, starts: list[int], parts) -> list[torch.Tensor]:
+    """The views of ``flat`` that ``pack_aligned`` put ``parts`` at."""
+    return [flat[a : a + t.numel()] for a, t in zip(starts, parts)]
 
     def keys(self, r: int) -> torch.Tensor:
         """Row ``r``'s key slots in cache order (host; tests and the reference)."""

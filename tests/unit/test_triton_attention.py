@@ -111,3 +111,18 @@ def test_rows_no_layout_row_names_are_left_alone():
     assert (out[0] == 7).all() and (out[2] == 7).all() and not (out[1] == 7).all()
     empty = RowLayout.build([])
     assert empty.rows == 0 and row_attention(q, k, v, out, 0.125, empty) is out
+
+
+def test_row_layout_packs_into_one_aligned_buffer_for_the_device():
+    """What ``RowLayout.to`` copies to a GPU in one go: every array at a 64-byte aligned start of
+    one int32 buffer, each view equal to the host array (a decode row beside a tree's rows)."""
+    from specfw.backends.row_layout import pack_aligned, unpack
+
+    tree = torch.tril(torch.ones(4, 4, dtype=torch.bool))
+    lay = RowLayout.build([SeqSpan(0, 1, torch.arange(300)), SeqSpan(1, 4, torch.arange(300, 404), tree)])
+    parts = (lay.row_q, lay.seg_start, lay.seg_len, lay.ext_start, lay.ext_len, lay.slots, lay.ext_slots)
+    flat, starts = pack_aligned(parts)
+    views = unpack(flat, starts, parts)
+    assert all(torch.equal(v, t) for v, t in zip(views, parts)) and flat.dtype == torch.int32
+    assert all(v.storage_offset() % 16 == 0 for v in views) and len({v.storage_offset() for v in views}) == len(views)
+    assert lay.ext_len.tolist() == [0, 1, 2, 3, 4] and lay.seg_len.tolist() == [300, 100, 100, 100, 100]
