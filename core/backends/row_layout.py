@@ -84,6 +84,12 @@ class RowLayout:
         flat, starts = pack_aligned(parts)
         return RowLayout(*unpack(flat.to(device, non_blocking=True), starts, parts))
 
+    def keys(self, r: int) -> torch.Tensor:
+        """Row ``r``'s key slots in cache order (host; tests and the reference)."""
+        a, n = int(self.seg_start[r]), int(self.seg_len[r])
+        e, m = int(self.ext_start[r]), int(self.ext_len[r])
+        return torch.cat([self.slots[a : a + n], self.ext_slots[e : e + m]]).long()
+
 
 def pack_aligned(parts) -> tuple[torch.Tensor, list[int]]:
     """``parts`` (1-D int32 host tensors) in one host tensor, each from a start that is a multiple
@@ -98,12 +104,6 @@ def pack_aligned(parts) -> tuple[torch.Tensor, list[int]]:
 def unpack(flat: torch.Tensor, starts: list[int], parts) -> list[torch.Tensor]:
     """The views of ``flat`` that ``pack_aligned`` put ``parts`` at."""
     return [flat[a : a + t.numel()] for a, t in zip(starts, parts)]
-
-    def keys(self, r: int) -> torch.Tensor:
-        """Row ``r``'s key slots in cache order (host; tests and the reference)."""
-        a, n = int(self.seg_start[r]), int(self.seg_len[r])
-        e, m = int(self.ext_start[r]), int(self.ext_len[r])
-        return torch.cat([self.slots[a : a + n], self.ext_slots[e : e + m]]).long()
 
 
 def reference_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float, layout: RowLayout) -> torch.Tensor:
