@@ -38,3 +38,20 @@ def test_flush_cache_is_refused_while_requests_are_in_flight(tiny_model_dir):
         while eng.has_work:
             eng.step()
         assert eng.flush_cache()
+
+
+def test_flush_cache_empties_the_ngram_draft_assist_and_keeps_its_calibration(tiny_model_dir, tiny_eagle_drafts):
+    spec = (
+        plugin_manager()
+        .algorithms["eagle3"]
+        .config_class(algorithm="eagle3", draft_model_path=str(tiny_eagle_drafts["eagle3"]), aux_layers=[0, 1, 1], draft_assist="ngram")
+    )
+    with Engine(make_cfg(model_path=str(tiny_model_dir), max_total_tokens=1024, speculative=spec)) as eng:
+        ref = eng.generate([PROMPT], PARAMS)[0].token_ids
+        assist = eng.worker.assist
+        assert len(assist.cache.trie) > 0
+        calibration = [{k: list(v) for k, v in c.__dict__.items()} for c in assist.calibration]
+        assert eng.flush_cache()
+        assert len(assist.cache.trie) == 0 and not assist.cache.open
+        assert [c.__dict__ for c in assist.calibration] == calibration  # acceptance rates, not tokens: kept
+        assert eng.generate([PROMPT], PARAMS)[0].token_ids == ref
