@@ -27,7 +27,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from .backends.row_layout import RowLayout
+from .backends.row_layout import RowLayout, aligned
 from .forward_batch import ForwardBatch, ForwardOutput
 
 logger = logging.getLogger(__name__)
@@ -39,11 +39,6 @@ def buckets(max_rows: int) -> list[int]:
     return sorted(set(out))
 
 
-def _aligned(n: int) -> int:
-    """``n`` rounded up to 16 elements: every view of a packed buffer starts 64-byte aligned."""
-    return -(-n // 16) * 16
-
-
 class StaticRowLayout:
     """``RowLayout``'s tensors as fixed device buffers of ``rows`` rows; the last entry of
     ``slots`` is the pool's scratch slot, which padding rows attend to. The seven arrays are views
@@ -52,7 +47,7 @@ class StaticRowLayout:
 
     def __init__(self, rows: int, slot_capacity: int, ext_capacity: int, scratch_slot: int, device: torch.device):
         self.rows, self.slot_capacity, self.ext_capacity = rows, slot_capacity, max(ext_capacity, 1)
-        R, E = _aligned(rows), _aligned(self.ext_capacity)
+        R, E = aligned(rows), aligned(self.ext_capacity)
         self.offsets = [0, R, 2 * R, 3 * R, 4 * R, 5 * R, 5 * R + E]  # row_q, seg_start, seg_len, ext_start, ext_len, ext_slots, slots
         self.buffer = torch.zeros(5 * R + E + slot_capacity + 1, dtype=torch.int32, device=device)
         views = [self.buffer[o : o + n] for o, n in zip(self.offsets, [rows] * 5 + [self.ext_capacity, slot_capacity + 1])]

@@ -91,10 +91,16 @@ class RowLayout:
         return torch.cat([self.slots[a : a + n], self.ext_slots[e : e + m]]).long()
 
 
+def aligned(n: int) -> int:
+    """``n`` rounded up to 16 elements: a view of an int32 buffer at such an offset starts 64-byte
+    aligned (what Triton's pointer specialisation looks at)."""
+    return -(-n // 16) * 16
+
+
 def pack_aligned(parts) -> tuple[torch.Tensor, list[int]]:
-    """``parts`` (1-D int32 host tensors) in one host tensor, each from a start that is a multiple
-    of 16 elements: (the tensor, the starts)."""
-    starts = np.cumsum([0] + [-(-t.numel() // 16) * 16 for t in parts]).tolist()
+    """``parts`` (1-D int32 host tensors) in one host tensor, each from an ``aligned`` start:
+    (the tensor, the starts)."""
+    starts = np.cumsum([0] + [aligned(t.numel()) for t in parts]).tolist()
     host = np.zeros(starts[-1], np.int32)
     for a, t in zip(starts, parts):
         host[a : a + t.numel()] = t.cpu().numpy()

@@ -55,30 +55,24 @@ def _expand(
     cands: _Cands,
     sampled: bool,
     to_target: torch.Tensor | None,
-    vocab_size: int | None = None,
-    top: tuple[list[list[float]], list[list[int]]] | None = None,
+    vocab_size: int | None,
+    top: tuple[list[list[float]], list[list[int]]] | None,
 ) -> list[tuple[int, float, int]]:
     """beams: (candidate index, score, row in ``logits``). Returns the best ``k`` children as
-    next beams: (candidate index, score, row of ``logits`` that produced them). A sampled draft
-    over a token map keeps its distribution over the whole vocabulary (``vocab_size``; zero off
-    the map) for rejection sampling. ``top``: ``_top_rows`` of ``logits`` already read back
-    (greedy drafts of a whole batch at once)."""
+    next beams: (candidate index, score, row of ``logits`` that produced them). A greedy draft
+    takes its children from ``top`` (``_top_rows`` of ``logits``, read back once for the whole
+    batch); a sampled one samples on the host and, over a token map, keeps its distribution over
+    the whole vocabulary (``vocab_size``; zero off the map) for rejection sampling."""
     children = []
-    if top is not None:
-        for parent, score, row in beams:
-            children.extend((score + a, parent, b, None, row) for a, b in zip(top[0][row], top[1][row]))
-    elif sampled:
+    if sampled:
         for parent, score, row in beams:  # on the host, where the request's generator is
             probs = target_probs(logits[row : row + 1].cpu(), req.params)[0]
             tok = int(torch.multinomial(probs, 1, generator=req.generator))
             full = probs if to_target is None else (probs.new_zeros(vocab_size).index_copy_(0, to_target, probs) if vocab_size else None)
             children.append((score + float(torch.log(probs[tok] + 1e-20)), parent, tok, full, row))
-    else:  # every beam's top k in one call, read back once
-        rows = [row for _, _, row in beams]
-        block = logits if rows == list(range(logits.shape[0])) else logits[rows]
-        vs, ids = _top_rows(block, k)
-        for (parent, score, row), va, ia in zip(beams, vs, ids):
-            children.extend((score + a, parent, b, None, row) for a, b in zip(va, ia))
+    else:
+        for parent, score, row in beams:
+            children.extend((score + a, parent, b, None, row) for a, b in zip(top[0][row], top[1][row]))
     children.sort(key=lambda c: -c[0])
     toks = [c[2] for c in children]
     if to_target is not None and toks:
@@ -127,12 +121,12 @@ def beam_search(
     candidate so far is not expanded either: its children score no higher than it, so none of
     them could be among the kept (the cut is the same; the head forwards are fewer)."""
     cands = [_Cands() for _ in reqs]
-    greedy = not any(sampled(r) for r in reqs)  # then every request's top k comes back in one copy per depth
+    any_greedy = not all(sampled(r) for r in reqs)  # then every row's top k comes back in one copy per depth
 
     def rows_of(top, start: int, n: int):
         return None if top is None else (top[0][start : start + n], top[1][start : start + n])
 
-    top = _top_rows(first_logits, topk) if greedy else None
+    top = _top_rows(first_logits, topk) if any_greedy else None
     beams = [
         _expand(r, first_logits[i : i + 1], [(-1, 0.0, 0)], topk, cands[i], sampled(r), to_target, vocab_size, rows_of(top, i, 1)) for i, r in enumerate(reqs)
     ]
@@ -167,7 +161,7 @@ def beam_search(
                 parent_rows.extend(row_base[i] + row for _, _, row in bs)
             parent_hidden = hidden[torch.tensor(parent_rows).to(hidden.device)] if hidden is not None else None
             logits, hidden = step(chunks, parent_hidden)
-            top = _top_rows(logits, topk) if greedy else None
+            top = _top_rows(logits, topk) if any_greedy else None
             off = 0
             for i in live:
                 r, n = reqs[i], len(beams[i])
