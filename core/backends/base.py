@@ -88,6 +88,12 @@ class Backend:
         ``kernels/cpu_ops.cpp``) for this dtype and MLP width, or None: the model's torch ops."""
         return None
 
+    def top_logprobs(self, logits: torch.Tensor, k: int) -> torch.Tensor:
+        """Each row's ``k`` best log-softmax values and their ids (as floats: exact below 2^24),
+        best first, as one ``[2, rows, k]`` tensor: the draft loop reads it back in one copy."""
+        v, ix = torch.topk(torch.log_softmax(logits.float(), -1), k)
+        return torch.stack([v, ix.float()])
+
     def forward_rows(self, T: int, dtype: torch.dtype) -> int:
         return T
 

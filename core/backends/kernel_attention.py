@@ -12,10 +12,14 @@ prefix, causal) keep one causal SDPA call per sequence, the same in plain and sp
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from ..attention import _attend_one
 from ..forward_batch import SeqSpan
+
+
+_ONE = np.ones(1, dtype=np.int64)
 
 
 def _is_prompt_prefill(s: SeqSpan) -> bool:
@@ -24,37 +28,37 @@ def _is_prompt_prefill(s: SeqSpan) -> bool:
 
 class KernelAttentionPlan:
     def __init__(self, ops, seqs: list[SeqSpan]):
+        # the slot lists are small host arrays: numpy (~1 us an op) rather than torch (~5 us),
+        # this runs once per forward, and the draft loop makes several small forwards a step
         self.ops = ops
         self.prefills = [s for s in seqs if _is_prompt_prefill(s)]
-        prefix, prefix_len, row_ptr, row_q, extras, extra_len = [], [0], [0], [], [], [0]
+        prefix, extras, counts, row_ptr, row_q = [], [], [], [0], []
         for s in seqs:
             if _is_prompt_prefill(s):
                 continue
-            n = int(s.kv_slots.numel())
+            slots = s.kv_slots.numpy()
+            n = len(slots)
             if s.q_len == 1 and s.tree_mask is None:  # a decode row: everything but itself is prefix
-                prefix.append(s.kv_slots[: n - 1])
-                extras.append(s.kv_slots[n - 1 :])
-                counts = [1]
+                prefix.append(slots[: n - 1])
+                extras.append(slots[n - 1 :])
+                counts.append(_ONE)
             else:
-                tm = s.tree_mask if s.tree_mask is not None else torch.ones(s.q_len, s.q_len, dtype=torch.bool).tril_()
+                tm = s.tree_mask.numpy() if s.tree_mask is not None else np.tri(s.q_len, dtype=bool)
                 m = tm.shape[1]
-                prefix.append(s.kv_slots[: n - m])
-                extras.append(s.kv_slots[n - m :].expand(s.q_len, m)[tm])  # row-major: row 0's, row 1's, ...
-                counts = tm.sum(1).tolist()
-            prefix_len.append(prefix_len[-1] + int(prefix[-1].numel()))
+                prefix.append(slots[: n - m])
+                extras.append(np.broadcast_to(slots[n - m :], (s.q_len, m))[tm])  # row-major: row 0's, row 1's, ...
+                counts.append(tm.sum(1))
             row_q.extend(range(s.q_start, s.q_start + s.q_len))
             row_ptr.append(len(row_q))
-            for c in counts:
-                extra_len.append(extra_len[-1] + int(c))
         self.groups = len(prefix)
         self.rows = len(row_q)
         if self.groups:
-            self.prefix_ptr = torch.tensor(prefix_len, dtype=torch.long)
-            self.prefix_slots = torch.cat(prefix).to(torch.long).contiguous()
+            self.prefix_ptr = torch.from_numpy(np.cumsum([0] + [len(p) for p in prefix], dtype=np.int64))
+            self.prefix_slots = torch.from_numpy(np.concatenate(prefix).astype(np.int64, copy=False))
             self.row_ptr = torch.tensor(row_ptr, dtype=torch.long)
             self.row_q = torch.tensor(row_q, dtype=torch.long)
-            self.extra_ptr = torch.tensor(extra_len, dtype=torch.long)
-            self.extra_slots = torch.cat(extras).to(torch.long).contiguous()
+            self.extra_ptr = torch.from_numpy(np.concatenate([[0], np.cumsum(np.concatenate(counts), dtype=np.int64)]).astype(np.int64, copy=False))
+            self.extra_slots = torch.from_numpy(np.concatenate(extras).astype(np.int64, copy=False))
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
         q = q.contiguous()

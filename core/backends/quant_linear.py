@@ -7,6 +7,9 @@ docs/quantization.md):
   ``s = max|w| / 127``, ``w' = s * q``;
 * ``int4`` -- asymmetric, groups of ``INT4_GROUP`` = 32 inputs per output with an fp32 scale and
   min: ``s = (max - min) / 15``, ``q = round((w - min) / s)`` in 0..15, ``w' = s * q + min``;
+* ``w8a8_int8`` (draft linears only, SGLang's name) -- ``int8`` weights taking int8 activations
+  (``Q8Linear``, integer dot products) whatever ``model.activation_quantization`` is: the draft's
+  rounding changes which tokens it proposes, never the output;
 * ``gguf`` -- the GGUF file's own blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K), kept as they are: each weight is
   dequantized in registers to exactly the fp32 value of the fp32 checkpoint specfw converts the
   file to, so outputs are bit-identical to ``none`` on that checkpoint (``attach_gguf_blocks``
@@ -28,7 +31,7 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 SCHEMES = ("none", "int8", "int4", "gguf")
-DRAFT_SCHEMES = (*SCHEMES, "unquant")
+DRAFT_SCHEMES = (*SCHEMES, "unquant", "w8a8_int8")  # w8a8_int8 (SGLang's name): int8 weights and int8 activations, draft linears only
 ACTIVATION_SCHEMES = ("none", "int8")  # model.activation_quantization (q8_linear.py)
 INT4_GROUP = 32
 BLOCK = 16  # outputs per packed block (as cpu_ops' linear)

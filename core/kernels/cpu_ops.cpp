@@ -68,6 +68,7 @@ inline float vhsum(V a) {   // fixed order: halves, then halves again
   return _mm_cvtss_f32(q);
 }
 inline float vhmax(V a) { return _mm512_reduce_max_ps(a); }
+inline bool vany_gt(V a, float t) { return _mm512_cmp_ps_mask(a, _mm512_set1_ps(t), _CMP_GT_OQ) != 0; }
 #elif defined(__AVX2__)
 #define SPECFW_ISA "avx2"
 constexpr int W = 8;
@@ -95,6 +96,7 @@ inline float vhmax(V a) {
   q = _mm_max_ss(q, _mm_movehdup_ps(q));
   return _mm_cvtss_f32(q);
 }
+inline bool vany_gt(V a, float t) { return _mm256_movemask_ps(_mm256_cmp_ps(a, _mm256_set1_ps(t), _CMP_GT_OQ)) != 0; }
 #else
 #define SPECFW_ISA "portable"
 constexpr int W = 8;
@@ -114,6 +116,7 @@ inline V vmax(V a, V b) { V r; for (int i = 0; i < W; ++i) r.l[i] = std::max(a.l
 inline V vdiv(V a, V b) { V r; for (int i = 0; i < W; ++i) r.l[i] = a.l[i] / b.l[i]; return r; }
 inline float vhsum(V a) { return ((a.l[0] + a.l[4]) + (a.l[2] + a.l[6])) + ((a.l[1] + a.l[5]) + (a.l[3] + a.l[7])); }
 inline float vhmax(V a) { float m = a.l[0]; for (int i = 1; i < W; ++i) m = std::max(m, a.l[i]); return m; }
+inline bool vany_gt(V a, float t) { bool r = false; for (int i = 0; i < W; ++i) r |= a.l[i] > t; return r; }
 #endif
 
 constexpr int VB = kBlock / W;   // vectors per weight block (1 or 2)
@@ -594,6 +597,52 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
   return y;
 }
 
+// Each row's k best log-probabilities (log-softmax over the row) and their indices, best first,
+// ties to the lower index: out [2, rows, k] fp32, ids stored as floats (exact below 2^24). One
+// call replaces log_softmax + topk + a stack for the draft loop's per-depth read-back.
+torch::Tensor top_logprobs(torch::Tensor logits, int64_t k) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat32, "top_logprobs: float32 [rows, V]");
+  auto x = logits.contiguous();
+  const int64_t rows = x.size(0), V_ = x.size(1);
+  TORCH_CHECK(k >= 1 && k <= V_, "top_logprobs: 1 <= k <= V");
+  auto out = torch::empty({2, rows, k}, x.options());
+  const float* X = x.data_ptr<float>();
+  float* O = out.data_ptr<float>();
+  const float ninf = -std::numeric_limits<float>::infinity();
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* row = X + r * V_;
+    std::vector<float> best(k, ninf);
+    std::vector<int64_t> idx(k, -1);
+    int64_t filled = 0;
+    V m = vset1(ninf);
+    int64_t v = 0;
+    for (; v + W <= V_; v += W) m = vmax(m, vload(row + v));
+    float mx = vhmax(m);
+    for (; v < V_; ++v) mx = std::max(mx, row[v]);
+    V acc = vzero();
+    for (v = 0; v + W <= V_; v += W) acc = vadd(acc, vexp(vadd(vload(row + v), vset1(-mx))));
+    float sum = vhsum(acc);
+    for (; v < V_; ++v) sum += std::exp(row[v] - mx);
+    auto insert = [&](int64_t i) {   // into the k best: strictly greater moves up (ties keep the lower index first)
+      const float a = row[i];
+      if (filled == k && !(a > best[k - 1])) return;
+      int64_t j = filled < k ? filled++ : k - 1;
+      while (j > 0 && a > best[j - 1]) { best[j] = best[j - 1]; idx[j] = idx[j - 1]; --j; }
+      best[j] = a; idx[j] = i;
+    };
+    for (v = 0; v + W <= V_; v += W)   // a vector with nothing above the k-th best is skipped whole
+      if (filled < k || vany_gt(vload(row + v), best[k - 1]))
+        for (int64_t i = v; i < v + W; ++i) insert(i);
+    for (; v < V_; ++v) insert(v);
+    const float lse = mx + std::log(sum);
+    for (int64_t j = 0; j < k; ++j) {
+      O[r * k + j] = best[j] - lse;
+      O[rows * k + r * k + j] = static_cast<float>(idx[j]);
+    }
+  }
+  return out;
+}
+
 std::string isa() { return SPECFW_ISA; }
 
 }  // namespace
@@ -610,4 +659,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "(x + residual, RMSNorm(x + residual) * weight); residual optional", nogil);
   m.def("rope_write", &rope_write, "rope on q and k heads; k and v written to the KV pool; returns q", nogil);
   m.def("silu_mul", &silu_mul, "silu(gate) * up", nogil);
+  m.def("top_logprobs", &top_logprobs, "each row's k best log-softmax values and ids, [2, rows, k]", nogil);
 }

@@ -39,11 +39,16 @@ class _Cands:
         )
 
 
-def _top_rows(logits: torch.Tensor, k: int) -> tuple[list[list[float]], list[list[int]]]:
-    """Each row's ``k`` best log-probabilities and their ids, read back in one copy (one device
-    sync for every row of every request: ids < 2^24 are exact in float32)."""
+def _torch_top_logprobs(logits: torch.Tensor, k: int) -> torch.Tensor:
     v, ix = torch.topk(torch.log_softmax(logits.float(), -1), k)
-    vs, ids = torch.stack([v, ix.float()]).tolist()
+    return torch.stack([v, ix.float()])
+
+
+def _top_rows(logits: torch.Tensor, k: int, top_logprobs: Callable | None = None) -> tuple[list[list[float]], list[list[int]]]:
+    """Each row's ``k`` best log-probabilities and their ids, read back in one copy (one device
+    sync for every row of every request: ids < 2^24 are exact in float32). ``top_logprobs``: a
+    backend's ``Backend.top_logprobs`` (default: torch's ops)."""
+    vs, ids = (top_logprobs or _torch_top_logprobs)(logits, k).tolist()
     return vs, [[int(i) for i in row] for row in ids]
 
 
@@ -110,6 +115,7 @@ def beam_search(
     score_floor: float = float("-inf"),
     keep: int | None = None,
     vocab_size: int | None = None,
+    top_logprobs: Callable | None = None,
 ) -> list[DraftCandidates]:
     """``first_logits[i]``/``first_hidden[i]``: the drafter's output at request i's root.
     ``committed_slots(req)`` → its draft KV slots (prefix incl. root). ``to_target`` maps a
@@ -119,14 +125,15 @@ def beam_search(
     drafting stops early when no beam is left. ``keep``: how many candidates the step verifies at
     most (``plan.size - 1``, the best by score); a beam scoring below a request's ``keep``-th best
     candidate so far is not expanded either: its children score no higher than it, so none of
-    them could be among the kept (the cut is the same; the head forwards are fewer)."""
+    them could be among the kept (the cut is the same; the head forwards are fewer).
+    ``top_logprobs``: the backend's per-row top-k of log-softmax (``Backend.top_logprobs``)."""
     cands = [_Cands() for _ in reqs]
     any_greedy = not all(sampled(r) for r in reqs)  # then every row's top k comes back in one copy per depth
 
     def rows_of(top, start: int, n: int):
         return None if top is None else (top[0][start : start + n], top[1][start : start + n])
 
-    top = _top_rows(first_logits, topk) if any_greedy else None
+    top = _top_rows(first_logits, topk, top_logprobs) if any_greedy else None
     beams = [
         _expand(r, first_logits[i : i + 1], [(-1, 0.0, 0)], topk, cands[i], sampled(r), to_target, vocab_size, rows_of(top, i, 1)) for i, r in enumerate(reqs)
     ]
@@ -161,7 +168,7 @@ def beam_search(
                 parent_rows.extend(row_base[i] + row for _, _, row in bs)
             parent_hidden = hidden[torch.tensor(parent_rows).to(hidden.device)] if hidden is not None else None
             logits, hidden = step(chunks, parent_hidden)
-            top = _top_rows(logits, topk) if any_greedy else None
+            top = _top_rows(logits, topk, top_logprobs) if any_greedy else None
             off = 0
             for i in live:
                 r, n = reqs[i], len(beams[i])

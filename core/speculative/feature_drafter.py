@@ -175,4 +175,5 @@ class FeatureDrafter:
             root_position=lambda r: r.seq_len - 2,
             score_floor=plan.score_floor,
             keep=plan.size - 1,
+            top_logprobs=self.ctx.runner.backend.top_logprobs,
         )

@@ -178,4 +178,5 @@ class StandaloneDrafter:
             score_floor=plan.score_floor,
             keep=plan.size - 1,
             vocab_size=self.ctx.runner.vocab_size,
+            top_logprobs=self.draft.backend.top_logprobs,
         )

@@ -165,6 +165,33 @@ def test_speculative_equals_plain_with_int8_activations(scheme, tiny_model_dir, 
         assert eng.stats.verify_forwards > 0
 
 
+def test_w8a8_int8_draft_on_an_unquantized_target_equals_plain(tiny_model_dir, tiny_draft_dir):
+    """``speculative.draft_model_quantization=w8a8_int8`` (SGLang's name): only the draft model's
+    linears take int8 weights and int8 activations; the target keeps its fp32 kernels; greedy
+    output equals plain, batch 1 and 4; and the SGLang flag maps onto the key."""
+    from specfw.backends.kernel_linear import KernelLinear
+    from specfw.engine import Engine
+    from specfw.sglang_flags import translate
+    from specfw_plugins.standalone.config import StandaloneConfig
+
+    kw = dict(model_path=str(tiny_model_dir), max_total_tokens=4096, max_running_requests=4)
+    plain = Engine(make_cfg(**kw))
+    ref = [plain.generate([p], GREEDY)[0].token_ids for p in RAW]
+    spec = StandaloneConfig(
+        algorithm="standalone", draft_model_path=str(tiny_draft_dir), num_steps=3, topk=2, num_draft_tokens=6, draft_model_quantization="w8a8_int8"
+    )
+    eng = Engine(make_cfg(**kw, speculative=spec))
+    target = [m for m in eng.runner.model.modules() if isinstance(m, (Q8Linear, KernelLinear))]
+    assert target and all(isinstance(m, KernelLinear) for m in target)
+    draft = eng.worker.runtime.draft.model
+    assert len([m for m in draft.modules() if isinstance(m, Q8Linear)]) == 4 * len(draft.layers) + 1
+    assert "int8 draft activations" in eng.backend.describe()
+    assert [eng.generate([p], GREEDY)[0].token_ids for p in RAW] == ref
+    assert [o.token_ids for o in eng.generate(RAW, GREEDY)] == ref
+    assert eng.stats.accepted_draft_tokens > 0
+    assert "speculative.draft_model_quantization=w8a8_int8" in translate(["--speculative-draft-model-quantization", "w8a8_int8"]).overrides
+
+
 @pytest.mark.model
 def test_demo_gguf_int8_activations_eagle3_equals_plain():
     """The demo's Q4_1/Q8_0 blocks with int8 activations: every linear on q8_ops, EAGLE-3 (its

@@ -215,6 +215,46 @@ def test_fused_layer_glue_matches_torch_and_is_per_row(isa, dtype):
     assert torch.allclose(ops.silu_mul(gu).float(), ref, rtol=tol * 2, atol=tol * 2)
 
 
+@isas
+@pytest.mark.parametrize("vocab,k", [(8192, 4), (1000, 8), (37, 1), (5, 5)])
+def test_top_logprobs_matches_log_softmax_topk(isa, vocab, k):
+    """The draft loop's per-depth read-back: each row's k best log-probabilities, best first, ids
+    exact, ties to the lower index, a row's result independent of the other rows."""
+    ops = _ops(isa)
+    g = torch.Generator().manual_seed(vocab + k)
+    x = torch.randn(6, vocab, generator=g) * 4
+    x[2, 7 % vocab] = x[2, 3 % vocab] = x[2].max() + 1  # a tie at the top of row 2
+    x[3] = 0.5  # every value tied: the k lowest ids
+    out = ops.top_logprobs(x, k)
+    assert out.shape == (2, 6, k)
+    ref = torch.log_softmax(x.double(), -1)
+    for r in range(6):
+        ids = out[1, r].long()
+        assert torch.allclose(out[0, r].double(), ref[r, ids], atol=1e-5)
+        assert torch.equal(out[0, r], out[0, r].sort(descending=True).values)  # best first
+        assert torch.allclose(out[0, r].double(), ref[r].topk(k).values, atol=1e-5)  # they are the k best
+        assert torch.equal(ops.top_logprobs(x[r : r + 1].clone(), k)[:, 0], out[:, r])
+    tied = sorted({3 % vocab, 7 % vocab})
+    assert out[1, 2, : min(len(tied), k)].tolist() == tied[:k]
+    assert out[1, 3].tolist() == list(range(k))
+    with pytest.raises(RuntimeError, match="k <= V"):
+        ops.top_logprobs(x, vocab + 1)
+
+
+def test_cpu_backend_top_logprobs_equals_the_torch_default():
+    """The backend seam: the CPU backend's kernel and the base backend's torch ops agree (values to
+    1e-5, the same ids on untied rows), so beam search proposes the same tokens either way."""
+    from specfw.backends import default_backend
+    from specfw.backends.base import Backend
+
+    backend = default_backend("cpu")
+    if type(backend).__name__ != "CpuBackend":
+        pytest.skip("specfw's CPU kernels are unavailable here")
+    x = torch.randn(4, 8192, generator=torch.Generator().manual_seed(0))
+    got, ref = backend.top_logprobs(x, 4), Backend.top_logprobs(backend, x, 4)
+    assert torch.equal(got[1], ref[1]) and torch.allclose(got[0], ref[0], atol=1e-5)
+
+
 def test_kernel_linear_packs_bf16_valued_fp32_weights_as_bf16_with_the_same_bits():
     """fp32 weights holding bf16 values (a bf16 checkpoint in an fp32 engine) stream half the
     bytes and give exactly the fp32 weight's results; other fp32 weights stay fp32."""
