@@ -12,6 +12,16 @@ greedy output equals the plain engine's.
 A configuration is ``name=key=value,key=value`` over the speculative keys (``algorithm`` first;
 nothing after the name = plain decoding). ``--dtype``, ``--batch`` (requests in flight) and
 ``--max-new-tokens`` apply to all.
+
+``backend=hf`` makes a row of Hugging Face transformers' ``generate`` on the same checkpoint and
+dtype (batch 1), the other keys going to ``generate``: what a user would run instead, e.g. HF
+prompt lookup beside specfw's ngram on HumanEval:
+
+    .venv/bin/python benchmarks/bench_side_by_side.py --dataset humaneval --n 20 --max-new-tokens 128 \
+        plain= ngram=algorithm=ngram "hf=backend=hf" "hf prompt lookup=backend=hf,prompt_lookup_num_tokens=10"
+
+HF rows report how many outputs equal the reference's instead of failing the run (HF's kernels
+are not specfw's, so a near-tie may go the other way).
 """
 
 from __future__ import annotations
@@ -51,6 +61,29 @@ def make_engine(kw: dict, dtype: str, batch: int, threads: int):
     return Engine(SpecfwConfig(model=ModelConfig(dtype=dtype), speculative=spec, engine=EngineConfig(num_threads=threads, max_running_requests=batch)))
 
 
+class HFGenerate:
+    """HF transformers' greedy ``generate`` on ``model_path`` at batch 1, ``kw`` passed to it."""
+
+    def __init__(self, model_path: str, dtype: str, tokenizer, kw: dict):
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, dtype)).eval()
+        self.tokenizer, self.kw = tokenizer, kw
+
+    def flush_cache(self) -> None:
+        pass
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        out = []
+        for ids in prompts:
+            seq = self.model.generate(
+                torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=self.tokenizer.eos_token_id, **self.kw
+            )
+            out.append(seq[0, len(ids) :].tolist())
+        return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("configs", nargs="+", help="name=key=value,... (the first is the reference; name= alone: plain decoding)")
@@ -69,7 +102,17 @@ def main():
     from specfw.sampling import SamplingParams
 
     configs = dict(parse(c) for c in args.configs)
-    engines = {name: make_engine(kw, args.dtype, args.batch, args.threads) for name, kw in configs.items()}
+    engines = {name: make_engine(kw, args.dtype, args.batch, args.threads) for name, kw in configs.items() if kw.get("backend") != "hf"}
+    if not engines:
+        raise SystemExit("at least one specfw configuration is needed (the first one is the reference)")
+    spec_engine = next(iter(engines.values()))
+    for name, kw in configs.items():
+        if kw.get("backend") == "hf":
+            if args.batch != 1:
+                raise SystemExit(f"{name}: HF generate rows run at --batch 1")
+            engines[name] = HFGenerate(spec_engine.model_path, args.dtype, spec_engine.tokenizer, {k: v for k, v in kw.items() if k != "backend"})
+    engines = {name: engines[name] for name in configs}  # the command line's order
+    matches: dict[str, list[int]] = {name: [] for name in engines if isinstance(engines[name], HFGenerate)}
     texts = (mtbench_first_turns if args.dataset == "mtbench" else humaneval_prompts)(args.start + args.n)[args.start :]
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
     rates: dict[str, list[float]] = {name: [] for name in engines}
@@ -79,13 +122,19 @@ def main():
             reference = None
             for name, eng in engines.items():
                 eng.flush_cache()  # the n-gram trie must not remember the last round's outputs of these prompts
-                ids = [eng.tokenize_chat([{"role": "user", "content": t}]) if args.dataset == "mtbench" else eng.tokenizer.encode(t) for t in texts]
+                ids = [
+                    spec_engine.tokenize_chat([{"role": "user", "content": t}]) if args.dataset == "mtbench" else spec_engine.tokenizer.encode(t) for t in texts
+                ]
                 t0 = time.perf_counter()
-                outs = eng.generate(ids, params)
-                rates[name].append(sum(len(o.token_ids) for o in outs) / (time.perf_counter() - t0))
-                tokens = [o.token_ids for o in outs]
+                if isinstance(eng, HFGenerate):
+                    tokens = eng.generate(ids, args.max_new_tokens)
+                else:
+                    tokens = [o.token_ids for o in eng.generate(ids, params)]
+                rates[name].append(sum(len(t) for t in tokens) / (time.perf_counter() - t0))
                 reference = tokens if reference is None else reference
-                if tokens != reference:
+                if name in matches:
+                    matches[name].append(sum(a == b for a, b in zip(tokens, reference)))
+                elif tokens != reference:
                     raise SystemExit(f"{name}: greedy output differs from {first}'s")
                 bar.update()
     where = f"{args.dataset} {args.start + 1}-{args.start + args.n} x {args.max_new_tokens} tokens, {args.batch} in flight, {args.dtype}"
@@ -93,7 +142,8 @@ def main():
     base = statistics.median(rates[first])
     for name, r in rates.items():
         rounds = ", ".join(f"{x / y:.3f}" for x, y in zip(r, rates[first]))
-        print(f"{name:24s} {statistics.median(r):7.1f} tok/s  {statistics.median(r) / base:.3f}x {first}  (rounds: {rounds})  == {first}: yes")
+        same = f"{min(matches[name])}/{len(texts)}" if name in matches else "yes"
+        print(f"{name:24s} {statistics.median(r):7.1f} tok/s  {statistics.median(r) / base:.3f}x {first}  (rounds: {rounds})  == {first}: {same}")
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ def test_parse_names_and_typed_keys():
 
 @pytest.mark.model
 def test_runs_configurations_side_by_side_and_checks_outputs():
+    """Two specfw engines and one HF transformers row (``backend=hf``) in one run."""
     r = subprocess.run(
         [
             sys.executable,
@@ -34,6 +35,7 @@ def test_runs_configurations_side_by_side_and_checks_outputs():
             "1",
             "plain=",
             "ngram=algorithm=ngram",
+            "hf pl=backend=hf,prompt_lookup_num_tokens=4",
         ],
         capture_output=True,
         text=True,
@@ -42,4 +44,7 @@ def test_runs_configurations_side_by_side_and_checks_outputs():
     assert r.returncode == 0, r.stderr[-2000:]
     lines = [line for line in r.stdout.splitlines() if line.startswith(("plain ", "ngram "))]
     assert len(lines) == 2 and all("== plain: yes" in line for line in lines)
+    # an HF transformers row (prompt lookup): timed beside them, its outputs compared, not required equal
+    hf = [line for line in r.stdout.splitlines() if line.startswith("hf pl ")]
+    assert len(hf) == 1 and "tok/s" in hf[0] and "== plain: " in hf[0] and hf[0].rstrip().endswith("/1")
     assert "cpus, torch threads" in r.stdout  # the machine is named
