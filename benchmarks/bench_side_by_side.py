@@ -77,9 +77,7 @@ class HFGenerate:
     def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
         out = []
         for ids in prompts:
-            seq = self.model.generate(
-                torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=self.tokenizer.eos_token_id, **self.kw
-            )
+            seq = self.model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=self.tokenizer.eos_token_id, **self.kw)
             out.append(seq[0, len(ids) :].tolist())
         return out
 

@@ -19,7 +19,7 @@ from typing import Optional
 
 logger = logging.getLogger("specfw")
 
-TREE_KEYS = ("num_steps", "topk", "num_draft_tokens", "adaptive_draft", "draft_assist")
+TREE_KEYS = ("num_steps", "topk", "num_draft_tokens", "adaptive_draft", "draft_assist", "draft_model_quantization")
 
 
 @dataclass
@@ -31,6 +31,7 @@ class TunedEntry:
     num_draft_tokens: Optional[int]
     adaptive_draft: str
     draft_assist: Optional[str] = None  # speculative.draft_assist (files written before it existed: none)
+    draft_model_quantization: Optional[str] = None  # speculative.draft_model_quantization (files written before it existed: null)
     tok_s: float = 0.0  # on the tuning prompts, at the bucket's concurrency
     auto_tok_s: Optional[float] = None  # the auto defaults on the same prompts (None: not measured)
     measured: dict = field(default_factory=dict)  # prompts, max_new_tokens, grid size, time

@@ -51,6 +51,7 @@ class TuneOptions:
     num_draft_tokens: list[int] = field(default_factory=lambda: [4, 8])  # grid values
     adaptive_draft: list[str] = field(default_factory=lambda: ["true", "false"])  # grid values (auto | true | false)
     draft_assist: list[Optional[str]] = field(default_factory=lambda: [None])  # grid values of speculative.draft_assist (e.g. [null,ngram]; a value the algorithm cannot take is skipped with a note)
+    draft_model_quantization: list[Optional[str]] = field(default_factory=lambda: [None])  # grid values of speculative.draft_model_quantization (e.g. [null,w8a8_int8]; an algorithm without a draft model skips the non-null ones with a note)
     include_auto: bool = True             # the auto defaults are a grid point too (tuned never loses to them on the tuning prompts)
     out_dir: str = "bench_results"        # records, summary and plot go to out_dir/<run name>/
     name: Optional[str] = None            # run directory name; null = tune-<date-time>

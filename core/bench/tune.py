@@ -16,16 +16,18 @@ from . import records as rec
 from .run import _Tok, current_run_dir, measure, plain_reference, skip_note, summarize, to_record, with_concurrency
 
 TREE_KEYS = ("num_steps", "topk", "num_draft_tokens")
+OPTIONAL_KEYS = ("draft_assist", "draft_model_quantization")  # grid keys a point carries only when the grid varies them or sets them
 
 
 def with_settings(cfg, point: dict):
     """A copy of ``cfg`` whose speculative tree keys are ``point`` (empty: the auto defaults;
-    ``draft_assist`` stays as configured unless the point sets it)."""
+    ``draft_assist`` and ``draft_model_quantization`` stay as configured unless the point sets them)."""
     c = copy.deepcopy(cfg)
     for k in (*TREE_KEYS, "adaptive_draft"):
         c.speculative[k] = point.get(k, "auto" if k == "adaptive_draft" else None)
-    if "draft_assist" in point:
-        c.speculative["draft_assist"] = point["draft_assist"]
+    for k in OPTIONAL_KEYS:
+        if k in point:
+            c.speculative[k] = point[k]
     return c
 
 
@@ -39,12 +41,14 @@ def grid(cfg) -> tuple[list[dict], list[tuple[dict, str]]]:
     algo = plugin_manager().algorithms[str(cfg.speculative.algorithm)]
     keys = [k for k in TREE_KEYS if k not in getattr(algo.config_class, "unused_keys", ())]
     modes = [str(v).lower() for v in t.adaptive_draft]
-    assists = list(t.get("draft_assist", [None]))
+    optional = {k: list(t.get(k, [None])) for k in OPTIONAL_KEYS}
     points, skipped = ([{}] if t.include_auto else []), []
-    for combo in itertools.product(*[list(t[k]) for k in keys], modes, assists):
-        point = dict(zip(keys, (int(v) for v in combo[:-2])), adaptive_draft=combo[-2])
-        if combo[-1] is not None or len(assists) > 1:
-            point["draft_assist"] = None if combo[-1] is None else str(combo[-1])
+    for combo in itertools.product(*[list(t[k]) for k in keys], modes, *optional.values()):
+        n = len(keys)
+        point = dict(zip(keys, (int(v) for v in combo[:n])), adaptive_draft=combo[n])
+        for k, v in zip(optional, combo[n + 1 :]):
+            if v is not None or len(optional[k]) > 1:
+                point[k] = None if v is None else str(v)
         note = skip_note(with_settings(cfg, point))
         if note:
             skipped.append((point, note))
@@ -107,6 +111,7 @@ def tune_task(cfg) -> None:
             num_draft_tokens=point.get("num_draft_tokens"),
             adaptive_draft=point.get("adaptive_draft", "auto"),
             draft_assist=point.get("draft_assist", cfg.speculative.get("draft_assist")),
+            draft_model_quantization=point.get("draft_model_quantization", cfg.speculative.get("draft_model_quantization")),
             tok_s=round(tok_s, 3),
             auto_tok_s=round(auto, 3) if auto is not None else None,
             measured=dict(

@@ -155,6 +155,39 @@ def test_tune_grid_takes_the_draft_assist_and_serve_applies_it(tmp_path):
     assert tuned.apply_tuned(cfg) is None and cfg.speculative.num_steps is None  # the assist given: the tuned entry is not used
 
 
+def test_tune_grid_takes_the_draft_quantization_and_serve_applies_it(tmp_path):
+    """``tune.draft_model_quantization=[null,w8a8_int8]`` is a grid dimension like the draft
+    assist; an algorithm without a draft model skips the quantized point with a note naming the
+    key; ``specfw serve`` applies a tuned entry's draft quantization, and not when it is given."""
+    from specfw import tuned
+    from specfw.bench.tune import grid, with_settings
+
+    overrides = [
+        "tune.num_steps=[3]",
+        "tune.topk=[1]",
+        "tune.num_draft_tokens=[4]",
+        "tune.adaptive_draft=[false]",
+        "tune.draft_model_quantization=[null,w8a8_int8]",
+    ]
+    points, skipped = grid(compose("tune", ["speculative=eagle3", *overrides]))
+    chain = dict(num_steps=3, topk=1, num_draft_tokens=4, adaptive_draft="false")
+    assert points == [{}, dict(chain, draft_model_quantization=None), dict(chain, draft_model_quantization="w8a8_int8")]
+    assert not skipped
+    assert with_settings(compose("tune", ["speculative=eagle3"]), points[2]).speculative.draft_model_quantization == "w8a8_int8"
+    points, skipped = grid(compose("tune", ["speculative=ngram", *overrides]))
+    assert points == [{}, dict(num_draft_tokens=4, adaptive_draft="false", draft_model_quantization=None)]
+    assert len(skipped) == 1 and "speculative.draft_model_quantization" in skipped[0][1]
+
+    base = ["speculative=eagle3", f"tuned.dir={tmp_path}"]
+    cfg = compose("serve", base)
+    tuned.write_entry(
+        cfg, "eagle3", 1, tuned.TunedEntry(num_steps=5, topk=4, num_draft_tokens=8, adaptive_draft="true", draft_model_quantization="w8a8_int8", tok_s=2.0)
+    )
+    assert "draft_model_quantization=w8a8_int8" in tuned.apply_tuned(cfg) and cfg.speculative.draft_model_quantization == "w8a8_int8"
+    cfg = compose("serve", base + ["speculative.draft_model_quantization=unquant"])
+    assert tuned.apply_tuned(cfg) is None and cfg.speculative.draft_model_quantization == "unquant"
+
+
 @pytest.fixture(scope="module")
 def tuned_server(tiny_model_dir, tmp_path_factory):
     """`specfw tune` (ngram, one grid point, no auto point so the entry is known) then `specfw
