@@ -51,6 +51,12 @@ class AttentionPlan(Protocol):
         """q [T, H, D] (rope applied); caches [slots, Hkv, D] already hold the new K/V -> [T, H, D]."""
 
 
+def torch_top_logprobs(logits: torch.Tensor, k: int) -> torch.Tensor:
+    """``Backend.top_logprobs`` on torch's ops (any device)."""
+    v, ix = torch.topk(torch.log_softmax(logits.float(), -1), k)
+    return torch.stack([v, ix.float()])
+
+
 class Backend:
     name = "base"
 
@@ -91,8 +97,7 @@ class Backend:
     def top_logprobs(self, logits: torch.Tensor, k: int) -> torch.Tensor:
         """Each row's ``k`` best log-softmax values and their ids (as floats: exact below 2^24),
         best first, as one ``[2, rows, k]`` tensor: the draft loop reads it back in one copy."""
-        v, ix = torch.topk(torch.log_softmax(logits.float(), -1), k)
-        return torch.stack([v, ix.float()])
+        return torch_top_logprobs(logits, k)
 
     def forward_rows(self, T: int, dtype: torch.dtype) -> int:
         return T

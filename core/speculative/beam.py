@@ -21,6 +21,7 @@ from typing import Callable
 
 import torch
 
+from ..backends.base import torch_top_logprobs
 from ..sampling import target_probs
 from .types import DraftCandidates
 
@@ -39,16 +40,11 @@ class _Cands:
         )
 
 
-def _torch_top_logprobs(logits: torch.Tensor, k: int) -> torch.Tensor:
-    v, ix = torch.topk(torch.log_softmax(logits.float(), -1), k)
-    return torch.stack([v, ix.float()])
-
-
 def _top_rows(logits: torch.Tensor, k: int, top_logprobs: Callable | None = None) -> tuple[list[list[float]], list[list[int]]]:
     """Each row's ``k`` best log-probabilities and their ids, read back in one copy (one device
     sync for every row of every request: ids < 2^24 are exact in float32). ``top_logprobs``: a
     backend's ``Backend.top_logprobs`` (default: torch's ops)."""
-    vs, ids = (top_logprobs or _torch_top_logprobs)(logits, k).tolist()
+    vs, ids = (top_logprobs or torch_top_logprobs)(logits, k).tolist()
     return vs, [[int(i) for i in row] for row in ids]
 
 
