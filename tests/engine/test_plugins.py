@@ -75,7 +75,19 @@ def test_specfw_plugins_command_lists_algorithms():
 @pytest.mark.model
 def test_third_party_package_installs_and_runs(demo_dir):
     """pip-install examples/specfw-example-plugin; `speculative=bigram` then appears as a Hydra option
-    with its own key, and greedy output equals plain output."""
+    with its own key, and greedy output equals plain output. The package is uninstalled afterwards
+    unless it was installed before: a later run's tests must not depend on this one having run
+    (the exactness tests are parametrized over every registered algorithm)."""
+    pip = str(BIN / "pip")
+    was_installed = subprocess.run([pip, "show", "-q", "specfw-bigram"], capture_output=True, timeout=120).returncode == 0
+    try:
+        _install_and_run_the_example_plugin()
+    finally:
+        if not was_installed:
+            subprocess.run([pip, "uninstall", "-y", "-q", "specfw-bigram"], capture_output=True, timeout=300)
+
+
+def _install_and_run_the_example_plugin():
     r = subprocess.run(
         [str(BIN / "pip"), "install", "-q", "--no-deps", "--no-build-isolation", str(ROOT / "examples" / "specfw-example-plugin")],
         capture_output=True,
