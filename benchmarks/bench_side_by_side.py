@@ -115,14 +115,12 @@ def main():
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
     rates: dict[str, list[float]] = {name: [] for name in engines}
     first = next(iter(engines))
+    ids = [spec_engine.tokenize_chat([{"role": "user", "content": t}]) if args.dataset == "mtbench" else spec_engine.tokenizer.encode(t) for t in texts]
     with tqdm(total=args.rounds * len(engines), desc="runs") as bar:
         for _ in range(args.rounds):
             reference = None
             for name, eng in engines.items():
                 eng.flush_cache()  # the n-gram trie must not remember the last round's outputs of these prompts
-                ids = [
-                    spec_engine.tokenize_chat([{"role": "user", "content": t}]) if args.dataset == "mtbench" else spec_engine.tokenizer.encode(t) for t in texts
-                ]
                 t0 = time.perf_counter()
                 if isinstance(eng, HFGenerate):
                     tokens = eng.generate(ids, args.max_new_tokens)

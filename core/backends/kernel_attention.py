@@ -19,7 +19,7 @@ from ..attention import _attend_one
 from ..forward_batch import SeqSpan
 
 
-_ONE = np.ones(1, dtype=np.int64)
+_ONE, _ZERO = np.ones(1, dtype=np.int64), np.zeros(1, dtype=np.int64)
 
 
 def _is_prompt_prefill(s: SeqSpan) -> bool:
@@ -53,11 +53,11 @@ class KernelAttentionPlan:
         self.groups = len(prefix)
         self.rows = len(row_q)
         if self.groups:
-            self.prefix_ptr = torch.from_numpy(np.cumsum([0] + [len(p) for p in prefix], dtype=np.int64))
+            self.prefix_ptr = torch.from_numpy(np.cumsum([0, *map(len, prefix)], dtype=np.int64))
             self.prefix_slots = torch.from_numpy(np.concatenate(prefix).astype(np.int64, copy=False))
             self.row_ptr = torch.tensor(row_ptr, dtype=torch.long)
             self.row_q = torch.tensor(row_q, dtype=torch.long)
-            self.extra_ptr = torch.from_numpy(np.concatenate([[0], np.cumsum(np.concatenate(counts), dtype=np.int64)]).astype(np.int64, copy=False))
+            self.extra_ptr = torch.from_numpy(np.concatenate([_ZERO, *counts]).cumsum(dtype=np.int64))
             self.extra_slots = torch.from_numpy(np.concatenate(extras).astype(np.int64, copy=False))
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:

@@ -43,8 +43,8 @@ def grid(cfg) -> tuple[list[dict], list[tuple[dict, str]]]:
     modes = [str(v).lower() for v in t.adaptive_draft]
     optional = {k: list(t.get(k, [None])) for k in OPTIONAL_KEYS}
     points, skipped = ([{}] if t.include_auto else []), []
+    n = len(keys)
     for combo in itertools.product(*[list(t[k]) for k in keys], modes, *optional.values()):
-        n = len(keys)
         point = dict(zip(keys, (int(v) for v in combo[:n])), adaptive_draft=combo[n])
         for k, v in zip(optional, combo[n + 1 :]):
             if v is not None or len(optional[k]) > 1:
