@@ -94,6 +94,11 @@ class Backend:
         ``kernels/cpu_ops.cpp``) for this dtype and MLP width, or None: the model's torch ops."""
         return None
 
+    def decoder_stack(self, model: nn.Module):
+        """A callable that runs all of ``model``'s decoder layers in one call for the forwards it
+        ``accepts`` (``KernelLayers``: same bits as the per-layer path), or None: the per-layer path."""
+        return None
+
     def top_logprobs(self, logits: torch.Tensor, k: int) -> torch.Tensor:
         """Each row's ``k`` best log-softmax values and their ids (as floats: exact below 2^24),
         best first, as one ``[2, rows, k]`` tensor: the draft loop reads it back in one copy."""

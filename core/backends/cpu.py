@@ -30,6 +30,7 @@ from ..invariance import measure_linears
 from . import huge_pages
 from .base import Backend, HeadShape
 from .kernel_attention import KernelAttentionPlan
+from .kernel_layers import KernelLayers
 from .kernel_linear import KernelLinear
 from .torch_ops import sdpa_plan
 from .q8_linear import Q8Linear, supports as q8_supports
@@ -38,6 +39,7 @@ from .quant_linear import QuantLinear, quantize, supports
 
 class CpuBackend(Backend):
     name = "cpu"
+    one_call_layers = True  # decoder_stack: all layers in one kernel call where they qualify (False: per layer, for A/B runs)
 
     def __init__(
         self,
@@ -135,6 +137,18 @@ class CpuBackend(Backend):
 
     def fused_ops(self, dtype, intermediate: int):
         return self.ops if dtype in (torch.float32, torch.bfloat16) and intermediate % 16 == 0 else None
+
+    def decoder_stack(self, model):
+        # built once per model, rebuilt if a layer's weight was replaced since; None (the per-layer
+        # path) where a layer has a linear of another kind (quantized, bf16_dot, AMX)
+        if not self.one_call_layers:
+            return None
+        entry = model.__dict__.get("_kernel_layers")
+        if entry is not None and entry[0] is self.ops and (entry[1] is None or entry[1].current()):
+            return entry[1]
+        stack = KernelLayers(self.ops, model.layers) if KernelLayers.eligible(self.ops, model.layers) else None
+        model.__dict__["_kernel_layers"] = (self.ops, stack)
+        return stack
 
     def top_logprobs(self, logits, k):
         # one kernel call (~9 us for 4 rows of 8,192 on AVX-512) instead of log_softmax + topk +

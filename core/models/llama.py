@@ -130,11 +130,15 @@ class LlamaModel(nn.Module):
         if fb.attn_plan is None:  # a static (graphed) forward brings its own plan (specfw.graphs)
             fb.attn_plan = backend.plan_attention(fb.seqs, x.device, self.head_shape(x.dtype), backend.batch_invariant)
         fused = backend.fused_ops(x.dtype, self.layers[0].intermediate)
-        captured = {}
-        for i, layer in enumerate(self.layers):
-            if i in fb.capture_layers:
-                captured[i] = x
-            x = layer.forward(x, fb, kv, i, cos, sin, fused)
+        stack = backend.decoder_stack(self) if fused is not None else None
+        if stack is not None and stack.accepts(fb.attn_plan, x.shape[0]):
+            x, captured = stack(x, fb, kv, cos, sin, fb.capture_layers)
+        else:
+            captured = {}
+            for i, layer in enumerate(self.layers):
+                if i in fb.capture_layers:
+                    captured[i] = x
+                x = layer.forward(x, fb, kv, i, cos, sin, fused)
         hidden = x
         captured[len(self.layers)] = x
         aux = [captured[i] for i in fb.capture_layers]  # in the requested order (ids may repeat)

@@ -1,0 +1,114 @@
+"""All decoder layers in one kernel call (``KernelLayers``, ``cpu_ops.decoder_layers``): the same
+bits as the per-layer path for decode rows, tree rows, extend chains and batches mixing them, with
+the captured hidden states; prompt prefills and layers with other linears keep the per-layer path.
+The portable build everywhere, each ISA build where the CPU has it."""
+
+import pytest
+import torch
+
+from specfw.backends import make_backend
+from specfw.backends.cpu import CpuBackend
+from specfw.backends.kernel_layers import KernelLayers
+from specfw.kernels import ISAS, cpu_ops, isa_supported
+from specfw.model_loader import load_model
+from specfw.model_runner import ModelRunner, build_forward_batch
+
+EMPTY = torch.empty(0, dtype=torch.long)
+
+
+def _isas():
+    return [pytest.param(i, marks=pytest.mark.skipif(not isa_supported(i), reason=f"this CPU lacks {i}")) for i in ISAS]
+
+
+def _tree_mask(parents):
+    mask = torch.eye(len(parents), dtype=torch.bool)
+    for i, p in enumerate(parents):
+        while p >= 0:
+            mask[i, p] = True
+            p = parents[p]
+    return mask
+
+
+def _runner(model_dir, isa, dtype):
+    if cpu_ops(isa) is None:
+        pytest.skip("the CPU kernels cannot be built here")
+    lm = load_model(str(model_dir), dtype=str(dtype).removeprefix("torch."))
+    backend = make_backend("cpu", batch_invariant=True, cpu_isa=isa, cpu_bf16_kernel=False)
+    return ModelRunner(lm.model, lm.hf_config, 512, dtype, backend=backend)
+
+
+def _both_paths(runner, chunks, capture=()):
+    """The forward with the one-call stack and with the per-layer path (same runner, same KV)."""
+    outs = []
+    for one_call in (True, False):
+        runner.backend.one_call_layers = one_call
+        with torch.inference_mode():
+            outs.append(runner.forward(build_forward_batch(chunks, capture_layers=capture)))
+    runner.backend.one_call_layers = CpuBackend.one_call_layers
+    return outs
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("isa", _isas())
+def test_one_call_layers_equal_the_per_layer_path(tiny_model_dir, isa, dtype, monkeypatch):
+    r = _runner(tiny_model_dir, isa, dtype)
+    calls = []
+    real_call = KernelLayers.__call__
+    monkeypatch.setattr(KernelLayers, "__call__", lambda self, *a: calls.append(1) or real_call(self, *a))
+    prompts = [torch.tensor([11, 12, 13, 14, 15]), torch.tensor([21, 22, 23])]
+    prefixes = []
+    for p in prompts:  # prompt prefills: the per-layer path (causal SDPA)
+        slots = r.allocator.alloc(len(p))
+        with torch.inference_mode():
+            r.forward(build_forward_batch([(p, torch.arange(len(p)), slots, EMPTY, None)]))
+        prefixes.append(slots)
+    assert calls == []
+    tree = _tree_mask([-1, 0, 0, 1, 3])
+    depth = tree.sum(1) - 1
+    batches = {
+        "two decode rows": [(torch.tensor([7]), torch.tensor([5]), r.allocator.alloc(1), prefixes[0], None),
+                            (torch.tensor([8]), torch.tensor([3]), r.allocator.alloc(1), prefixes[1], None)],
+        "a tree": [(torch.tensor([30, 31, 32, 33, 34]), 5 + depth, r.allocator.alloc(5), prefixes[0], tree)],
+        "an extend chain beside a tree": [(torch.tensor([40, 41, 42]), 3 + torch.arange(3), r.allocator.alloc(3), prefixes[1], None),
+                                          (torch.tensor([30, 31, 32, 33, 34]), 5 + depth, r.allocator.alloc(5), prefixes[0], tree)],
+    }  # fmt: skip
+    for name, chunks in batches.items():
+        one, per_layer = _both_paths(r, chunks, capture=(0, 1, 2))
+        assert torch.equal(one.logits, per_layer.logits), name
+        assert torch.equal(one.hidden, per_layer.hidden), name
+        assert len(one.aux_hidden) == 3 and all(torch.equal(a, b) for a, b in zip(one.aux_hidden, per_layer.aux_hidden)), name
+    assert len(calls) == len(batches)
+
+
+def test_a_tree_row_equals_the_decode_row_of_its_path(tiny_model_dir):
+    """Batch invariance through the one-call path: a tree node's logits have the bits of the
+    plain decode steps that feed the same tokens."""
+    r = _runner(tiny_model_dir, "portable", torch.float32)
+    prompt = torch.tensor([11, 12, 13, 14])
+    ps = r.allocator.alloc(4)
+    with torch.inference_mode():
+        r.forward(build_forward_batch([(prompt, torch.arange(4), ps, EMPTY, None)]))
+        tree = _tree_mask([-1, 0, 0, 1])
+        logits = r.forward(build_forward_batch([(torch.tensor([50, 60, 70, 80]), 4 + tree.sum(1) - 1, r.allocator.alloc(4), ps, tree)])).logits
+        s = r.allocator.alloc(3)
+        steps = []
+        for i, tok in enumerate([50, 60, 80]):  # the path root -> a -> c, one decode row at a time
+            fb = build_forward_batch([(torch.tensor([tok]), torch.tensor([4 + i]), s[i : i + 1], torch.cat([ps, s[:i]]), None)])
+            steps.append(r.forward(fb).logits[0])
+    assert torch.equal(logits[0], steps[0]) and torch.equal(logits[1], steps[1]) and torch.equal(logits[3], steps[2])
+
+
+def test_layers_with_other_linears_keep_the_per_layer_path(tiny_model_dir):
+    r = _runner(tiny_model_dir, "portable", torch.float32)
+    assert r.backend.decoder_stack(r.model) is not None
+    quant = make_backend("cpu", batch_invariant=True, cpu_isa="portable", quantization="int8")
+    lm = load_model(str(tiny_model_dir))
+    q = ModelRunner(lm.model, lm.hf_config, 64, torch.float32, backend=quant)
+    assert q.backend.decoder_stack(q.model) is None
+    # a weight replaced after the stack was built: rebuilt from the layer's current weight
+    stack = r.backend.decoder_stack(r.model)
+    layer = r.model.layers[0].o_proj
+    layer.packed = layer.packed.clone()
+    assert stack.current() is False
+    rebuilt = r.backend.decoder_stack(r.model)
+    assert rebuilt is not stack and rebuilt.current()
