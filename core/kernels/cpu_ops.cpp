@@ -60,6 +60,7 @@ inline V vfma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
 inline V vadd(V a, V b) { return _mm512_add_ps(a, b); }
 inline V vmax(V a, V b) { return _mm512_max_ps(a, b); }
 inline V vdiv(V a, V b) { return _mm512_div_ps(a, b); }
+inline V vmul(V a, V b) { return _mm512_mul_ps(a, b); }
 inline float vhsum(V a) {   // fixed order: halves, then halves again
   __m256 h = _mm256_add_ps(_mm512_castps512_ps256(a), _mm512_extractf32x8_ps(a, 1));
   __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
@@ -84,6 +85,7 @@ inline V vfma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
 inline V vadd(V a, V b) { return _mm256_add_ps(a, b); }
 inline V vmax(V a, V b) { return _mm256_max_ps(a, b); }
 inline V vdiv(V a, V b) { return _mm256_div_ps(a, b); }
+inline V vmul(V a, V b) { return _mm256_mul_ps(a, b); }
 inline float vhsum(V a) {
   __m128 q = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
   q = _mm_add_ps(q, _mm_movehl_ps(q, q));
@@ -114,6 +116,7 @@ inline V vfma(V a, V b, V c) { V r; for (int i = 0; i < W; ++i) r.l[i] = a.l[i] 
 inline V vadd(V a, V b) { V r; for (int i = 0; i < W; ++i) r.l[i] = a.l[i] + b.l[i]; return r; }
 inline V vmax(V a, V b) { V r; for (int i = 0; i < W; ++i) r.l[i] = std::max(a.l[i], b.l[i]); return r; }
 inline V vdiv(V a, V b) { V r; for (int i = 0; i < W; ++i) r.l[i] = a.l[i] / b.l[i]; return r; }
+inline V vmul(V a, V b) { V r; for (int i = 0; i < W; ++i) r.l[i] = a.l[i] * b.l[i]; return r; }
 inline float vhsum(V a) { return ((a.l[0] + a.l[4]) + (a.l[2] + a.l[6])) + ((a.l[1] + a.l[5]) + (a.l[3] + a.l[7])); }
 inline float vhmax(V a) { float m = a.l[0]; for (int i = 1; i < W; ++i) m = std::max(m, a.l[i]); return m; }
 inline bool vany_gt(V a, float t) { bool r = false; for (int i = 0; i < W; ++i) r |= a.l[i] > t; return r; }
@@ -367,6 +370,70 @@ void row_values(const float* p, int64_t D, const T* cache, int64_t slot_stride, 
     for (int64_t j = 0; j < n; ++j) acc[d] += p[j] * load_scalar(cache + slots[j] * slot_stride + d);
 }
 
+// Several rows of one head over the same keys: each key's vectors are loaded once for NR rows,
+// and each row's score / value sums are formed with exactly the operations of row_scores /
+// row_values (so a row's bits do not depend on how many rows share the pass). Head dims of exactly
+// ND vectors only (D == ND * W: no scalar tail).
+constexpr int kRowsPerPass = W == 16 ? 4 : 2;
+
+template <int ND, int NR, typename T>
+void rows_scores(const float* q, int64_t D, const T* cache, int64_t slot_stride, const int64_t* slots, int64_t n, float scale,
+                 float* s, int64_t s_stride) {
+  V qv[NR][ND];
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < ND; ++i) qv[r][i] = vload(q + r * D + i * W);
+  for (int64_t j = 0; j < n; ++j) {
+    const T* k = cache + slots[j] * slot_stride;
+    V kv[ND];
+    for (int i = 0; i < ND; ++i) kv[i] = vload(k + i * W);
+    for (int r = 0; r < NR; ++r) {
+      V a = vzero();
+      for (int i = 0; i < ND; ++i) a = vfma(qv[r][i], kv[i], a);
+      s[r * s_stride + j] = vhsum(a) * scale;
+    }
+  }
+}
+
+template <int ND, int NR, typename T>
+void rows_values(const float* p, int64_t p_stride, int64_t D, const T* cache, int64_t slot_stride, const int64_t* slots, int64_t n,
+                 float* acc) {
+  V a[NR][ND];
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < ND; ++i) a[r][i] = vload(acc + r * D + i * W);
+  for (int64_t j = 0; j < n; ++j) {
+    const T* v = cache + slots[j] * slot_stride;
+    V vv[ND];
+    for (int i = 0; i < ND; ++i) vv[i] = vload(v + i * W);
+    for (int r = 0; r < NR; ++r) {
+      const V pj = vset1(p[r * p_stride + j]);
+      for (int i = 0; i < ND; ++i) a[r][i] = vfma(pj, vv[i], a[r][i]);
+    }
+  }
+  for (int r = 0; r < NR; ++r)
+    for (int i = 0; i < ND; ++i) vstore(acc + r * D + i * W, a[r][i]);
+}
+
+// R rows' scores (q rows D apart, score rows s_stride apart) over the same n keys
+template <int ND, typename T>
+void all_rows_scores(int64_t R, const float* q, int64_t D, const T* cache, int64_t slot_stride, const int64_t* slots, int64_t n,
+                     float scale, float* s, int64_t s_stride) {
+  int64_t r = 0;
+  if constexpr (ND > 0)
+    for (; D == ND * W && r + kRowsPerPass <= R; r += kRowsPerPass)
+      rows_scores<ND, kRowsPerPass>(q + r * D, D, cache, slot_stride, slots, n, scale, s + r * s_stride, s_stride);
+  for (; r < R; ++r) row_scores<ND>(q + r * D, D, cache, slot_stride, slots, n, scale, s + r * s_stride);
+}
+
+template <int ND, typename T>
+void all_rows_values(int64_t R, const float* p, int64_t p_stride, int64_t D, const T* cache, int64_t slot_stride, const int64_t* slots,
+                     int64_t n, float* acc) {
+  int64_t r = 0;
+  if constexpr (ND > 0)
+    for (; D == ND * W && r + kRowsPerPass <= R; r += kRowsPerPass)
+      rows_values<ND, kRowsPerPass>(p + r * p_stride, p_stride, D, cache, slot_stride, slots, n, acc + r * D);
+  for (; r < R; ++r) row_values<ND>(p + r * p_stride, D, cache, slot_stride, slots, n, acc + r * D);
+}
+
 // p[0..L) <- exp(p - max), returns their sum (lanes j mod W, then vhsum)
 inline float softmax_numerators(float* p, int64_t L) {
   V mv = vset1(-std::numeric_limits<float>::infinity());
@@ -419,8 +486,7 @@ void attention_impl(const T* Q, const T* Kc, const T* Vc, T* O, int64_t H, int64
       // scores: the shared prefix block by block (each key read once for all rows), then each row's extras
       for (int64_t j0 = 0; j0 < P; j0 += kKeyBlock) {
         const int64_t n = std::min(P - j0, kKeyBlock);
-        for (int64_t r = 0; r < R; ++r)
-          row_scores<ND>(qf.data() + r * D, D, Kh, stride, pre + j0, n, scale, sc.data() + r * Lmax + j0);
+        all_rows_scores<ND>(R, qf.data(), D, Kh, stride, pre + j0, n, scale, sc.data() + j0, Lmax);
       }
       for (int64_t r = 0; r < R; ++r) {
         const int64_t e0 = extra_ptr[r0 + r], ne = extra_ptr[r0 + r + 1] - e0;
@@ -430,8 +496,7 @@ void attention_impl(const T* Q, const T* Kc, const T* Vc, T* O, int64_t H, int64
       // weighted values in key order: the prefix (shared reads), then each row's extras
       for (int64_t j0 = 0; j0 < P; j0 += kKeyBlock) {
         const int64_t n = std::min(P - j0, kKeyBlock);
-        for (int64_t r = 0; r < R; ++r)
-          row_values<ND>(sc.data() + r * Lmax + j0, D, Vh, stride, pre + j0, n, acc.data() + r * D);
+        all_rows_values<ND>(R, sc.data() + j0, Lmax, D, Vh, stride, pre + j0, n, acc.data());
       }
       for (int64_t r = 0; r < R; ++r) {
         const int64_t e0 = extra_ptr[r0 + r], ne = extra_ptr[r0 + r + 1] - e0;
@@ -505,19 +570,29 @@ template <typename T>
 void add_rms_norm_impl(const T* x, const T* res, T* sum, const T* w, T* y, int64_t rows, int64_t D, float eps) {
   at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
     std::vector<float> f(D);
+    constexpr bool fp32 = std::is_same<T, float>::value;   // fp32: whole vectors, the same operations lane by lane
     for (int64_t r = r0; r < r1; ++r) {
-      for (int64_t d = 0; d < D; ++d) {
+      int64_t d = 0;
+      if constexpr (fp32)
+        for (; d + W <= D; d += W) {
+          V v = vload(x + r * D + d);
+          if (res) { v = vadd(v, vload(res + r * D + d)); vstore(sum + r * D + d, v); }
+          vstore(f.data() + d, v);
+        }
+      for (; d < D; ++d) {
         float v = ld(x + r * D, d);
         if (res) { v = rnd<T>(v + ld(res + r * D, d)); st(sum + r * D, d, v); }
         f[d] = v;
       }
       V acc = vzero();
-      int64_t d = 0;
-      for (; d + W <= D; d += W) { V v = vload(f.data() + d); acc = vfma(v, v, acc); }
+      for (d = 0; d + W <= D; d += W) { V v = vload(f.data() + d); acc = vfma(v, v, acc); }
       float ss = vhsum(acc);
       for (; d < D; ++d) ss += f[d] * f[d];
       const float inv = 1.f / std::sqrt(ss / float(D) + eps);
-      for (d = 0; d < D; ++d) st(y + r * D, d, rnd<T>(rnd<T>(f[d] * inv) * ld(w, d)));
+      d = 0;
+      if constexpr (fp32)
+        for (; d + W <= D; d += W) vstore(y + r * D + d, vmul(vmul(vload(f.data() + d), vset1(inv)), vload(w + d)));
+      for (; d < D; ++d) st(y + r * D, d, rnd<T>(rnd<T>(f[d] * inv) * ld(w, d)));
     }
   });
 }
@@ -597,6 +672,11 @@ void silu_mul_impl(const T* gu, T* y, int64_t rows, int64_t I) {
     float g[W], u[W], e[W];
     for (int64_t c = c0; c < c1; ++c) {
       const int64_t r = c * W / I, i = c * W % I;
+      if constexpr (std::is_same<T, float>::value) {   // whole vectors: the scalar loop's operations, lane by lane
+        const V gv = vload(gu + r * 2 * I + i), uv = vload(gu + r * 2 * I + I + i);
+        vstore(y + r * I + i, vmul(vdiv(gv, vadd(vset1(1.f), vexp(vmul(gv, vset1(-1.f))))), uv));
+        continue;
+      }
       for (int t = 0; t < W; ++t) { g[t] = ld(gu + r * 2 * I, i + t); u[t] = ld(gu + r * 2 * I + I, i + t); e[t] = -g[t]; }
       vstore(e, vexp(vload(e)));
       for (int t = 0; t < W; ++t) st(y + r * I, i + t, rnd<T>(rnd<T>(g[t] / (1.f + e[t])) * u[t]));
