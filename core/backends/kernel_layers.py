@@ -31,7 +31,7 @@ class KernelLayers:
         self.eps = first.input_layernorm.eps
         self.n_heads, self.n_kv, self.scale = first.n_heads, first.n_kv, first.scale
         self.linears = [[getattr(layer, name) for name in _LINEARS] for layer in self.layers]
-        self.packed = [[lin.packed for lin in four] for four in self.linears]
+        self.generation = KernelLinear.generation
         self.weights: list[torch.Tensor] = []
         for layer, four in zip(self.layers, self.linears):
             qkv, o, gate_up, down = four
@@ -59,14 +59,11 @@ class KernelLayers:
         return True
 
     def current(self) -> bool:
-        """The weights collected at build time are still the ones the layers run."""
-        for layer, four, packed in zip(self.layers, self.linears, self.packed):
-            if "forward" in layer.__dict__:
-                return False
-            for name, lin, p in zip(_LINEARS, four, packed):
-                if layer._modules[name] is not lin or lin.packed is not p or lin._padded:
-                    return False
-        return True
+        """The weights collected at build time are still the ones the layers run (no packed weight
+        replaced, no padding verdict changed since: one counter) and no layer's forward was
+        replaced per instance. Swapping a layer's linear module for another after the first
+        forward is not supported (backends swap them in ``prepare_target``, before any forward)."""
+        return KernelLinear.generation == self.generation and not any("forward" in layer.__dict__ for layer in self.layers)
 
     @staticmethod
     def accepts(plan, rows: int) -> bool:

@@ -21,6 +21,10 @@ from ..invariance import DEFAULT_TIMED_ROWS, MAX_ROW_BLOCK, RowPlan, invariant_r
 
 
 class KernelLinear(nn.Module):
+    # bumped whenever any KernelLinear's packed weight or padding verdict changes: what collects
+    # the packed weights of many layers (KernelLayers) checks one number, not every layer
+    generation = 0
+
     def __init__(self, linear: nn.Linear, ops, isa: str, batch_invariant: bool = False):
         super().__init__()
         self.ops, self.isa = ops, isa
@@ -31,6 +35,24 @@ class KernelLinear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed = ops.pack(_narrowest_lossless(linear.weight.detach()))
         self.bias = torch.empty(0) if linear.bias is None else linear.bias.detach().float()
+
+    @property
+    def packed(self) -> torch.Tensor:
+        return self._packed
+
+    @packed.setter
+    def packed(self, value: torch.Tensor) -> None:
+        self._packed = value
+        KernelLinear.generation += 1
+
+    @property
+    def _padded(self) -> bool:
+        return self._padded_rows
+
+    @_padded.setter
+    def _padded(self, value: bool) -> None:
+        self._padded_rows = value
+        KernelLinear.generation += 1
 
     @property
     def weight(self) -> torch.Tensor:
