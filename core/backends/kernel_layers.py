@@ -3,10 +3,11 @@ call, for forwards over decode, tree and extend rows (no prompt prefill in the b
 
 The per-op path (``DecoderLayer._forward_fused``) makes ~13 Python-side calls a layer: five kernel
 calls, two norms, rope + KV write, the attention plan, reshapes, the residual add. On the 30-layer
-demo target the one call saves 0.5-0.9 ms of a 13-19 ms fp32 forward (3.5-4.5%, 1 to 16 rows),
-paid by every plain step, every verify and every forward of a standalone draft model. The one-call path runs the same kernel functions in the
-same order inside C++, so its outputs have the per-op path's bits (tests/unit/test_kernel_layers.py
-checks plain, tree and mixed batches, fp32 and bf16, and the captured hidden states).
+demo target the one call saves 0.5-0.8 ms of a 9-17 ms fp32 forward (1.05-1.06x at 1 to 16 rows),
+paid by every plain step, every verify and every forward of a standalone draft model. It runs the
+same kernel functions in the same order inside C++, so its outputs have the per-op path's bits
+(tests/unit/test_kernel_layers.py checks plain, tree and mixed batches, fp32 and bf16, and the
+captured hidden states).
 
 It applies only where the layers run their own forward (not ``engine.torch_compile``'s) and
 every layer's four linears are ``KernelLinear`` on the same ``cpu_ops`` build (fp32/bf16 weights:
@@ -30,11 +31,10 @@ class KernelLayers:
         first = self.layers[0]
         self.eps = first.input_layernorm.eps
         self.n_heads, self.n_kv, self.scale = first.n_heads, first.n_kv, first.scale
-        self.linears = [[getattr(layer, name) for name in _LINEARS] for layer in self.layers]
         self.generation = KernelLinear.generation
         self.weights: list[torch.Tensor] = []
-        for layer, four in zip(self.layers, self.linears):
-            qkv, o, gate_up, down = four
+        for layer in self.layers:
+            four = qkv, o, gate_up, down = [getattr(layer, name) for name in _LINEARS]
             widths = torch.tensor([lin.out_features for lin in four], dtype=torch.long)
             ln1, ln2 = layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()
             self.weights += [ln1, qkv.packed, qkv.bias, o.packed, ln2, gate_up.packed, down.packed, widths]
