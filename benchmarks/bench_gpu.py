@@ -25,14 +25,17 @@ ALGOS = {
     "plain": None,
     "eagle3-auto": dict(algorithm="eagle3"),
     "eagle3-5-8-32": dict(algorithm="eagle3", num_steps=5, topk=8, num_draft_tokens=32),  # SGLang's large tree
+    "eagle3-3-1-4": dict(algorithm="eagle3", num_steps=3, topk=1, num_draft_tokens=4),  # a chain: the draft loop in one graph
+    "eagle3-5-1-6": dict(algorithm="eagle3", num_steps=5, topk=1, num_draft_tokens=6),
+    "eagle3-auto-adaptive": dict(algorithm="eagle3", adaptive_draft=True),  # the draft budget on (off on GPUs by default)
     "ngram": dict(algorithm="ngram"),
 }
 
 
-def settings(backends: list[str], device: str) -> list[tuple[str, str, bool]]:
+def settings(backends: list[str], device: str, eager: bool = True) -> list[tuple[str, str, bool]]:
     """(label, attention backend, graphs): triton with CUDA graphs first (the issue's target row),
-    then each backend eager."""
-    out = [(b, b, False) for b in backends]
+    then each backend eager (unless not ``eager``)."""
+    out = [(b, b, False) for b in backends] if eager else []
     if "triton" in backends and device.startswith("cuda"):
         out.insert(0, ("triton + CUDA graphs", "triton", True))
     return out
@@ -62,7 +65,8 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--model", default="demo", help="demo, tiny (a random 2-layer model: smoke runs), or a model directory")
     ap.add_argument("--backends", default="torch,triton,flashinfer")
-    ap.add_argument("--algos", default=",".join(ALGOS))
+    ap.add_argument("--algos", default="plain,eagle3-auto,eagle3-5-8-32,eagle3-3-1-4,ngram", help=f"of {', '.join(ALGOS)}")
+    ap.add_argument("--no-eager", action="store_true", help="the CUDA-graph rows only")
     ap.add_argument("--batch-sizes", default="1,16")
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--new-tokens", type=int, default=64)
@@ -96,7 +100,7 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     rows, records = [], []
     t_start = time.perf_counter()
-    for label, attention, graphs in settings(a.backends.split(","), a.device):
+    for label, attention, graphs in settings(a.backends.split(","), a.device, not a.no_eager):
         plain = {}
         for name, algo in algos.items():
             if a.deadline_s and time.perf_counter() - t_start > a.deadline_s:

@@ -49,19 +49,26 @@ class FeatureDrafter:
         self.kv = KVPool(1, layer.n_kv, layer.head_dim, num_slots, dtype=ctx.runner.kv.dtype, device=self.device)
         self.states: dict[str, _PairState] = {}
         self.graphs = None  # specfw.graphs.GraphedHead: beam steps from static buffers / CUDA graphs
+        self.chain = None  # device_chain.DeviceChain: topk=1 drafts, the whole loop in one replay
         target = getattr(ctx.runner, "graphs", None)
         if target is not None:  # the target's forwards are graphed: the draft loop's too
             self.enable_graphs(target.max_rows, target.capture)
 
     def enable_graphs(self, max_rows: int, capture: bool = True) -> bool:
         """Beam-step head forwards of up to ``max_rows`` rows from static buffers (CUDA graphs on
-        CUDA); needs the head to attend with the Triton kernel. Returns whether they are on."""
+        CUDA), and with ``topk=1`` the whole chain loop as one (``DeviceChain``); needs the head
+        to attend with the Triton kernel. Returns whether they are on."""
         from ..graphs import GraphedHead
 
         if getattr(getattr(self.layer, "backend", None), "attention", None) != "triton":
             return False
         hidden = self.layer.self_attn.o_proj.out_features
         self.graphs = GraphedHead(self.head_forward, self.kv, self.kv.allocator.num_slots, hidden, self.device, max_rows, capture)
+        if self.shape.topk == 1:  # a chain: no beam bookkeeping, so the whole draft loop is one graph
+            from .device_chain import DeviceChain
+
+            requests = max(1, max_rows // self.shape.num_draft_tokens)
+            self.chain = DeviceChain(self.head_forward, self.kv, self.kv.allocator.num_slots, hidden, self.to_target, self.device, requests, capture)
         return True
 
     # ---- subclass API -----------------------------------------------------------------------
@@ -152,6 +159,19 @@ class FeatureDrafter:
 
     def _draft(self, reqs, plan):
         logits, last_hidden = self._extend(reqs)
+        if self.chain is not None:  # topk=1 under graphs: the loop on the device, one read back
+            chains = self._chain(reqs, logits, last_hidden, plan)
+            if chains is not None:
+                return chains
+        return self._beams(reqs, logits, last_hidden, plan)
+
+    def _chain(self, reqs, logits, last_hidden, plan):
+        """``_beams``' candidates for ``topk=1`` from ``DeviceChain`` (None: the batch does not fit it)."""
+        committed = [self.states[r.rid].slots.slots() for r in reqs]
+        return self.chain.draft(committed, [r.seq_len - 2 for r in reqs], logits, last_hidden, plan.depth, plan.score_floor, plan.size - 1)
+
+    def _beams(self, reqs, logits, last_hidden, plan):
+        """The EAGLE-2 beam search from the extend pass's output at each request's root."""
 
         def step(step_chunks, parent_hidden):
             sfb = build_forward_batch(step_chunks)  # on the host: a graph copies it in at once

@@ -36,12 +36,16 @@ def test_triton_attention_with_cuda_graphs_keeps_greedy_speculative_equal_to_pla
         algos["eagle3"].config_class(
             algorithm="eagle3", draft_model_path=str(tiny_eagle_drafts["eagle3"]), aux_layers=[0, 1, 1], num_steps=3, topk=2, num_draft_tokens=6
         ),
+        algos["eagle3"].config_class(algorithm="eagle3", draft_model_path=str(tiny_eagle_drafts["eagle3"]), aux_layers=[0, 1, 1], num_steps=3, topk=1),
         algos["ngram"].config_class(algorithm="ngram"),
     ):
         with _engine(tiny_model_dir, "triton", graphs=3, spec=spec, dtype=dtype) as eng:
             assert [eng.generate([p], GREEDY)[0].token_ids for p in PROMPTS] == ref, f"{spec.algorithm}: batch 1"
             assert [o.token_ids for o in eng.generate(PROMPTS, GREEDY)] == ref, f"{spec.algorithm}: batch 3"
             assert eng.runner.graphs.replays > 0 and eng.stats.verify_forwards > 0
+            if spec.algorithm == "eagle3" and spec.topk == 1:  # the whole draft loop captured: a graph per (requests bucket, depth)
+                chain = eng.worker.runtime.chain
+                assert chain.replays > 0 and chain.entries and all(e.graph is not None for e in chain.entries.values())
 
 
 @pytest.mark.parametrize("attention", ["torch", "flashinfer"])

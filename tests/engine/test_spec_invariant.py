@@ -287,6 +287,47 @@ def test_static_graph_forwards_equal_eager_forwards(name, tiny_model_dir, tiny_d
             assert any(checked) and not all(checked)  # extend passes and beam steps both served from static buffers
 
 
+@pytest.mark.parametrize("name", ["eagle3", "eagle"])
+def test_device_chain_drafts_what_beam_search_drafts(name, tiny_model_dir, tiny_draft_dir, tiny_eagle_drafts, prompts, triton_plain_reference):
+    """topk=1 under graphs: the whole draft loop from static buffers (``DeviceChain``, run eagerly
+    here: capture needs CUDA) proposes, for every request of every step, the tokens, parents and
+    scores beam search proposes from the same extend output (eagle3's draft vocabulary mapped on
+    the device, eagle's full one), including the score-floor cut; greedy output == plain, batch
+    1 and 2."""
+    from specfw.engine import Engine
+    from specfw.speculative.device_chain import _candidates
+
+    spec = plugin_manager().algorithms[name].config_class(algorithm=name, draft_model_path=str(tiny_eagle_drafts[name]), num_steps=4, topk=1)
+    if name == "eagle3":
+        spec.aux_layers = [0, 1, 1]
+    with Engine(
+        make_cfg(model_path=str(tiny_model_dir), model_attention_backend="triton", max_total_tokens=2048, max_running_requests=2, speculative=spec)
+    ) as eng:
+        eng.runner.enable_graphs(max_rows=2 * eng.tree_shape.num_draft_tokens, capture=False)
+        drafter = eng.worker.runtime
+        assert drafter.enable_graphs(2 * eng.tree_shape.num_draft_tokens, capture=False) and drafter.chain is not None
+        compared = []
+        chain_draft = drafter._chain
+
+        def chain_and_check(reqs, logits, hidden, plan):
+            got = chain_draft(reqs, logits, hidden, plan)
+            ref = drafter._beams(reqs, logits, hidden, plan)
+            for g, r in zip(got, ref):
+                assert g.tokens.tolist() == r.tokens.tolist() and g.parents.tolist() == r.parents.tolist()
+                assert torch.allclose(g.scores, r.scores, atol=1e-5)
+            compared.append(len(reqs))
+            return got
+
+        drafter._chain = chain_and_check
+        assert [eng.generate([p], TRITON_GREEDY)[0].token_ids for p in prompts[:2]] == triton_plain_reference, f"{name}: batch 1 diverged"
+        assert [o.token_ids for o in eng.generate(prompts[:2], TRITON_GREEDY)] == triton_plain_reference, f"{name}: batch 2 diverged"
+        assert drafter.chain.replays == len(compared) > 0 and 2 in compared and eng.stats.accepted_draft_tokens > 0
+    # the cut: a node exists while its parent scored at least the floor and the keep-th best so far
+    assert _candidates([5, 6, 7, 8], [-0.1, -0.2, -3.0, -0.1], -1.0, None).tokens.tolist() == [5, 6, 7]
+    assert _candidates([5, 6, 7, 8], [-0.1, -0.2, -0.3, -0.1], float("-inf"), 2).parents.tolist() == [-1, 0, 1]  # node 3's parent is below the 2nd best
+    assert _candidates([5, 6, 7], [-0.1, -0.2, -0.3], float("-inf"), None).scores.tolist() == pytest.approx([-0.1, -0.3, -0.6])
+
+
 def test_graph_buckets_and_settings():
     from specfw.graphs import buckets, graph_rows
     from specfw.config import EngineConfig
