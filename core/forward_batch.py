@@ -61,6 +61,10 @@ class ForwardBatch:
     logits_indices: torch.Tensor | None = None  # rows of the hidden states that need logits; None = all
     capture_layers: tuple[int, ...] = field(default_factory=tuple)  # hidden states entering these layers
     attn_plan: object | None = None  # filled by the model once per forward (backend.plan_attention); called per layer
+    # every row's logits are read only for their argmax (first index on ties): the model may return
+    # rows whose argmax, and the value there, are the full product's and whose other entries are
+    # -inf (Backend.greedy_head); set by the workers for greedy rows without logprobs or penalties
+    greedy_only: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -74,7 +78,8 @@ class ForwardBatch:
         def move(t):
             return None if t is None else t.to(device, non_blocking=True)
 
-        return ForwardBatch(move(self.input_ids), move(self.positions), move(self.out_slots), self.seqs, move(self.logits_indices), self.capture_layers)
+        ids, pos, slots, rows = (move(t) for t in (self.input_ids, self.positions, self.out_slots, self.logits_indices))
+        return ForwardBatch(ids, pos, slots, self.seqs, rows, self.capture_layers, greedy_only=self.greedy_only)
 
 
 @dataclass

@@ -87,6 +87,8 @@ def backend_from_config(engine_cfg, device: torch.device, cfg=None) -> Backend:
         act,
     )
     backend.set_attention(attention, None if draft_attention is None else str(draft_attention))
+    if hasattr(backend, "greedy_heads"):
+        backend.greedy_heads = bool(getattr(engine_cfg, "cpu_greedy_head", True))
     if backend.attention == "flashinfer" and engine_cfg.batch_invariant:
         logger.warning(
             "model.attention_backend=flashinfer is not batch invariant: greedy speculative output can differ from plain at near-ties "

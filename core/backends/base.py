@@ -99,6 +99,12 @@ class Backend:
         ``accepts`` (``KernelLayers``: same bits as the per-layer path), or None: the per-layer path."""
         return None
 
+    def greedy_head(self, model: nn.Module):
+        """A callable for ``model``'s lm_head over rows read only for their argmax
+        (``ForwardBatch.greedy_only``): logits whose argmax and the value there are the full
+        product's, other entries -inf (``GreedyHead``), or None: the full lm_head."""
+        return None
+
     def top_logprobs(self, logits: torch.Tensor, k: int) -> torch.Tensor:
         """Each row's ``k`` best log-softmax values and their ids (as floats: exact below 2^24),
         best first, as one ``[2, rows, k]`` tensor: the draft loop reads it back in one copy."""

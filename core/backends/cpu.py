@@ -29,6 +29,7 @@ from ..cpu_linear import DotBF16Linear, bf16_kernel_available
 from ..invariance import measure_linears
 from . import huge_pages
 from .base import Backend, HeadShape
+from .greedy_head import GreedyHead
 from .kernel_attention import KernelAttentionPlan
 from .kernel_layers import KernelLayers
 from .kernel_linear import KernelLinear
@@ -40,6 +41,7 @@ from .quant_linear import QuantLinear, quantize, supports
 class CpuBackend(Backend):
     name = "cpu"
     one_call_layers = True  # decoder_stack: all layers in one kernel call where they qualify (False: per layer, for A/B runs)
+    greedy_heads = True  # greedy_head: greedy rows' lm_head through a bf16 copy and exact candidates (engine.cpu_greedy_head)
 
     def __init__(
         self,
@@ -149,6 +151,17 @@ class CpuBackend(Backend):
         stack = KernelLayers(self.ops, model.layers) if KernelLayers.eligible(self.ops, model.layers) else None
         model.__dict__["_kernel_layers"] = (self.ops, stack)
         return stack
+
+    def greedy_head(self, model):
+        # built once per model (56 MB: the bf16 copy), rebuilt if the head's packed weight was replaced
+        if not self.greedy_heads:
+            return None
+        entry = model.__dict__.get("_greedy_head")
+        if entry is not None and entry[0] is self.ops and (entry[1] is None or entry[1].current()):
+            return entry[1]
+        head = GreedyHead(self.ops, model.lm_head) if GreedyHead.eligible(model.lm_head) else None
+        model.__dict__["_greedy_head"] = (self.ops, head)
+        return head
 
     def top_logprobs(self, logits, k):
         # one kernel call (~9 us for 4 rows of 8,192 on AVX-512) instead of log_softmax + topk +

@@ -810,6 +810,55 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<torch::Te
   return captured;
 }
 
+// Logits of greedy rows from a cheaper copy of an fp32 weight (the lm_head), exact where it
+// matters: y_v = x . w_v is bracketed by the proxy p_v = x . w'_v (w' the weight rounded to bf16:
+// half the bytes) as |y_v - p_v| <= |x| * bound_v, bound_v >= |w_v - w'_v| + gamma * (|w_v| + |w'_v|)
+// (Cauchy-Schwarz, plus both fp32 sums' rounding: gamma = (K + 2) u / (1 - (K + 2) u), any order,
+// with or without FMA; computed by the caller). Every v whose upper end reaches the largest lower
+// end may be the argmax; those are recomputed from the fp32 weight with the same tile as linear()
+// (one FMA chain per output in k order: the full product's bits); every other entry is -inf. So a
+// row's argmax (first index on ties: every maximal v is a candidate) and the value there are the
+// full product's. A row with a non-finite proxy gets every output computed exactly.
+torch::Tensor greedy_logits(torch::Tensor x, torch::Tensor proxy, torch::Tensor full, torch::Tensor bound, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "greedy_logits: fp32 x [M, K]");
+  TORCH_CHECK(full.scalar_type() == torch::kFloat32 && proxy.sizes() == full.sizes() && bound.numel() >= N, "greedy_logits: weights");
+  const int64_t M = x.size(0), K = x.size(1), NB = full.size(0);
+  auto xc = x.contiguous();
+  auto p = linear(xc, proxy, N, torch::empty({0}, xc.options()));
+  auto y = torch::full({M, N}, -std::numeric_limits<float>::infinity(), xc.options());
+  const float *X = xc.data_ptr<float>(), *P = p.data_ptr<float>(), *C = bound.data_ptr<float>(), *F = full.data_ptr<float>();
+  float* Y = y.data_ptr<float>();
+  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+    float part[kBlock];
+    for (int64_t m = m0; m < m1; ++m) {
+      const float *xr = X + m * K, *pr = P + m * N;
+      double nx = 0;
+      for (int64_t k = 0; k < K; ++k) nx += double(xr[k]) * xr[k];
+      nx = std::sqrt(nx) * (1 + 1e-12);
+      double lo = -std::numeric_limits<double>::infinity(), mag = 0;
+      bool finite = std::isfinite(nx);
+      for (int64_t v = 0; v < N && finite; ++v) {
+        const double r = nx * C[v];
+        lo = std::max(lo, pr[v] - r);
+        mag = std::max(mag, std::abs(double(pr[v])) + r);
+        finite = std::isfinite(pr[v]);
+      }
+      const double cut = lo - 1e-12 * mag;   // the double arithmetic's rounding, generously
+      int64_t done = -1;                       // the last block recomputed for this row
+      for (int64_t v = 0; v < N; ++v) {
+        if (finite && pr[v] + nx * C[v] < cut) continue;
+        const int64_t b = v / kBlock;
+        if (b != done) {
+          tile<1, 1, false>(F + b * K * kBlock, K, 0, K, xr, part, F, 1, 0);
+          done = b;
+        }
+        Y[m * N + v] = part[v - b * kBlock];
+      }
+    }
+  });
+  return y;
+}
+
 std::string isa() { return SPECFW_ISA; }
 
 }  // namespace
@@ -827,5 +876,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_write", &rope_write, "rope on q and k heads; k and v written to the KV pool; returns q", nogil);
   m.def("silu_mul", &silu_mul, "silu(gate) * up", nogil);
   m.def("decoder_layers", &decoder_layers, "every decoder layer over decode/tree rows in one call (the per-op path's bits)", nogil);
+  m.def("greedy_logits", &greedy_logits, "greedy rows' logits: exact at every possible argmax, -inf elsewhere", nogil);
   m.def("top_logprobs", &top_logprobs, "each row's k best log-softmax values and ids, [2, rows, k]", nogil);
 }

@@ -143,7 +143,8 @@ class LlamaModel(nn.Module):
         captured[len(self.layers)] = x
         aux = [captured[i] for i in fb.capture_layers]  # in the requested order (ids may repeat)
         sel = hidden if fb.logits_indices is None else hidden.index_select(0, fb.logits_indices)
-        logits = self.lm_head(self.norm(sel)).float()
+        greedy = backend.greedy_head(self) if fb.greedy_only else None
+        logits = greedy(self.norm(sel)) if greedy is not None else self.lm_head(self.norm(sel)).float()
         return ForwardOutput(logits=logits, hidden=hidden, aux_hidden=aux)
 
     def head_shape(self, dtype: torch.dtype) -> HeadShape:

@@ -1,0 +1,119 @@
+"""Greedy rows' lm_head through a bf16 copy and a per-logit bound (``GreedyHead``,
+``cpu_ops.greedy_logits``): the argmax (first index on ties) and the logit there are the full fp32
+product's bit for bit, every finite entry is exact, the rest -inf; the bound holds; rows of
+requests that need whole logits (sampling, logprobs) never take it. The portable build
+everywhere, each ISA build where the CPU has it."""
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from conftest import make_cfg
+from specfw.backends.greedy_head import GreedyHead
+from specfw.backends.kernel_linear import KernelLinear
+from specfw.kernels import ISAS, cpu_ops, isa_supported
+from specfw.sampling import SamplingParams
+
+
+def _isas():
+    return [pytest.param(i, marks=pytest.mark.skipif(not isa_supported(i), reason=f"this CPU lacks {i}")) for i in ISAS]
+
+
+def _head(isa, weight):
+    ops = cpu_ops(isa)
+    if ops is None:
+        pytest.skip("the CPU kernels cannot be built here")
+    lin = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
+    lin.weight.data = weight
+    kl = KernelLinear(lin, ops, isa)
+    return kl, GreedyHead(ops, kl)
+
+
+def _check(kl, head, x):
+    full = kl(x).numpy()
+    got = head(x).numpy()
+    fin = np.isfinite(got)
+    assert (got[fin] == full[fin]).all()  # every finite entry is the full product's, bit for bit
+    assert (np.argmax(got, 1) == np.argmax(full, 1)).all()
+    assert (got.max(1) == full.max(1)).all()
+    return fin.sum(1)
+
+
+@pytest.mark.parametrize("isa", _isas())
+def test_greedy_logits_keep_the_full_products_argmax_and_value(isa):
+    g = torch.Generator().manual_seed(0)
+    V, K = 1003, 96  # not a whole number of 16-output blocks
+    w = torch.randn(V, K, generator=g) * 0.1
+    w[700] = w[20]  # an exact tie: the first index must win
+    w[701] = w[20] * (1 - 2**-20)  # a near-tie inside the bf16 copy's error
+    kl, head = _head(isa, w)
+    rows = torch.randn(9, K, generator=g)
+    rows[3] = w[20] * 7  # the argmax is the tied pair's first index
+    for T in (1, 2, 9):  # one row (its own kernel path), a pair, a multi-row tile
+        counts = _check(kl, head, rows[:T].contiguous())
+        assert counts.min() >= 1 and counts.mean() < V / 4  # few candidates recomputed
+    assert int(np.argmax(head(rows[3:4]).numpy())) == 20
+    small = rows[:4] * 1e-3  # the bound spans most logits: many candidates, still exact
+    _check(kl, head, small)
+    bad = rows[:2].clone()
+    bad[1, 5] = float("inf")  # a non-finite row: every entry computed exactly
+    got, full = head(bad).numpy(), kl(bad).numpy()
+    assert np.array_equal(got[1], full[1], equal_nan=True) and (np.argmax(got, 1) == np.argmax(full, 1)).all()
+
+
+@pytest.mark.parametrize("isa", _isas())
+def test_the_bound_brackets_every_logit(isa):
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(500, 576, generator=g) * 0.05
+    kl, head = _head(isa, w)
+    x = torch.randn(6, 576, generator=g) * 3
+    full = kl(x).double()
+    proxy = cpu_ops(isa).linear(x, head.proxy, 500, torch.empty(0)).double()
+    slack = x.double().norm(dim=1, keepdim=True) * head.bound.double()[None]
+    assert ((full - proxy).abs() <= slack).all()
+    assert (slack < 0.1 * full.abs().max()).all()  # and it is tight enough to leave few candidates
+
+
+def test_only_fp32_heads_without_bias_qualify():
+    ops = cpu_ops()
+    if ops is None:
+        pytest.skip("the CPU kernels cannot be built here")
+    assert GreedyHead.eligible(KernelLinear(nn.Linear(32, 48, bias=False), ops, "x"))
+    assert not GreedyHead.eligible(KernelLinear(nn.Linear(32, 48, bias=True), ops, "x"))
+    assert not GreedyHead.eligible(KernelLinear(nn.Linear(32, 48, bias=False).bfloat16(), ops, "x"))
+    assert not GreedyHead.eligible(nn.Linear(32, 48, bias=False))
+
+
+def test_greedy_requests_take_it_and_others_get_whole_rows(tiny_model_dir, tiny_spec_prompts, monkeypatch):
+    """Plain and speculative engines: greedy requests' forwards go through the greedy head with the
+    same tokens as without it; a request asking for logprobs (or sampling) gets whole rows, so its
+    logprobs are those of the full head."""
+    from specfw.engine import Engine
+    from specfw.plugins import plugin_manager
+
+    if cpu_ops() is None:
+        pytest.skip("the CPU kernels cannot be built here")
+    calls = []
+    real = GreedyHead.__call__
+    monkeypatch.setattr(GreedyHead, "__call__", lambda self, x: calls.append(x.shape[0]) or real(self, x))
+    greedy = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+    with_lp = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True, logprobs=True, top_logprobs=2)
+    prompts = tiny_spec_prompts[:2]
+    ngram = plugin_manager().algorithms["ngram"].config_class(algorithm="ngram")
+    for spec in (None, ngram):
+        out = {}
+        for on in (False, True):
+            with Engine(make_cfg(model_path=str(tiny_model_dir), max_total_tokens=2048, cpu_greedy_head=on, speculative=spec)) as eng:
+                calls.clear()
+                tokens = [o.token_ids for o in eng.generate(prompts, greedy)]
+                used = len(calls)
+                calls.clear()
+                req = eng.add_request(eng.make_request(prompts[0], with_lp))
+                lps = []
+                while eng.has_work:
+                    lps += [t.logprob for o in eng.step() for t in o.logprobs]
+                out[on] = (tokens, list(req.output_ids), lps, used, len(calls))
+        assert out[True][:3] == out[False][:3] and len(out[True][2]) == 6, f"{spec}: the greedy head changed an output"
+        assert out[True][3] > 0 and out[False][3] == 0  # greedy forwards took it only when on
+        assert out[True][4] == 0  # the logprobs request's forwards never did
