@@ -29,6 +29,7 @@ PHASES = [
     ("draft (hook)", "worker decode"),
     ("extend pass", "draft (hook)"),
     ("beam search", "draft (hook)"),
+    ("device chain: extend + loop, one replay", "draft (hook)"),
     ("build tree (hook)", "worker decode"),
     ("target forward", "worker decode"),
     ("verify (hook)", "worker decode"),
@@ -67,7 +68,7 @@ class Phases:
 
     def install(self, engine) -> None:
         from specfw import graphs
-        from specfw.speculative import feature_drafter
+        from specfw.speculative import device_chain, feature_drafter
 
         worker = engine.worker
         run = worker.run
@@ -112,6 +113,7 @@ class Phases:
             )
             feature_drafter.FeatureDrafter._extend = self.wrap("extend pass", feature_drafter.FeatureDrafter._extend)
             feature_drafter.beam_search = self.wrap("beam search", feature_drafter.beam_search)
+            device_chain.DeviceChain.draft = self.wrap("device chain: extend + loop, one replay", device_chain.DeviceChain.draft)
 
     def table(self) -> list[tuple[str, float, float]]:
         """(phase, ms per decode step, share of the step) for every phase seen, children indented."""

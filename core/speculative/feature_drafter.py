@@ -68,7 +68,7 @@ class FeatureDrafter:
             from .device_chain import DeviceChain
 
             requests = max(1, max_rows // self.shape.num_draft_tokens)
-            self.chain = DeviceChain(self.head_forward, self.kv, self.kv.allocator.num_slots, hidden, self.to_target, self.device, requests, capture)
+            self.chain = DeviceChain(self.head_forward, self.kv, self.kv.allocator.num_slots, hidden, self.to_target, self.device, requests, max_rows, capture)
         return True
 
     # ---- subclass API -----------------------------------------------------------------------
@@ -134,6 +134,12 @@ class FeatureDrafter:
     def _extend_rows(self, reqs):
         """``_extend``'s forward: (logits at each request's last pair, output hidden of every pair,
         the ForwardBatch, whose ``seqs`` give each request's rows)."""
+        return self._run_extend(*self._extend_batch(reqs))
+
+    def _extend_batch(self, reqs):
+        """The extend pass's inputs, each request's pending pairs' draft KV slots allocated and
+        recorded: (host ForwardBatch whose ``logits_indices`` are each request's last pair, the
+        pairs' projected features)."""
         chunks, feats = [], []
         for r in reqs:
             st = self.states[r.rid]
@@ -148,7 +154,9 @@ class FeatureDrafter:
             st.slots.append(slots)
             feats.append(f)
         fb = build_forward_batch(chunks, last_only=True)  # on the host: a graph copies it in at once
-        features = self.project_features(torch.cat(feats))
+        return fb, self.project_features(torch.cat(feats))
+
+    def _run_extend(self, fb, features):
         if self.graphs is not None:  # a step's few accepted pairs fit a graph; a prompt's do not
             out = self.graphs.run(fb, features)
             if out is not None:
@@ -158,17 +166,21 @@ class FeatureDrafter:
         return logits, hidden, fb
 
     def _draft(self, reqs, plan):
-        logits, last_hidden = self._extend(reqs)
-        if self.chain is not None:  # topk=1 under graphs: the loop on the device, one read back
-            chains = self._chain(reqs, logits, last_hidden, plan)
+        if self.chain is not None:  # topk=1 under graphs: the extend pass and the whole chain in one replay, one read back
+            fb, features = self._extend_batch(reqs)
+            chains = self._chain(reqs, fb, features, plan)
             if chains is not None:
                 return chains
+            logits, hidden, fb = self._run_extend(fb, features)
+            return self._beams(reqs, logits, hidden[fb.logits_indices.to(hidden.device)], plan)
+        logits, last_hidden = self._extend(reqs)
         return self._beams(reqs, logits, last_hidden, plan)
 
-    def _chain(self, reqs, logits, last_hidden, plan):
-        """``_beams``' candidates for ``topk=1`` from ``DeviceChain`` (None: the batch does not fit it)."""
+    def _chain(self, reqs, extend, features, plan):
+        """``_beams``' candidates for ``topk=1`` from ``DeviceChain``, the extend pass included
+        (None: the batch does not fit it; the extend has not run)."""
         committed = [self.states[r.rid].slots.slots() for r in reqs]
-        return self.chain.draft(committed, [r.seq_len - 2 for r in reqs], logits, last_hidden, plan.depth, plan.score_floor, plan.size - 1)
+        return self.chain.draft(extend, features, committed, [r.seq_len - 2 for r in reqs], plan.depth, plan.score_floor, plan.size - 1)
 
     def _beams(self, reqs, logits, last_hidden, plan):
         """The EAGLE-2 beam search from the extend pass's output at each request's root."""

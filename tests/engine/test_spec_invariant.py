@@ -289,9 +289,9 @@ def test_static_graph_forwards_equal_eager_forwards(name, tiny_model_dir, tiny_d
 
 @pytest.mark.parametrize("name", ["eagle3", "eagle"])
 def test_device_chain_drafts_what_beam_search_drafts(name, tiny_model_dir, tiny_draft_dir, tiny_eagle_drafts, prompts, triton_plain_reference):
-    """topk=1 under graphs: the whole draft loop from static buffers (``DeviceChain``, run eagerly
-    here: capture needs CUDA) proposes, for every request of every step, the tokens, parents and
-    scores beam search proposes from the same extend output (eagle3's draft vocabulary mapped on
+    """topk=1 under graphs: the extend pass and the whole draft loop from static buffers
+    (``DeviceChain``, run eagerly here: capture needs CUDA) propose, for every request of every
+    step, the tokens, parents and scores beam search proposes from the same extend output (eagle3's draft vocabulary mapped on
     the device, eagle's full one), including the score-floor cut; greedy output == plain, batch
     1 and 2."""
     from specfw.engine import Engine
@@ -309,9 +309,10 @@ def test_device_chain_drafts_what_beam_search_drafts(name, tiny_model_dir, tiny_
         compared = []
         chain_draft = drafter._chain
 
-        def chain_and_check(reqs, logits, hidden, plan):
-            got = chain_draft(reqs, logits, hidden, plan)
-            ref = drafter._beams(reqs, logits, hidden, plan)
+        def chain_and_check(reqs, extend, features, plan):
+            got = chain_draft(reqs, extend, features, plan)
+            logits, hidden, fb = drafter._run_extend(extend, features)  # the same extend again: the same KV written
+            ref = drafter._beams(reqs, logits, hidden[fb.logits_indices], plan)
             for g, r in zip(got, ref):
                 assert g.tokens.tolist() == r.tokens.tolist() and g.parents.tolist() == r.parents.tolist()
                 assert torch.allclose(g.scores, r.scores, atol=1e-5)
