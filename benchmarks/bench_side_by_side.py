@@ -10,7 +10,7 @@ greedy output equals the plain engine's.
         plain= eagle=algorithm=eagle "eagle full=algorithm=eagle,token_map=full"
 
 A configuration is ``name=key=value,key=value`` over the speculative keys (``algorithm`` first;
-nothing after the name = plain decoding). ``--dtype``, ``--batch`` (requests in flight) and
+nothing after the name = plain decoding) and ``engine.*`` keys (e.g. ``engine.cpu_greedy_head=False``). ``--dtype``, ``--batch`` (requests in flight) and
 ``--max-new-tokens`` apply to all.
 
 ``backend=hf`` makes a row of Hugging Face transformers' ``generate`` on the same checkpoint and
@@ -52,13 +52,14 @@ def make_engine(kw: dict, dtype: str, batch: int, threads: int):
     from specfw.engine import Engine
     from specfw.plugins import plugin_manager
 
+    kw = dict(kw)
+    engine = {k.removeprefix("engine."): kw.pop(k) for k in list(kw) if k.startswith("engine.")}
     spec = SpeculativeConfig()
     if kw:
-        kw = dict(kw)
         algo = kw.pop("algorithm")
         spec = plugin_manager().algorithms[algo].config_class(algorithm=algo, **kw)
         spec.validate()
-    return Engine(SpecfwConfig(model=ModelConfig(dtype=dtype), speculative=spec, engine=EngineConfig(num_threads=threads, max_running_requests=batch)))
+    return Engine(SpecfwConfig(model=ModelConfig(dtype=dtype), speculative=spec, engine=EngineConfig(num_threads=threads, max_running_requests=batch, **engine)))
 
 
 class HFGenerate:
