@@ -59,7 +59,8 @@ def make_engine(kw: dict, dtype: str, batch: int, threads: int):
         algo = kw.pop("algorithm")
         spec = plugin_manager().algorithms[algo].config_class(algorithm=algo, **kw)
         spec.validate()
-    return Engine(SpecfwConfig(model=ModelConfig(dtype=dtype), speculative=spec, engine=EngineConfig(num_threads=threads, max_running_requests=batch, **engine)))
+    engine = EngineConfig(num_threads=threads, max_running_requests=batch, **engine)
+    return Engine(SpecfwConfig(model=ModelConfig(dtype=dtype), speculative=spec, engine=engine))
 
 
 class HFGenerate:

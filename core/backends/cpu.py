@@ -141,27 +141,26 @@ class CpuBackend(Backend):
         return self.ops if dtype in (torch.float32, torch.bfloat16) and intermediate % 16 == 0 else None
 
     def decoder_stack(self, model):
-        # built once per model, rebuilt if a layer's weight was replaced since; None (the per-layer
-        # path) where a layer has a linear of another kind (quantized, bf16_dot, AMX)
+        # None (the per-layer path) where a layer has a linear of another kind (quantized, bf16_dot, AMX)
         if not self.one_call_layers:
             return None
-        entry = model.__dict__.get("_kernel_layers")
-        if entry is not None and entry[0] is self.ops and (entry[1] is None or entry[1].current()):
-            return entry[1]
-        stack = KernelLayers(self.ops, model.layers) if KernelLayers.eligible(self.ops, model.layers) else None
-        model.__dict__["_kernel_layers"] = (self.ops, stack)
-        return stack
+        return self._per_model(model, "_kernel_layers", lambda: KernelLayers(self.ops, model.layers) if KernelLayers.eligible(self.ops, model.layers) else None)
 
     def greedy_head(self, model):
-        # built once per model (56 MB: the bf16 copy), rebuilt if the head's packed weight was replaced
+        # 56 MB on the demo target: the bf16 copy of its head
         if not self.greedy_heads:
             return None
-        entry = model.__dict__.get("_greedy_head")
+        return self._per_model(model, "_greedy_head", lambda: GreedyHead(self.ops, model.lm_head) if GreedyHead.eligible(model.lm_head) else None)
+
+    def _per_model(self, model, key: str, build):
+        """What ``build()`` makes for ``model``, kept in its ``__dict__`` under ``key``: built once
+        per model and kernel build, rebuilt when its ``current()`` says a weight was replaced."""
+        entry = model.__dict__.get(key)
         if entry is not None and entry[0] is self.ops and (entry[1] is None or entry[1].current()):
             return entry[1]
-        head = GreedyHead(self.ops, model.lm_head) if GreedyHead.eligible(model.lm_head) else None
-        model.__dict__["_greedy_head"] = (self.ops, head)
-        return head
+        made = build()
+        model.__dict__[key] = (self.ops, made)
+        return made
 
     def top_logprobs(self, logits, k):
         # one kernel call (~9 us for 4 rows of 8,192 on AVX-512) instead of log_softmax + topk +

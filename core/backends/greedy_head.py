@@ -48,8 +48,8 @@ class GreedyHead:
         return isinstance(lm_head, KernelLinear) and lm_head.packed.dtype == torch.float32 and lm_head.bias.numel() == 0 and not lm_head._padded
 
     def current(self) -> bool:
-        """Still the head's weight (a relocation or a swap replaces ``packed``)."""
-        return self.lm_head.packed is self.full
+        """Still the head's weight (a relocation or a swap replaces ``packed``), still unpadded."""
+        return self.lm_head.packed is self.full and not self.lm_head._padded
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [T, K] normed hidden rows -> [T, V] fp32: the full product's values at every
