@@ -116,11 +116,13 @@ def build_forward_batch(
     chunks: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]],
     last_only: bool = False,
     capture_layers: tuple[int, ...] = (),
+    greedy_only: bool = False,
 ) -> ForwardBatch:
     """Assemble a ForwardBatch from per-sequence chunks.
 
     Each chunk is ``(new_ids, positions, new_slots, prefix_slots, tree_mask)``. With
-    ``last_only`` only the last token of every sequence gets logits (prefill)."""
+    ``last_only`` only the last token of every sequence gets logits (prefill); ``greedy_only``:
+    see ``ForwardBatch``."""
     ids, pos, slots, seqs, last = [], [], [], [], []
     start = 0
     for new_ids, positions, new_slots, prefix_slots, tree_mask in chunks:
@@ -138,4 +140,5 @@ def build_forward_batch(
         seqs=seqs,
         logits_indices=torch.tensor(last, dtype=torch.long) if last_only else None,
         capture_layers=capture_layers,
+        greedy_only=greedy_only,
     )

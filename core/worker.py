@@ -21,12 +21,6 @@ def argmax_only(reqs: list[Request]) -> bool:
     return all(r.params.greedy and not r.params.has_penalties and not r.params.logprobs for r in reqs)
 
 
-def greedy_only(fb, reqs: list[Request]):
-    """``fb`` with ``greedy_only`` set where ``argmax_only(reqs)``."""
-    fb.greedy_only = argmax_only(reqs)
-    return fb
-
-
 def sample_rows(logits: torch.Tensor, reqs: list[Request]) -> list[tuple[int, TokenLogprob | None]]:
     """Sample one token per row of logits [B, V]."""
     if argmax_only(reqs):
@@ -59,7 +53,7 @@ class PlainWorker:
         return self.prefill(batch) if batch.is_prefill else self.decode(batch)
 
     def prefill(self, batch: ScheduledBatch) -> list[StepResult]:
-        out = self.runner.forward(greedy_only(build_forward_batch(prefill_chunks(batch), last_only=True), batch.reqs))
+        out = self.runner.forward(build_forward_batch(prefill_chunks(batch), last_only=True, greedy_only=argmax_only(batch.reqs)))
         return prefill_results(sample_rows(out.logits, batch.reqs), batch)
 
     def decode(self, batch: ScheduledBatch) -> list[StepResult]:
@@ -67,7 +61,7 @@ class PlainWorker:
             (torch.tensor(r.seq_ids[-1:], dtype=torch.long), torch.tensor([r.num_cached]), slots[:1], r.slots.slots(), None)
             for r, slots in zip(batch.reqs, batch.new_slots)
         ]
-        out = self.runner.forward(greedy_only(build_forward_batch(chunks), batch.reqs))
+        out = self.runner.forward(build_forward_batch(chunks, greedy_only=argmax_only(batch.reqs)))
         return [StepResult([t], [0], logprobs=[lp] if lp else []) for t, lp in sample_rows(out.logits, batch.reqs)]
 
     def release(self, req: Request) -> None:

@@ -822,7 +822,7 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<torch::Te
 torch::Tensor greedy_logits(torch::Tensor x, torch::Tensor proxy, torch::Tensor full, torch::Tensor bound, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "greedy_logits: fp32 x [M, K]");
   TORCH_CHECK(full.scalar_type() == torch::kFloat32 && proxy.sizes() == full.sizes() && bound.numel() >= N, "greedy_logits: weights");
-  const int64_t M = x.size(0), K = x.size(1), NB = full.size(0);
+  const int64_t M = x.size(0), K = x.size(1);
   auto xc = x.contiguous();
   auto p = linear(xc, proxy, N, torch::empty({0}, xc.options()));
   auto y = torch::full({M, N}, -std::numeric_limits<float>::infinity(), xc.options());

@@ -56,8 +56,8 @@ class DeviceChain:
     CUDA; eagerly on the same buffers without ``capture``: the tests). ``head``: the drafter's
     ``head_forward``; ``to_target``: draft-vocabulary index -> target id (host tensor, or None)."""
 
-    def __init__(self, head, kv, num_slots: int, hidden: int, to_target, device: torch.device, max_requests: int, max_rows: int, capture: bool = True):
-        self.head, self.kv, self.num_slots, self.hidden = head, kv, num_slots, hidden
+    def __init__(self, head, kv, num_slots: int, to_target, device: torch.device, max_requests: int, max_rows: int, capture: bool = True):
+        self.head, self.kv, self.num_slots = head, kv, num_slots
         self.device, self.max_requests, self.max_rows = device, max_requests, max_rows
         self.buckets, self.row_buckets = buckets(max_requests), buckets(max_rows)
         self.to_target = None if to_target is None else to_target.to(device)

@@ -68,7 +68,7 @@ class FeatureDrafter:
             from .device_chain import DeviceChain
 
             requests = max(1, max_rows // self.shape.num_draft_tokens)
-            self.chain = DeviceChain(self.head_forward, self.kv, self.kv.allocator.num_slots, hidden, self.to_target, self.device, requests, max_rows, capture)
+            self.chain = DeviceChain(self.head_forward, self.kv, self.kv.allocator.num_slots, self.to_target, self.device, requests, max_rows, capture)
         return True
 
     # ---- subclass API -----------------------------------------------------------------------

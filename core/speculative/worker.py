@@ -31,7 +31,7 @@ from ..request import Request
 from ..sampling import TokenLogprob, greedy_tokens
 from ..scheduler import ScheduledBatch
 from ..step import StepResult
-from ..worker import argmax_only, greedy_only, prefill_chunks, prefill_results, sample_rows
+from ..worker import argmax_only, prefill_chunks, prefill_results, sample_rows
 from . import defaults
 from .config import resolve_tree_shape
 from .merge import merge_candidates
@@ -125,7 +125,7 @@ class SpeculativeWorker:
         for c in chunks:
             spans.append((start, int(c[0].numel())))
             start += int(c[0].numel())
-        fb = greedy_only(build_forward_batch(chunks, last_only=True, capture_layers=self.ctx.capture_layers), batch.reqs)
+        fb = build_forward_batch(chunks, last_only=True, capture_layers=self.ctx.capture_layers, greedy_only=argmax_only(batch.reqs))
         out = self.runner.forward(fb)
         sampled = sample_rows(out.logits, batch.reqs)
         self.hook.specfw_on_prefill(ctx=self.ctx, reqs=batch.reqs, hidden=out.hidden, aux_hidden=out.aux_hidden, spans=spans)
@@ -178,9 +178,7 @@ class SpeculativeWorker:
             (torch.tensor(r.seq_ids[-1:], dtype=torch.long), torch.tensor([r.seq_len - 1]), slots[:1], r.slots.slots(), None)
             for r, slots in zip(reqs, batch.new_slots)
         ]
-        fb = build_forward_batch(chunks, capture_layers=self.ctx.capture_layers)
-        fb.greedy_only = True  # every request is _plain_greedy here
-        out = self.runner.forward(fb)
+        out = self.runner.forward(build_forward_batch(chunks, capture_layers=self.ctx.capture_layers, greedy_only=True))  # all _plain_greedy
         results = [VerifyResult([0], [t], 0, node_rows=torch.tensor([i])) for i, t in enumerate(greedy_tokens(out.logits))]
         self.hook.specfw_on_accept(ctx=self.ctx, reqs=reqs, results=results, hidden=out.hidden, aux_hidden=out.aux_hidden)
         self.hook.specfw_observe_step(ctx=self.ctx, reqs=reqs, results=results)
@@ -194,9 +192,8 @@ class SpeculativeWorker:
             if len(t) > slots.numel():
                 raise RuntimeError(f"algorithm '{self.algorithm}': a tree of {len(t)} nodes exceeds num_draft_tokens={slots.numel()}")
             chunks.append((t.tokens, r.seq_len - 1 + t.depth, slots[: len(t)], r.slots.slots(), t.mask if len(t) > 1 else None))
-        fb = build_forward_batch(chunks, capture_layers=self.ctx.capture_layers)
-        fb.greedy_only = self.default_verify and argmax_only(reqs)  # the core's greedy walk reads argmaxes only
-        out = self.runner.forward(fb)
+        # the core's greedy walk reads argmaxes only
+        out = self.runner.forward(build_forward_batch(chunks, capture_layers=self.ctx.capture_layers, greedy_only=self.default_verify and argmax_only(reqs)))
         results, offset = [], 0
         for r, t in zip(reqs, trees):
             n = len(t)
