@@ -158,7 +158,7 @@ def main():
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--attention", default="auto", help="model.attention_backend")
     ap.add_argument("--graphs", type=int, default=1, help="engine.cuda_graph_max_bs (0: no CUDA graphs)")
-    ap.add_argument("--algos", default="plain,eagle3,ngram", help="plain or algorithms (auto shape); name:steps:topk:tokens for a shape")
+    ap.add_argument("--algos", default="plain,eagle3,ngram", help="plain or algorithms (auto shape); name:steps:topk:tokens[:draft scheme] for a shape")
     ap.add_argument("--adaptive", default="auto", help="speculative.adaptive_draft")
     ap.add_argument("--dataset", default="mtbench", choices=["mtbench", "humaneval"], help="MT-bench first turns (chat) or HumanEval prompts (raw code)")
     ap.add_argument("--prompts", type=int, default=8)
@@ -193,6 +193,8 @@ def main():
         spec = SpeculativeConfig()
         if name != "plain":
             kw = dict(algorithm=name, adaptive_draft=a.adaptive)
+            if len(shape) == 4:
+                kw["draft_model_quantization"] = shape.pop()
             if shape:
                 kw.update(num_steps=int(shape[0]), topk=int(shape[1]), num_draft_tokens=int(shape[2]))
             spec = plugin_manager().algorithms[name].config_class(**kw)

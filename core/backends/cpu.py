@@ -150,7 +150,15 @@ class CpuBackend(Backend):
         # 56 MB on the demo target: the bf16 copy of its head
         if not self.greedy_heads:
             return None
-        return self._per_model(model, "_greedy_head", lambda: GreedyHead(self.ops, model.lm_head) if GreedyHead.eligible(model.lm_head) else None)
+        head = model.lm_head
+        return self._per_model(model, "_greedy_head", lambda: GreedyHead(self.ops, head, self._greedy_dot()) if GreedyHead.eligible(head) else None)
+
+    def _greedy_dot(self):
+        """``bf16_dot`` for the greedy head's proxy where it runs (AVX512-BF16, the avx512 build,
+        ``engine.cpu_bf16_kernel``); a forced AVX2 / portable build keeps that build's own path."""
+        from ..kernels import bf16_dot
+
+        return bf16_dot() if self.isa == "avx512" and self.bf16_kernel else None
 
     def _per_model(self, model, key: str, build):
         """What ``build()`` makes for ``model``, kept in its ``__dict__`` under ``key``: built once

@@ -13,6 +13,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+#include <type_traits>
 
 namespace {
 
@@ -36,9 +37,10 @@ torch::Tensor pack(torch::Tensor w) {
 }
 
 // MR rows x NT blocks of 16 outputs; x rows are k-pair arrays (uint32 = two bf16)
-template <int MR, int NT>
+// OUT: uint16_t (bf16, rounded once) or float (the fp32 sums as they are)
+template <int MR, int NT, typename OUT>
 inline void tile(const uint16_t* w, int64_t KP, const uint32_t* x, int64_t x_stride, const float* bias,
-                 uint16_t* y, int64_t y_stride, int64_t n_valid) {
+                 OUT* y, int64_t y_stride, int64_t n_valid) {
   __m512 acc[MR][NT];
   for (int m = 0; m < MR; ++m)
     for (int t = 0; t < NT; ++t) acc[m][t] = _mm512_setzero_ps();
@@ -57,54 +59,71 @@ inline void tile(const uint16_t* w, int64_t KP, const uint32_t* x, int64_t x_str
     const __mmask16 mask = left >= kLanes ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
     const __m512 b = bias ? _mm512_maskz_loadu_ps(mask, bias + t * kLanes) : _mm512_setzero_ps();
     for (int m = 0; m < MR; ++m) {
-      const __m256bh out = _mm512_cvtneps_pbh(_mm512_add_ps(acc[m][t], b));
-      _mm256_mask_storeu_epi16(reinterpret_cast<void*>(y + m * y_stride + t * kLanes), mask, (__m256i)out);
+      const __m512 sum = _mm512_add_ps(acc[m][t], b);
+      if constexpr (std::is_same<OUT, float>::value) {
+        _mm512_mask_storeu_ps(y + m * y_stride + t * kLanes, mask, sum);
+      } else {
+        const __m256bh out = _mm512_cvtneps_pbh(sum);
+        _mm256_mask_storeu_epi16(reinterpret_cast<void*>(y + m * y_stride + t * kLanes), mask, (__m256i)out);
+      }
     }
   }
 }
 
-template <int NT>
-void rows(int64_t M, const uint16_t* w, int64_t KP, const uint32_t* x, const float* bias, uint16_t* y,
+template <int NT, typename OUT>
+void rows(int64_t M, const uint16_t* w, int64_t KP, const uint32_t* x, const float* bias, OUT* y,
           int64_t N, int64_t n_valid) {
   int64_t m = 0;
-  for (; m + 8 <= M; m += 8) tile<8, NT>(w, KP, x + m * KP, KP, bias, y + m * N, N, n_valid);
+  for (; m + 8 <= M; m += 8) tile<8, NT, OUT>(w, KP, x + m * KP, KP, bias, y + m * N, N, n_valid);
   switch (M - m) {
-    case 7: tile<7, NT>(w, KP, x + m * KP, KP, bias, y + m * N, N, n_valid); break;
-    case 6: tile<6, NT>(w, KP, x + m * KP, KP, bias, y + m * N, N, n_valid); break;
-    case 5: tile<5, NT>(w, KP, x + m * KP, KP, bias, y + m * N, N, n_valid); break;
-    case 4: tile<4, NT>(w, KP, x + m * KP, KP, bias, y + m * N, N, n_valid); break;
-    case 3: tile<3, NT>(w, KP, x + m * KP, KP, bias, y + m * N, N, n_valid); break;
-    case 2: tile<2, NT>(w, KP, x + m * KP, KP, bias, y + m * N, N, n_valid); break;
-    case 1: tile<1, NT>(w, KP, x + m * KP, KP, bias, y + m * N, N, n_valid); break;
+    case 7: tile<7, NT, OUT>(w, KP, x + m * KP, KP, bias, y + m * N, N, n_valid); break;
+    case 6: tile<6, NT, OUT>(w, KP, x + m * KP, KP, bias, y + m * N, N, n_valid); break;
+    case 5: tile<5, NT, OUT>(w, KP, x + m * KP, KP, bias, y + m * N, N, n_valid); break;
+    case 4: tile<4, NT, OUT>(w, KP, x + m * KP, KP, bias, y + m * N, N, n_valid); break;
+    case 3: tile<3, NT, OUT>(w, KP, x + m * KP, KP, bias, y + m * N, N, n_valid); break;
+    case 2: tile<2, NT, OUT>(w, KP, x + m * KP, KP, bias, y + m * N, N, n_valid); break;
+    case 1: tile<1, NT, OUT>(w, KP, x + m * KP, KP, bias, y + m * N, N, n_valid); break;
     default: break;
   }
 }
 
-// x [M, K] bf16; packed from pack(); bias fp32 [N] or empty -> y [M, N] bf16
-torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, torch::Tensor bias) {
+// x [M, K] bf16; packed from pack(); bias fp32 [N] or empty -> y [M, N] bf16 (fp32 with f32_out:
+// the sums before rounding; the greedy head's proxy logits)
+torch::Tensor linear_out(torch::Tensor x, torch::Tensor packed, int64_t N, torch::Tensor bias, bool f32_out) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kBFloat16, "linear: a 2-d bfloat16 input");
   const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), KP = packed.size(1);
   TORCH_CHECK((K + 1) / 2 == KP && NB * kLanes >= N, "linear: input width does not match the packed weight");
   if (K % 2) x = torch::constant_pad_nd(x, {0, 1});
   x = x.contiguous();
-  auto y = torch::empty({M, N}, x.options());
+  auto y = torch::empty({M, N}, f32_out ? x.options().dtype(torch::kFloat32) : x.options());
   if (M == 0) return y;
   const uint16_t* W = reinterpret_cast<const uint16_t*>(packed.data_ptr());
   const uint32_t* X = reinterpret_cast<const uint32_t*>(x.data_ptr());
   const float* B = bias.numel() ? bias.data_ptr<float>() : nullptr;
-  uint16_t* Y = reinterpret_cast<uint16_t*>(y.data_ptr());
-  const int64_t pairs = (NB + 1) / 2;   // work items: two blocks of 16 outputs (the last may be one)
-  at::parallel_for(0, pairs, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = 2 * i, n0 = b * kLanes, n_valid = std::min<int64_t>(N - n0, 2 * kLanes);
-      const float* bb = B ? B + n0 : nullptr;
-      if (b + 1 < NB)
-        rows<2>(M, W + b * KP * 2 * kLanes, KP, X, bb, Y + n0, N, n_valid);
-      else
-        rows<1>(M, W + b * KP * 2 * kLanes, KP, X, bb, Y + n0, N, n_valid);
-    }
-  });
+  auto run = [&](auto* Y) {
+    const int64_t pairs = (NB + 1) / 2;   // work items: two blocks of 16 outputs (the last may be one)
+    at::parallel_for(0, pairs, 1, [&](int64_t i0, int64_t i1) {
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t b = 2 * i, n0 = b * kLanes, n_valid = std::min<int64_t>(N - n0, 2 * kLanes);
+        const float* bb = B ? B + n0 : nullptr;
+        if (b + 1 < NB)
+          rows<2>(M, W + b * KP * 2 * kLanes, KP, X, bb, Y + n0, N, n_valid);
+        else
+          rows<1>(M, W + b * KP * 2 * kLanes, KP, X, bb, Y + n0, N, n_valid);
+      }
+    });
+  };
+  if (f32_out) run(y.data_ptr<float>());
+  else run(reinterpret_cast<uint16_t*>(y.data_ptr()));
   return y;
+}
+
+torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, torch::Tensor bias) {
+  return linear_out(x, packed, N, bias, false);
+}
+
+torch::Tensor linear_f32(torch::Tensor x, torch::Tensor packed, int64_t N) {
+  return linear_out(x, packed, N, torch::empty({0}, x.options().dtype(torch::kFloat32)), true);
 }
 
 }  // namespace
@@ -116,4 +135,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("pack", &pack, "pack a [N, K] bf16 weight for linear()");
   m.def("linear", &linear, "batch-invariant bf16 linear (AVX512-BF16)", nogil);
+  m.def("linear_f32", &linear_f32, "the same sums, returned in fp32 (no bias)", nogil);
 }

@@ -819,43 +819,109 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<torch::Te
 // (one FMA chain per output in k order: the full product's bits); every other entry is -inf. So a
 // row's argmax (first index on ties: every maximal v is a candidate) and the value there are the
 // full product's. A row with a non-finite proxy gets every output computed exactly.
+//
+// pick_exact: that selection for M rows given their proxies P [M, N]; row m's radius at v is
+// nx_m * C[v] + bx_m * C2[v] + slack (C2 null: the first term alone), nx_m = |x_m|. The screen
+// runs in fp32 vectors: each computed radius, hi = p + r and lo = p - r is within 4 u (|p| + r) of
+// its exact value, so radii widened by 1e-5 and a cut lowered by 1e-5 * max(|p| + r) keep every
+// v whose exact upper end reaches the exact largest lower end (a superset: never a lost argmax).
+void pick_exact(const float* X, int64_t M, int64_t K, const float* P, const float* C, const float* C2, const double* bx,
+                double slack, const float* F, float* Y, int64_t N) {
+  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+    float part[kBlock];
+    std::vector<float> hi(N);
+    for (int64_t m = m0; m < m1; ++m) {
+      const float *xr = X + m * K, *pr = P + m * N;
+      float* yr = Y + m * N;
+      std::fill(yr, yr + N, -std::numeric_limits<float>::infinity());
+      double nx = 0;
+      for (int64_t k = 0; k < K; ++k) nx += double(xr[k]) * xr[k];
+      const float widen = 1 + 1e-5f;
+      const float a = float(std::sqrt(nx)) * widen, b = C2 ? float(bx[m]) * widen : 0.f, c = float(slack) * widen;
+      bool finite = std::isfinite(a) && std::isfinite(b);
+      const V av = vset1(a), bv = vset1(b), cv = vset1(c), neg = vset1(-1.f), zero = vzero();
+      V lo = vset1(-std::numeric_limits<float>::infinity()), mag = vzero(), bad = vzero();
+      int64_t v = 0;
+      for (; v + W <= N; v += W) {
+        const V r = C2 ? vfma(av, vload(C + v), vfma(bv, vload(C2 + v), cv)) : vfma(av, vload(C + v), cv);
+        const V p = vload(pr + v), h = vadd(p, r), l = vadd(p, vmul(r, neg));
+        vstore(hi.data() + v, h);
+        lo = vmax(lo, l);
+        mag = vmax(mag, vmax(h, vmul(l, neg)));
+        bad = vadd(bad, vmul(p, zero));   // NaN once any proxy is not finite
+      }
+      float lo_s = vhmax(lo), mag_s = vhmax(mag);
+      finite = finite && std::isfinite(vhsum(bad));
+      for (; v < N; ++v) {
+        const float r = a * C[v] + (C2 ? b * C2[v] : 0.f) + c, h = pr[v] + r, l = pr[v] - r;
+        hi[v] = h;
+        lo_s = std::max(lo_s, l);
+        mag_s = std::max(mag_s, std::max(h, -l));
+        finite = finite && std::isfinite(pr[v]);
+      }
+      finite = finite && std::isfinite(lo_s) && std::isfinite(mag_s);
+      const float cut = lo_s - 1e-5f * mag_s;
+      const float below = std::nextafter(cut, -std::numeric_limits<float>::infinity());   // h > below <=> h >= cut
+      int64_t done = -1;   // the last block recomputed for this row
+      for (v = 0; v < N; ++v) {
+        if (finite && v % W == 0 && v + W <= N && !vany_gt(vload(hi.data() + v), below)) {
+          v += W - 1;   // no candidate among these W
+          continue;
+        }
+        if (finite && hi[v] < cut) continue;
+        const int64_t blk = v / kBlock;
+        if (blk != done) {
+          tile<1, 1, false>(F + blk * K * kBlock, K, 0, K, xr, part, F, 1, 0);
+          done = blk;
+        }
+        yr[v] = part[v - blk * kBlock];
+      }
+    }
+  });
+}
+
 torch::Tensor greedy_logits(torch::Tensor x, torch::Tensor proxy, torch::Tensor full, torch::Tensor bound, int64_t N) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "greedy_logits: fp32 x [M, K]");
   TORCH_CHECK(full.scalar_type() == torch::kFloat32 && proxy.sizes() == full.sizes() && bound.numel() >= N, "greedy_logits: weights");
   const int64_t M = x.size(0), K = x.size(1);
   auto xc = x.contiguous();
   auto p = linear(xc, proxy, N, torch::empty({0}, xc.options()));
-  auto y = torch::full({M, N}, -std::numeric_limits<float>::infinity(), xc.options());
-  const float *X = xc.data_ptr<float>(), *P = p.data_ptr<float>(), *C = bound.data_ptr<float>(), *F = full.data_ptr<float>();
-  float* Y = y.data_ptr<float>();
-  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
-    float part[kBlock];
-    for (int64_t m = m0; m < m1; ++m) {
-      const float *xr = X + m * K, *pr = P + m * N;
-      double nx = 0;
-      for (int64_t k = 0; k < K; ++k) nx += double(xr[k]) * xr[k];
-      nx = std::sqrt(nx) * (1 + 1e-12);
-      double lo = -std::numeric_limits<double>::infinity(), mag = 0;
-      bool finite = std::isfinite(nx);
-      for (int64_t v = 0; v < N && finite; ++v) {
-        const double r = nx * C[v];
-        lo = std::max(lo, pr[v] - r);
-        mag = std::max(mag, std::abs(double(pr[v])) + r);
-        finite = std::isfinite(pr[v]);
-      }
-      const double cut = lo - 1e-12 * mag;   // the double arithmetic's rounding, generously
-      int64_t done = -1;                       // the last block recomputed for this row
-      for (int64_t v = 0; v < N; ++v) {
-        if (finite && pr[v] + nx * C[v] < cut) continue;
-        const int64_t b = v / kBlock;
-        if (b != done) {
-          tile<1, 1, false>(F + b * K * kBlock, K, 0, K, xr, part, F, 1, 0);
-          done = b;
-        }
-        Y[m * N + v] = part[v - b * kBlock];
-      }
+  auto y = torch::empty({M, N}, xc.options());
+  pick_exact(xc.data_ptr<float>(), M, K, p.data_ptr<float>(), bound.data_ptr<float>(), nullptr, nullptr, 0.0,
+             full.data_ptr<float>(), y.data_ptr<float>(), N);
+  return y;
+}
+
+// The same from a proxy computed elsewhere on bf16 inputs too: p_v = x' . w'_v (x' = xb, x rounded
+// to bf16 with subnormals flushed to zero; bf16_dot's vdpbf16ps sums, fp32). Beside |x| * bound_v,
+// |x . w'_v - x' . w'_v| <= |x - x'| |w'_v| and p_v's own rounding gamma |x'| |w'_v|, so the radius
+// gains (|x - x'| + gamma |x'|) * wbound_v, wbound_v >= |w'_v| (the caller's), and an absolute
+// 2 (K + 2) 2^-126 for intermediate sums flushed to zero (vdpbf16ps flushes subnormals).
+torch::Tensor greedy_pick(torch::Tensor x, torch::Tensor xb, torch::Tensor p, torch::Tensor full, torch::Tensor bound,
+                          torch::Tensor wbound, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "greedy_pick: fp32 x [M, K]");
+  TORCH_CHECK(xb.scalar_type() == torch::kBFloat16 && xb.sizes() == x.sizes(), "greedy_pick: bf16 xb shaped like x");
+  TORCH_CHECK(p.scalar_type() == torch::kFloat32 && p.dim() == 2 && p.size(0) == x.size(0) && p.size(1) == N, "greedy_pick: fp32 p [M, N]");
+  TORCH_CHECK(full.scalar_type() == torch::kFloat32 && full.size(1) == x.size(1) && full.size(0) * kBlock >= N, "greedy_pick: the packed fp32 weight");
+  TORCH_CHECK(bound.numel() >= N && wbound.numel() >= N, "greedy_pick: bounds");
+  const int64_t M = x.size(0), K = x.size(1);
+  auto xc = x.contiguous(), xbc = xb.contiguous(), pc = p.contiguous();
+  const double u = std::ldexp(1.0, -24), gamma = (K + 2) * u / (1 - (K + 2) * u);
+  std::vector<double> bx(M);
+  const float* X = xc.data_ptr<float>();
+  const uint16_t* XB = reinterpret_cast<const uint16_t*>(xbc.data_ptr());
+  for (int64_t m = 0; m < M; ++m) {
+    double d = 0, n = 0;
+    for (int64_t k = 0; k < K; ++k) {
+      const double xv = X[m * K + k], bv = from_bf16(XB[m * K + k]);
+      d += (xv - bv) * (xv - bv);   // exact differences (both are fp32 values); the sums' rounding is in the margin
+      n += bv * bv;
     }
-  });
+    bx[m] = (std::sqrt(d) + gamma * std::sqrt(n)) * (1 + 1e-12);
+  }
+  auto y = torch::empty({M, N}, xc.options());
+  pick_exact(X, M, K, pc.data_ptr<float>(), bound.data_ptr<float>(), wbound.data_ptr<float>(), bx.data(),
+             2.0 * (K + 2) * std::ldexp(1.0, -126), full.data_ptr<float>(), y.data_ptr<float>(), N);
   return y;
 }
 
@@ -877,5 +943,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul, "silu(gate) * up", nogil);
   m.def("decoder_layers", &decoder_layers, "every decoder layer over decode/tree rows in one call (the per-op path's bits)", nogil);
   m.def("greedy_logits", &greedy_logits, "greedy rows' logits: exact at every possible argmax, -inf elsewhere", nogil);
+  m.def("greedy_pick", &greedy_pick, "greedy_logits from a proxy computed on bf16 inputs (bf16_dot)", nogil);
   m.def("top_logprobs", &top_logprobs, "each row's k best log-softmax values and ids, [2, rows, k]", nogil);
 }

@@ -2,7 +2,8 @@
 ``cpu_ops.greedy_logits``): the argmax (first index on ties) and the logit there are the full fp32
 product's bit for bit, every finite entry is exact, the rest -inf; the bound holds; rows of
 requests that need whole logits (sampling, logprobs) never take it. The portable build
-everywhere, each ISA build where the CPU has it."""
+everywhere, each ISA build where the CPU has it; the proxy on ``bf16_dot`` (bf16 inputs too)
+where the CPU has AVX512-BF16."""
 
 import numpy as np
 import pytest
@@ -10,24 +11,29 @@ import torch
 from torch import nn
 
 from conftest import make_cfg
-from specfw.backends.greedy_head import GreedyHead
+from specfw.backends.greedy_head import GreedyHead, flush_subnormals
 from specfw.backends.kernel_linear import KernelLinear
-from specfw.kernels import ISAS, cpu_ops, isa_supported
+from specfw.kernels import ISAS, bf16_dot, cpu_ops, isa_supported
 from specfw.sampling import SamplingParams
 
 
 def _isas():
-    return [pytest.param(i, marks=pytest.mark.skipif(not isa_supported(i), reason=f"this CPU lacks {i}")) for i in ISAS]
+    """Each ISA build where the CPU has it, and the avx512 build with the proxy on ``bf16_dot``."""
+    dot = pytest.mark.skipif(not isa_supported("avx512") or bf16_dot() is None, reason="this CPU lacks AVX512-BF16")
+    return [pytest.param(i, marks=pytest.mark.skipif(not isa_supported(i), reason=f"this CPU lacks {i}")) for i in ISAS] + [
+        pytest.param("avx512+dot", marks=dot)
+    ]
 
 
 def _head(isa, weight):
+    isa, _, dot = isa.partition("+")
     ops = cpu_ops(isa)
     if ops is None:
         pytest.skip("the CPU kernels cannot be built here")
     lin = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
     lin.weight.data = weight
     kl = KernelLinear(lin, ops, isa)
-    return kl, GreedyHead(ops, kl)
+    return kl, GreedyHead(ops, kl, bf16_dot() if dot else None)
 
 
 def _check(kl, head, x):
@@ -69,10 +75,49 @@ def test_the_bound_brackets_every_logit(isa):
     kl, head = _head(isa, w)
     x = torch.randn(6, 576, generator=g) * 3
     full = kl(x).double()
-    proxy = cpu_ops(isa).linear(x, head.proxy, 500, torch.empty(0)).double()
     slack = x.double().norm(dim=1, keepdim=True) * head.bound.double()[None]
+    if head.dot is None:
+        proxy = cpu_ops(isa.partition("+")[0]).linear(x, head.proxy, 500, torch.empty(0)).double()
+    else:  # the proxy from bf16 inputs too: plus (|x - x'| + gamma |x'|) |w'_v|
+        xb = flush_subnormals(x.bfloat16())
+        proxy = head.dot.linear_f32(xb, head.proxy, 500).double()
+        gamma = 578 * 2.0**-24 / (1 - 578 * 2.0**-24)
+        rows = (x.double() - xb.double()).norm(dim=1, keepdim=True) + gamma * xb.double().norm(dim=1, keepdim=True)
+        slack = slack + rows * head.wbound.double()[None]
     assert ((full - proxy).abs() <= slack).all()
     assert (slack < 0.1 * full.abs().max()).all()  # and it is tight enough to leave few candidates
+
+
+@pytest.mark.parametrize("isa", _isas())
+def test_subnormal_and_huge_inputs_stay_exact(isa):
+    """Subnormal weights and inputs (``vdpbf16ps`` reads them as zero), rows of tiny values whose
+    logits are all subnormal or zero, and rows large enough to overflow the proxy."""
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(300, 64, generator=g) * 0.1
+    w[::7, ::3] = 3e-39  # subnormal in fp32 and bf16
+    w[5] = 0.0
+    kl, head = _head(isa, w)
+    x = torch.randn(5, 64, generator=g)
+    x[0, ::2] = 2e-39
+    x[1] = 1e-30  # every logit is subnormal or zero: the radius' absolute term keeps them candidates
+    x[2] = 0.0  # all logits zero: index 0 wins
+    x[3] = 3e38  # the proxy overflows: the row is computed whole
+    _check(kl, head, x)
+    assert int(np.argmax(head(x[2:3]).numpy())) == 0
+
+
+def test_the_backend_takes_the_dot_proxy_only_on_its_own_build():
+    """``CpuBackend`` hands the greedy head ``bf16_dot`` on the avx512 build with the bf16 kernel on,
+    never on a forced AVX2 or portable build (those time their own path)."""
+    from specfw.backends.cpu import CpuBackend
+
+    for isa in ISAS:
+        ops = cpu_ops(isa) if isa_supported(isa) else None
+        if ops is None:
+            continue
+        for bf16 in (True, False):
+            dot = CpuBackend(ops, isa, bf16_kernel=bf16)._greedy_dot()
+            assert (dot is not None) == (isa == "avx512" and bf16 and bf16_dot() is not None)
 
 
 def test_only_fp32_heads_without_bias_qualify():
