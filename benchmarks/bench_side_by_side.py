@@ -10,7 +10,8 @@ greedy output equals the plain engine's.
         plain= eagle=algorithm=eagle "eagle full=algorithm=eagle,token_map=full"
 
 A configuration is ``name=key=value,key=value`` over the speculative keys (``algorithm`` first;
-nothing after the name = plain decoding) and ``engine.*`` keys (e.g. ``engine.cpu_greedy_head=False``). ``--dtype``, ``--batch`` (requests in flight) and
+nothing after the name = plain decoding), ``engine.*`` keys (e.g. ``engine.cpu_greedy_head=False``) and ``model.*``
+keys (e.g. ``model.quantization=gguf``: the GGUF blocks in place, the fp32 model's bits). ``--dtype``, ``--batch`` (requests in flight) and
 ``--max-new-tokens`` apply to all.
 
 ``backend=hf`` makes a row of Hugging Face transformers' ``generate`` on the same checkpoint and
@@ -54,13 +55,14 @@ def make_engine(kw: dict, dtype: str, batch: int, threads: int):
 
     kw = dict(kw)
     engine = {k.removeprefix("engine."): kw.pop(k) for k in list(kw) if k.startswith("engine.")}
+    model = {k.removeprefix("model."): kw.pop(k) for k in list(kw) if k.startswith("model.")}
     spec = SpeculativeConfig()
     if kw:
         algo = kw.pop("algorithm")
         spec = plugin_manager().algorithms[algo].config_class(algorithm=algo, **kw)
         spec.validate()
     engine = EngineConfig(num_threads=threads, max_running_requests=batch, **engine)
-    return Engine(SpecfwConfig(model=ModelConfig(dtype=dtype), speculative=spec, engine=engine))
+    return Engine(SpecfwConfig(model=ModelConfig(dtype=dtype, **model), speculative=spec, engine=engine))
 
 
 class HFGenerate:
