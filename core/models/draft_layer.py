@@ -75,10 +75,7 @@ class DraftDecoderLayer(nn.Module):
         """``norm(x)`` for a head's own norms (around this layer: EAGLE-3's input and hidden norms,
         the final norm), one call of the backend's fused op where it has one (a draft only
         proposes: its bits need not match torch's)."""
-        ops = self.backend.fused_ops(x.dtype, self.mlp.gate_proj.out_features) if self.backend else None
-        if ops is None or x.dim() != 2:
-            return norm(x)
-        return ops.add_rms_norm(x.contiguous(), x.new_empty(0), norm.weight, norm.eps)[1]
+        return norm.rows(x, self.backend.fused_ops(x.dtype, self.mlp.gate_proj.out_features) if self.backend else None)
 
     def forward(self, attn_in: torch.Tensor, residual: torch.Tensor, fb: ForwardBatch, kv: KVPool, rotary: Rotary) -> torch.Tensor:
         """attn_in [T, in_dim] feeds q/k/v; residual [T, H] is added to the attention output."""

@@ -29,6 +29,14 @@ class RMSNorm(nn.Module):
         # part as the fused op: bitwise the same (tests/unit/test_model_runner.py), and cheaper per call
         return self.weight * F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
 
+    def rows(self, x: torch.Tensor, ops) -> torch.Tensor:
+        """This norm of ``x``'s rows as one call of a backend's fused ``add_rms_norm`` (``ops``, from
+        ``Backend.fused_ops``; None or not 2-d: the torch op above). The decoder layers' norms are
+        that kernel's too; torch's op costs ~10 us warm, more right after a forward's weight stream."""
+        if ops is None or x.dim() != 2:
+            return self(x)
+        return ops.add_rms_norm(x.contiguous(), x.new_empty(0), self.weight, self.eps)[1]
+
 
 class Rotary:
     """Precomputed cos/sin tables, indexed by position (HF inv_freq, incl. rope scaling types)."""
@@ -143,9 +151,7 @@ class LlamaModel(nn.Module):
         captured[len(self.layers)] = x
         aux = [captured[i] for i in fb.capture_layers]  # in the requested order (ids may repeat)
         sel = hidden if fb.logits_indices is None else hidden.index_select(0, fb.logits_indices)
-        # the final norm on the backend's fused kernel where there is one (torch's op cost ~0.2 ms a
-        # forward on a CPU just after the layers streamed the weights; the layers' norms are the kernel's too)
-        normed = self.norm(sel) if fused is None else fused.add_rms_norm(sel.contiguous(), sel.new_empty(0), self.norm.weight, self.norm.eps)[1]
+        normed = self.norm.rows(sel, fused)
         greedy = backend.greedy_head(self) if fb.greedy_only else None
         logits = greedy(normed) if greedy is not None else self.lm_head(normed).float()
         return ForwardOutput(logits=logits, hidden=hidden, aux_hidden=aux)
