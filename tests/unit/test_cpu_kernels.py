@@ -33,6 +33,30 @@ def test_auto_isa_is_the_best_the_cpu_has(monkeypatch):
         cpu_isa("sse9")
 
 
+def test_build_all_builds_every_isa_the_cpu_runs_side_by_side(monkeypatch):
+    """``build_all``: the auto ISA and the portable build by default, every ISA this CPU runs with
+    ``every_isa``, each kernel family and the bf16 kernels where the CPU has them; the builds run
+    on worker threads, one module per cache key."""
+    import threading
+    from specfw import kernels
+
+    monkeypatch.delenv("SPECFW_CPU_ISA", raising=False)
+    built = {}
+    for fam in ("cpu_ops", "quant_ops", "q8_ops"):
+        monkeypatch.setattr(kernels, fam, lambda isa, fam=fam: built.setdefault((fam, isa), threading.current_thread().name))
+    monkeypatch.setattr(kernels, "bf16_dot", lambda: built.setdefault(("bf16_dot", None), threading.current_thread().name))
+    monkeypatch.setattr(kernels, "bf16_amx", lambda: None)  # a failed / impossible build reports False
+    runs = [i for i in ISAS if isa_supported(i)]
+    every = kernels.build_all(every_isa=True, workers=2)
+    assert {k for k in every if not k.startswith("bf16")} == {p + i for i in runs for p in ("", "quant_", "q8_")}
+    assert {(f, i) for f, i in built if f != "bf16_dot"} == {(f, i) for i in runs for f in ("cpu_ops", "quant_ops", "q8_ops")}
+    assert all(every[k] for k in every if k != "bf16_amx") and every.get("bf16_amx", False) is False
+    assert ("bf16_dot" in every) == kernels.cpu_has_avx512_bf16()
+    assert threading.main_thread().name not in built.values()  # on the pool's threads
+    default = kernels.build_all()
+    assert {k for k in default if not k.startswith("bf16")} == {p + i for i in dict.fromkeys([cpu_isa(), "portable"]) for p in ("", "quant_", "q8_")}
+
+
 def test_forcing_an_isa_the_cpu_lacks_names_the_key(tiny_model_dir):
     from conftest import make_cfg
     from specfw.config import ConfigError, validate
