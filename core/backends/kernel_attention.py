@@ -12,14 +12,13 @@ prefix, causal) keep one causal SDPA call per sequence, the same in plain and sp
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 from ..attention import _attend_one
 from ..forward_batch import SeqSpan
 
 
-_ONE, _ZERO = np.ones(1, dtype=np.int64), np.zeros(1, dtype=np.int64)
+_NO_MASK = torch.empty(0, dtype=torch.bool)  # causal among the new tokens (a decode row: itself)
 
 
 def _is_prompt_prefill(s: SeqSpan) -> bool:
@@ -28,37 +27,20 @@ def _is_prompt_prefill(s: SeqSpan) -> bool:
 
 class KernelAttentionPlan:
     def __init__(self, ops, seqs: list[SeqSpan]):
-        # the slot lists are small host arrays: numpy (~1 us an op) rather than torch (~5 us),
-        # this runs once per forward, and the draft loop makes several small forwards a step
+        # the slot lists in one kernel call (``cpu_ops.attention_plan``, ~10 us; numpy took ~100 us
+        # a forward, and the draft loop makes several small forwards a step)
         self.ops = ops
         self.prefills = [s for s in seqs if _is_prompt_prefill(s)]
-        prefix, extras, counts, row_ptr, row_q = [], [], [], [0], []
-        for s in seqs:
-            if _is_prompt_prefill(s):
-                continue
-            slots = s.kv_slots.numpy()
-            n = len(slots)
-            if s.q_len == 1 and s.tree_mask is None:  # a decode row: everything but itself is prefix
-                prefix.append(slots[: n - 1])
-                extras.append(slots[n - 1 :])
-                counts.append(_ONE)
-            else:
-                tm = s.tree_mask.numpy() if s.tree_mask is not None else np.tri(s.q_len, dtype=bool)
-                m = tm.shape[1]
-                prefix.append(slots[: n - m])
-                extras.append(np.broadcast_to(slots[n - m :], (s.q_len, m))[tm])  # row-major: row 0's, row 1's, ...
-                counts.append(tm.sum(1))
-            row_q.extend(range(s.q_start, s.q_start + s.q_len))
-            row_ptr.append(len(row_q))
-        self.groups = len(prefix)
-        self.rows = len(row_q)
+        rest = [s for s in seqs if not _is_prompt_prefill(s)]
+        self.groups = len(rest)
+        self.rows = sum(s.q_len for s in rest)
         if self.groups:
-            self.prefix_ptr = torch.from_numpy(np.cumsum([0, *map(len, prefix)], dtype=np.int64))
-            self.prefix_slots = torch.from_numpy(np.concatenate(prefix).astype(np.int64, copy=False))
-            self.row_ptr = torch.tensor(row_ptr, dtype=torch.long)
-            self.row_q = torch.tensor(row_q, dtype=torch.long)
-            self.extra_ptr = torch.from_numpy(np.concatenate([_ZERO, *counts]).cumsum(dtype=np.int64))
-            self.extra_slots = torch.from_numpy(np.concatenate(extras).astype(np.int64, copy=False))
+            (self.prefix_ptr, self.prefix_slots, self.row_ptr, self.row_q, self.extra_ptr, self.extra_slots) = ops.attention_plan(
+                [s.kv_slots for s in rest],
+                [_NO_MASK if s.tree_mask is None else s.tree_mask for s in rest],
+                [s.q_start for s in rest],
+                [s.q_len for s in rest],
+            )
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
         q = q.contiguous()

@@ -929,6 +929,66 @@ std::string isa() { return SPECFW_ISA; }
 
 }  // namespace
 
+// The slot lists of KernelAttentionPlan (kernel_attention.py) for the sequences that are not
+// prompt prefills, in one call: per sequence its kv_slots (int64, prefix first, then the last m
+// entries that tree_mask [q_len, m] covers; an empty mask = a decode row (q_len 1, m 1) or causal
+// among the q_len new tokens). Returns (prefix_ptr, prefix_slots, row_ptr, row_q, extra_ptr,
+// extra_slots): sequence g's prefix is prefix_slots[prefix_ptr[g]:prefix_ptr[g+1]], its rows are
+// row_q[row_ptr[g]:row_ptr[g+1]], row r's own slots extra_slots[extra_ptr[r]:extra_ptr[r+1]] in
+// cache order. (The numpy version cost ~100 us a forward; the draft loop makes several a step.)
+std::vector<torch::Tensor> attention_plan(std::vector<torch::Tensor> slots, std::vector<torch::Tensor> masks,
+                                          const std::vector<int64_t>& q_start, const std::vector<int64_t>& q_len) {
+  const int64_t G = int64_t(slots.size());
+  TORCH_CHECK(int64_t(masks.size()) == G && int64_t(q_start.size()) == G && int64_t(q_len.size()) == G, "attention_plan: one entry per sequence");
+  for (int64_t g = 0; g < G; ++g) {
+    slots[g] = slots[g].contiguous();
+    masks[g] = masks[g].contiguous();
+  }
+  int64_t n_prefix = 0, n_rows = 0, n_extra = 0;
+  std::vector<int64_t> m_of(G);
+  for (int64_t g = 0; g < G; ++g) {
+    TORCH_CHECK(slots[g].dim() == 1 && slots[g].scalar_type() == torch::kLong, "attention_plan: 1-d int64 slots");
+    const int64_t n = slots[g].numel(), q = q_len[g];
+    const bool has_mask = masks[g].numel() > 0;
+    if (has_mask)
+      TORCH_CHECK(masks[g].dim() == 2 && masks[g].size(0) == q && masks[g].scalar_type() == torch::kBool, "attention_plan: a [q_len, m] bool mask");
+    const int64_t m = has_mask ? masks[g].size(1) : q;
+    TORCH_CHECK(q >= 1 && m >= q && m <= n, "attention_plan: the mask covers more entries than the sequence has");
+    m_of[g] = m;
+    n_prefix += n - m;
+    n_rows += q;
+    if (has_mask) {
+      const bool* tm = masks[g].data_ptr<bool>();
+      for (int64_t i = 0; i < q * m; ++i) n_extra += tm[i];
+    } else {
+      n_extra += q * (q + 1) / 2;
+    }
+  }
+  auto opt = torch::TensorOptions().dtype(torch::kLong);
+  auto prefix_ptr = torch::empty({G + 1}, opt), prefix_slots = torch::empty({n_prefix}, opt);
+  auto row_ptr = torch::empty({G + 1}, opt), row_q = torch::empty({n_rows}, opt);
+  auto extra_ptr = torch::empty({n_rows + 1}, opt), extra_slots = torch::empty({n_extra}, opt);
+  int64_t *pp = prefix_ptr.data_ptr<int64_t>(), *ps = prefix_slots.data_ptr<int64_t>(), *rp = row_ptr.data_ptr<int64_t>();
+  int64_t *rq = row_q.data_ptr<int64_t>(), *ep = extra_ptr.data_ptr<int64_t>(), *es = extra_slots.data_ptr<int64_t>();
+  int64_t P = 0, R = 0, E = 0;
+  pp[0] = rp[0] = ep[0] = 0;
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t* sl = slots[g].data_ptr<int64_t>();
+    const int64_t n = slots[g].numel(), q = q_len[g], m = m_of[g], base = n - m;
+    for (int64_t i = 0; i < base; ++i) ps[P++] = sl[i];
+    pp[g + 1] = P;
+    const bool* tm = masks[g].numel() > 0 ? masks[g].data_ptr<bool>() : nullptr;
+    for (int64_t r = 0; r < q; ++r) {
+      rq[R] = q_start[g] + r;
+      for (int64_t j = 0; j < m; ++j)
+        if (tm ? tm[r * m + j] : j <= r + (m - q)) es[E++] = sl[base + j];
+      ep[++R] = E;
+    }
+    rp[g + 1] = R;
+  }
+  return {prefix_ptr, prefix_slots, row_ptr, row_q, extra_ptr, extra_slots};
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the GIL is released while a kernel runs: another Python thread (the overlap scheduler's
   // engine thread, the server's event loop) may run meanwhile; arguments and results are
@@ -944,5 +1004,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decoder_layers", &decoder_layers, "every decoder layer over decode/tree rows in one call (the per-op path's bits)", nogil);
   m.def("greedy_logits", &greedy_logits, "greedy rows' logits: exact at every possible argmax, -inf elsewhere", nogil);
   m.def("greedy_pick", &greedy_pick, "greedy_logits from a proxy computed on bf16 inputs (bf16_dot)", nogil);
+  m.def("attention_plan", &attention_plan, "the attention kernel's slot lists from each sequence's slots and tree mask");
   m.def("top_logprobs", &top_logprobs, "each row's k best log-softmax values and ids, [2, rows, k]", nogil);
 }

@@ -332,3 +332,47 @@ def test_a_kernel_releases_the_gil_while_it_runs(isa):
     third = (end - start) / 3
     assert third > 0.005, "the call was too short to tell"
     assert any(start + third < tick < end - third for tick in ticks), "no other thread ran during the kernel: it holds the GIL"
+
+
+def _plan_reference(seqs):
+    """KernelAttentionPlan's slot lists, written out in Python (prefix, rows, each row's own slots)."""
+    prefix_ptr, prefix, row_ptr, row_q, extra_ptr, extra = [0], [], [0], [], [0], []
+    for q_start, q_len, slots, mask in seqs:
+        slots = slots.tolist()
+        m = q_len if mask is None else mask.shape[1]
+        prefix += slots[: len(slots) - m]
+        prefix_ptr.append(len(prefix))
+        for r in range(q_len):
+            row_q.append(q_start + r)
+            extra += [slots[len(slots) - m + j] for j in range(m) if (j <= r + m - q_len if mask is None else bool(mask[r, j]))]
+            extra_ptr.append(len(extra))
+        row_ptr.append(len(row_q))
+    return [prefix_ptr, prefix, row_ptr, row_q, extra_ptr, extra]
+
+
+@isas
+def test_attention_plan_lists_every_rows_slots(isa):
+    """``attention_plan``: decode rows, causal rows, tree masks over the new tokens and over
+    earlier drafted nodes too (m > q_len), a non-contiguous slot list: the reference's lists."""
+    ops = _ops(isa)
+    g = torch.Generator().manual_seed(3)
+    seqs, q = [], 0
+    for q_len, m, extra_prefix in [(1, None, 40), (3, None, 7), (4, 4, 12), (3, 9, 30), (1, None, 0), (2, 5, 1)]:
+        n = extra_prefix + (m or q_len)
+        slots = torch.randperm(500, generator=g)[:n]
+        if m is None:
+            mask = None
+        else:
+            mask = torch.rand(q_len, m, generator=g) < 0.5
+            mask[:, m - q_len :] |= torch.eye(q_len, dtype=torch.bool)  # each node sees itself
+        seqs.append((q, q_len, slots, mask))
+        q += q_len
+    strided = torch.arange(0, 40, 2)  # a view with stride 2
+    seqs.append((q, 1, strided[::2], None))
+    got = ops.attention_plan(
+        [s[2] for s in seqs], [torch.empty(0, dtype=torch.bool) if s[3] is None else s[3] for s in seqs], [s[0] for s in seqs], [s[1] for s in seqs]
+    )
+    assert [t.tolist() for t in got] == _plan_reference(seqs)
+    assert all(t.dtype == torch.long for t in got)
+    with pytest.raises(RuntimeError, match="mask covers more"):
+        ops.attention_plan([torch.arange(3)], [torch.ones(1, 5, dtype=torch.bool)], [0], [1])
