@@ -11,8 +11,9 @@ greedy output equals the plain engine's.
 
 A configuration is ``name=key=value,key=value`` over the speculative keys (``algorithm`` first;
 nothing after the name = plain decoding), ``engine.*`` keys (e.g. ``engine.cpu_greedy_head=False``) and ``model.*``
-keys (e.g. ``model.quantization=gguf``: the GGUF blocks in place, the fp32 model's bits). ``--dtype``, ``--batch`` (requests in flight) and
-``--max-new-tokens`` apply to all.
+keys (e.g. ``model.quantization=gguf``: the GGUF blocks in place, the fp32 model's bits; ``model.dtype=bfloat16``: a row in
+another dtype, whose output is checked against the first row of that dtype and whose ratio to that row is printed too).
+``--dtype``, ``--batch`` (requests in flight) and ``--max-new-tokens`` apply to all.
 
 ``backend=hf`` makes a row of Hugging Face transformers' ``generate`` on the same checkpoint and
 dtype (batch 1), the other keys going to ``generate``: what a user would run instead, e.g. HF
@@ -62,7 +63,7 @@ def make_engine(kw: dict, dtype: str, batch: int, threads: int):
         spec = plugin_manager().algorithms[algo].config_class(algorithm=algo, **kw)
         spec.validate()
     engine = EngineConfig(num_threads=threads, max_running_requests=batch, **engine)
-    return Engine(SpecfwConfig(model=ModelConfig(dtype=dtype, **model), speculative=spec, engine=engine))
+    return Engine(SpecfwConfig(model=ModelConfig(**{"dtype": dtype, **model}), speculative=spec, engine=engine))  # model.dtype overrides --dtype
 
 
 class HFGenerate:
@@ -119,10 +120,15 @@ def main():
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
     rates: dict[str, list[float]] = {name: [] for name in engines}
     first = next(iter(engines))
+    # a row's greedy output must equal the first row's of its own dtype (model.dtype, else --dtype)
+    dtype_of = {name: str(configs[name].get("model.dtype", args.dtype)) for name in engines}
+    dtype_first = {}
+    for name in engines:
+        dtype_first.setdefault(dtype_of[name], name)
     ids = [spec_engine.tokenize_chat([{"role": "user", "content": t}]) if args.dataset == "mtbench" else spec_engine.tokenizer.encode(t) for t in texts]
     with tqdm(total=args.rounds * len(engines), desc="runs") as bar:
         for _ in range(args.rounds):
-            reference = None
+            references: dict[str, list] = {}
             for name, eng in engines.items():
                 eng.flush_cache()  # the n-gram trie must not remember the last round's outputs of these prompts
                 t0 = time.perf_counter()
@@ -131,11 +137,11 @@ def main():
                 else:
                     tokens = [o.token_ids for o in eng.generate(ids, params)]
                 rates[name].append(sum(len(t) for t in tokens) / (time.perf_counter() - t0))
-                reference = tokens if reference is None else reference
+                reference = references.setdefault(dtype_of[name], tokens)
                 if name in matches:
                     matches[name].append(sum(a == b for a, b in zip(tokens, reference)))
                 elif tokens != reference:
-                    raise SystemExit(f"{name}: greedy output differs from {first}'s")
+                    raise SystemExit(f"{name}: greedy output differs from {dtype_first[dtype_of[name]]}'s")
                 bar.update()
     where = f"{args.dataset} {args.start + 1}-{args.start + args.n} x {args.max_new_tokens} tokens, {args.batch} in flight, {args.dtype}"
     print(f"\n{where}, on {cpu_description()}")
@@ -143,7 +149,11 @@ def main():
     for name, r in rates.items():
         rounds = ", ".join(f"{x / y:.3f}" for x, y in zip(r, rates[first]))
         same = f"{min(matches[name])}/{len(texts)}" if name in matches else "yes"
-        print(f"{name:24s} {statistics.median(r):7.1f} tok/s  {statistics.median(r) / base:.3f}x {first}  (rounds: {rounds})  == {first}: {same}")
+        ref = dtype_first[dtype_of[name]]
+        own = ""
+        if ref != first:  # another dtype: its ratio to the first row of that dtype too
+            own = f", {statistics.median(r) / statistics.median(rates[ref]):.3f}x {ref} (rounds: {', '.join(f'{x / y:.3f}' for x, y in zip(r, rates[ref]))})"
+        print(f"{name:24s} {statistics.median(r):7.1f} tok/s  {statistics.median(r) / base:.3f}x {first}  (rounds: {rounds}){own}  == {ref}: {same}")
 
 
 if __name__ == "__main__":

@@ -22,7 +22,8 @@ def test_parse_names_and_typed_keys():
 
 @pytest.mark.model
 def test_runs_configurations_side_by_side_and_checks_outputs():
-    """Two specfw engines and one HF transformers row (``backend=hf``) in one run."""
+    """Two specfw engines, two more in bf16 (``model.dtype``: checked against the first bf16 row)
+    and one HF transformers row (``backend=hf``) in one run."""
     r = subprocess.run(
         [
             sys.executable,
@@ -35,6 +36,8 @@ def test_runs_configurations_side_by_side_and_checks_outputs():
             "1",
             "plain=",
             "ngram=algorithm=ngram",
+            "plain bf16=model.dtype=bfloat16",
+            "ngram bf16=algorithm=ngram,model.dtype=bfloat16",
             "hf pl=backend=hf,prompt_lookup_num_tokens=4",
         ],
         capture_output=True,
@@ -42,8 +45,11 @@ def test_runs_configurations_side_by_side_and_checks_outputs():
         timeout=600,
     )
     assert r.returncode == 0, r.stderr[-2000:]
-    lines = [line for line in r.stdout.splitlines() if line.startswith(("plain ", "ngram "))]
+    lines = [line for line in r.stdout.splitlines() if line.startswith(("plain ", "ngram ")) and " bf16 " not in line[:11]]
     assert len(lines) == 2 and all("== plain: yes" in line for line in lines)
+    bf16 = [line for line in r.stdout.splitlines() if line.startswith(("plain bf16 ", "ngram bf16 "))]
+    assert len(bf16) == 2 and all("== plain bf16: yes" in line for line in bf16)
+    assert "x plain bf16 (rounds: " in bf16[1]  # its ratio to the first row of its dtype
     # an HF transformers row (prompt lookup): timed beside them, its outputs compared, not required equal
     hf = [line for line in r.stdout.splitlines() if line.startswith("hf pl ")]
     assert len(hf) == 1 and "tok/s" in hf[0] and "== plain: " in hf[0] and hf[0].rstrip().endswith("/1")
