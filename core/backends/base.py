@@ -99,6 +99,12 @@ class Backend:
         ``accepts`` (``KernelLayers``: same bits as the per-layer path), or None: the per-layer path."""
         return None
 
+    def draft_layer(self, layer: nn.Module):
+        """A callable that runs a draft head's decoder layer (``DraftDecoderLayer``, fused
+        projections) in one call for the forwards it ``accepts`` (``KernelDraftLayer``: same bits
+        as the per-op path), or None: the per-op path."""
+        return None
+
     def greedy_head(self, model: nn.Module):
         """A callable for ``model``'s lm_head over rows read only for their argmax
         (``ForwardBatch.greedy_only``): logits whose argmax and the value there are the full

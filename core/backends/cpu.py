@@ -31,7 +31,7 @@ from . import huge_pages
 from .base import Backend, HeadShape
 from .greedy_head import GreedyHead
 from .kernel_attention import KernelAttentionPlan
-from .kernel_layers import KernelLayers
+from .kernel_layers import KernelDraftLayer, KernelLayers
 from .kernel_linear import KernelLinear
 from .torch_ops import sdpa_plan
 from .q8_linear import Q8Linear, supports as q8_supports
@@ -145,6 +145,11 @@ class CpuBackend(Backend):
         if not self.one_call_layers:
             return None
         return self._per_model(model, "_kernel_layers", lambda: KernelLayers(self.ops, model.layers) if KernelLayers.eligible(self.ops, model.layers) else None)
+
+    def draft_layer(self, layer):
+        if not self.one_call_layers:
+            return None
+        return self._per_model(layer, "_kernel_draft_layer", lambda: KernelDraftLayer(self.ops, layer) if KernelDraftLayer.eligible(self.ops, layer) else None)
 
     def greedy_head(self, model):
         # 56 MB on the demo target: the bf16 copy of its head

@@ -1,5 +1,8 @@
 """``KernelLayers``: every decoder layer of a Llama-style model in one ``cpu_ops.decoder_layers``
-call, for forwards over decode, tree and extend rows (no prompt prefill in the batch).
+call, for forwards over decode, tree and extend rows (no prompt prefill in the batch);
+``KernelDraftLayer``: an EAGLE-family draft head's layer in one ``cpu_ops.draft_layer`` call,
+for its extend passes and beam steps (~4 a draft step; the per-op path made ~12 Python-side calls
+each).
 
 The per-op path (``DecoderLayer._forward_fused``) makes ~13 Python-side calls a layer: five kernel
 calls, two norms, rope + KV write, the attention plan, reshapes, the residual add. On the 30-layer
@@ -23,6 +26,16 @@ from .kernel_attention import KernelAttentionPlan
 from .kernel_linear import KernelLinear
 
 _LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
+
+
+def _kernel_linears(ops, linears) -> bool:
+    """Every linear is ``ops``' ``KernelLinear``, unpadded, without a bias beyond the first's (qkv)."""
+    for i, lin in enumerate(linears):
+        if not isinstance(lin, KernelLinear) or lin.ops is not ops or lin._padded:
+            return False
+        if i and lin.bias.numel():
+            return False
+    return True
 
 
 class KernelLayers:
@@ -49,14 +62,7 @@ class KernelLayers:
         eps = {layer.input_layernorm.eps for layer in layers} | {layer.post_attention_layernorm.eps for layer in layers}
         if len(eps) != 1:
             return False
-        for layer in layers:
-            for name in _LINEARS:
-                lin = getattr(layer, name, None)
-                if not isinstance(lin, KernelLinear) or lin.ops is not ops or lin._padded:
-                    return False
-                if name != "qkv_proj" and lin.bias.numel():
-                    return False
-        return True
+        return all(_kernel_linears(ops, [getattr(layer, name, None) for name in _LINEARS]) for layer in layers)
 
     def current(self) -> bool:
         """The weights collected at build time are still the ones the layers run (no packed weight
@@ -80,3 +86,41 @@ class KernelLayers:
             plan.prefix_ptr, plan.prefix_slots, plan.row_ptr, plan.row_q, plan.extra_ptr, plan.extra_slots, wanted,
         )  # fmt: skip
         return out[0], dict(zip(wanted, out[1:]))
+
+
+class KernelDraftLayer:
+    """``DraftDecoderLayer``'s fused-projection forward (``_forward_fused``) as one kernel call: the
+    same kernel functions in the same order, so the same bits (tests/unit/test_kernel_layers.py)."""
+
+    def __init__(self, ops, layer):
+        self.ops, self.layer = ops, layer
+        self.eps, self.scale = layer.post_attention_layernorm.eps, layer.scale
+        self.generation = KernelLinear.generation
+        four = qkv, o, gate_up, down = self._linears(layer)
+        widths = torch.tensor([lin.out_features for lin in four], dtype=torch.long)
+        self.weights = [qkv.packed, qkv.bias, o.packed, layer.post_attention_layernorm.weight.detach(), gate_up.packed, down.packed, widths]
+
+    @staticmethod
+    def _linears(layer) -> list:
+        return [layer.qkv_fused, layer.self_attn.o_proj, layer.gate_up_fused, layer.mlp.down_proj]
+
+    @staticmethod
+    def eligible(ops, layer) -> bool:
+        """Fused projections (``fuse_projections``) on ``ops``' unpadded ``KernelLinear``, and the
+        layer's own forward (not one replaced per instance)."""
+        if layer.qkv_fused is None or "forward" in layer.__dict__:
+            return False
+        return _kernel_linears(ops, KernelDraftLayer._linears(layer))
+
+    def current(self) -> bool:
+        """No packed weight replaced nor padding verdict changed since the weights were collected."""
+        return KernelLinear.generation == self.generation and "forward" not in self.layer.__dict__
+
+    accepts = staticmethod(KernelLayers.accepts)
+
+    def __call__(self, attn_in: torch.Tensor, residual: torch.Tensor, fb, kv, rotary) -> torch.Tensor:
+        plan = fb.attn_plan
+        return self.ops.draft_layer(
+            attn_in, residual, self.weights, kv.k[0], kv.v[0], rotary.cos, rotary.sin, fb.positions, fb.out_slots, self.eps, self.scale,
+            self.layer.n_heads, self.layer.n_kv, plan.prefix_ptr, plan.prefix_slots, plan.row_ptr, plan.row_q, plan.extra_ptr, plan.extra_slots,
+        )  # fmt: skip

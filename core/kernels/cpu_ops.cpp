@@ -783,6 +783,24 @@ torch::Tensor top_logprobs(torch::Tensor logits, int64_t k) {
 // 8 tensors: input norm weight, qkv packed, qkv bias (or empty), o packed, post-attention norm
 // weight, gate_up packed, down packed, a [4] int64 of the four linears' output widths. Returns the
 // hidden state after the last layer, then the hidden state entering each layer in ``capture``.
+// One decoder layer after its input norm: h (the attention input) through qkv, rope + KV write,
+// attention, o; the residual x plus that, normed, through the MLP. w: qkv, qkv bias, o,
+// post-attention norm, gate_up, down, widths [4] (int64).
+torch::Tensor layer_from(const torch::Tensor& h, const torch::Tensor& x, const torch::Tensor* w, const torch::Tensor& k_cache,
+                         const torch::Tensor& v_cache, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& out_slots,
+                         double eps, double scale, int64_t H, int64_t Hkv, int64_t D, const torch::Tensor& prefix_ptr,
+                         const torch::Tensor& prefix_slots, const torch::Tensor& row_ptr, const torch::Tensor& row_q,
+                         const torch::Tensor& extra_ptr, const torch::Tensor& extra_slots) {
+  const int64_t T = x.size(0);
+  const int64_t* n = w[6].data_ptr<int64_t>();
+  const auto no_bias = torch::empty({0}, x.options().dtype(torch::kFloat32));
+  auto q = rope_write(linear(h, w[0], n[0], w[1]), cos, sin, k_cache, v_cache, out_slots, H, Hkv);
+  auto o = torch::empty_like(q);
+  attention(q, k_cache, v_cache, o, scale, prefix_ptr, prefix_slots, row_ptr, row_q, extra_ptr, extra_slots);
+  auto sum_normed = add_rms_norm(x, linear(o.reshape({T, H * D}), w[2], n[1], no_bias), w[3], eps);
+  return sum_normed[0] + linear(silu_mul(linear(sum_normed[1], w[4], n[2], no_bias)), w[5], n[3], no_bias);
+}
+
 std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<torch::Tensor> weights, std::vector<torch::Tensor> k_caches,
                                           std::vector<torch::Tensor> v_caches, torch::Tensor cos, torch::Tensor sin,
                                           torch::Tensor out_slots, double eps, double scale, int64_t H, int64_t Hkv,
@@ -792,22 +810,33 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<torch::Te
   const int64_t L = int64_t(k_caches.size()), T = x.size(0), D = k_caches.empty() ? 0 : k_caches[0].size(2);
   TORCH_CHECK(int64_t(weights.size()) == 8 * L && int64_t(v_caches.size()) == L, "decoder_layers: 8 weights and 2 caches per layer");
   std::vector<torch::Tensor> captured(capture.size());
-  const auto no_residual = x.new_empty({0}), no_bias = torch::empty({0}, x.options().dtype(torch::kFloat32));
+  const auto no_residual = x.new_empty({0});
   x = x.contiguous();
   for (int64_t l = 0; l < L; ++l) {
     for (size_t c = 0; c < capture.size(); ++c)
       if (capture[c] == l) captured[c] = x;
     const torch::Tensor* w = weights.data() + 8 * l;
-    const int64_t* n = w[7].data_ptr<int64_t>();
-    auto q = rope_write(linear(add_rms_norm(x, no_residual, w[0], eps)[1], w[1], n[0], w[2]), cos, sin, k_caches[l], v_caches[l],
-                        out_slots, H, Hkv);
-    auto o = torch::empty_like(q);
-    attention(q, k_caches[l], v_caches[l], o, scale, prefix_ptr, prefix_slots, row_ptr, row_q, extra_ptr, extra_slots);
-    auto sum_normed = add_rms_norm(x, linear(o.reshape({T, H * D}), w[3], n[1], no_bias), w[4], eps);
-    x = sum_normed[0] + linear(silu_mul(linear(sum_normed[1], w[5], n[2], no_bias)), w[6], n[3], no_bias);
+    x = layer_from(add_rms_norm(x, no_residual, w[0], eps)[1], x, w + 1, k_caches[l], v_caches[l], cos, sin, out_slots, eps, scale, H, Hkv, D,
+                   prefix_ptr, prefix_slots, row_ptr, row_q, extra_ptr, extra_slots);
   }
   captured.insert(captured.begin(), x);
   return captured;
+}
+
+// An EAGLE-family draft head's decoder layer (DraftDecoderLayer: its attention input attn_in is
+// not the residual stream, e.g. EAGLE-3's cat(norm(embed), norm(hidden)) of width 2H) in one call:
+// the per-op path's kernel functions in its order, so the same bits. weights: qkv, qkv bias (or
+// empty), o, post-attention norm, gate_up, down, widths [4]; cos / sin: the full tables, indexed
+// by positions here.
+torch::Tensor draft_layer(torch::Tensor attn_in, torch::Tensor residual, std::vector<torch::Tensor> weights, torch::Tensor k_cache,
+                          torch::Tensor v_cache, torch::Tensor cos_table, torch::Tensor sin_table, torch::Tensor positions,
+                          torch::Tensor out_slots, double eps, double scale, int64_t H, int64_t Hkv, torch::Tensor prefix_ptr,
+                          torch::Tensor prefix_slots, torch::Tensor row_ptr, torch::Tensor row_q, torch::Tensor extra_ptr,
+                          torch::Tensor extra_slots) {
+  TORCH_CHECK(weights.size() == 7, "draft_layer: qkv, qkv bias, o, norm, gate_up, down, widths");
+  const auto cos = cos_table.index_select(0, positions).unsqueeze(1), sin = sin_table.index_select(0, positions).unsqueeze(1);
+  return layer_from(attn_in.contiguous(), residual.contiguous(), weights.data(), k_cache, v_cache, cos, sin, out_slots, eps, scale, H, Hkv,
+                    k_cache.size(2), prefix_ptr, prefix_slots, row_ptr, row_q, extra_ptr, extra_slots);
 }
 
 // Logits of greedy rows from a cheaper copy of an fp32 weight (the lm_head), exact where it
@@ -1004,6 +1033,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decoder_layers", &decoder_layers, "every decoder layer over decode/tree rows in one call (the per-op path's bits)", nogil);
   m.def("greedy_logits", &greedy_logits, "greedy rows' logits: exact at every possible argmax, -inf elsewhere", nogil);
   m.def("greedy_pick", &greedy_pick, "greedy_logits from a proxy computed on bf16 inputs (bf16_dot)", nogil);
+  m.def("draft_layer", &draft_layer, "an EAGLE-family draft head's decoder layer in one call (the per-op path's bits)", nogil);
   m.def("attention_plan", &attention_plan, "the attention kernel's slot lists from each sequence's slots and tree mask");
   m.def("top_logprobs", &top_logprobs, "each row's k best log-softmax values and ids, [2, rows, k]", nogil);
 }

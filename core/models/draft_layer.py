@@ -99,10 +99,13 @@ class DraftDecoderLayer(nn.Module):
         """``forward`` on the fused projections and the backend's fused glue (rope + KV write,
         residual add + norm, silu * up): ~6 calls instead of ~25."""
         T = attn_in.shape[0]
+        if fb.attn_plan is None:
+            fb.attn_plan = self.backend.plan_attention(fb.seqs, attn_in.device, HeadShape(attn_in.dtype, self.n_heads, self.n_kv, self.head_dim), exact=False)
+        one_call = self.backend.draft_layer(self)  # the whole layer in one kernel call where the backend has one
+        if one_call is not None and one_call.accepts(fb.attn_plan, T):
+            return one_call(attn_in, residual, fb, kv, rotary)
         cos, sin = rotary.lookup(fb.positions)
         q = ops.rope_write(self.qkv_fused(attn_in), cos, sin, kv.k[0], kv.v[0], fb.out_slots, self.n_heads, self.n_kv)
-        if fb.attn_plan is None:
-            fb.attn_plan = self.backend.plan_attention(fb.seqs, attn_in.device, HeadShape(q.dtype, self.n_heads, self.n_kv, self.head_dim), exact=False)
         x, h = ops.add_rms_norm(
             residual.contiguous(),
             self.self_attn.o_proj(fb.attn_plan(q, kv.k[0], kv.v[0], self.scale).reshape(T, -1)),

@@ -112,3 +112,69 @@ def test_layers_with_other_linears_keep_the_per_layer_path(tiny_model_dir):
     assert stack.current() is False
     rebuilt = r.backend.decoder_stack(r.model)
     assert rebuilt is not stack and rebuilt.current()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("isa", _isas())
+def test_one_call_draft_layer_equals_the_per_op_path(isa, dtype, monkeypatch):
+    """``KernelDraftLayer`` (``cpu_ops.draft_layer``): an EAGLE-3-shaped draft layer (attention
+    input 2H, residual H) gives the per-op path's bits for extend rows, beam-step rows whose tree
+    mask covers earlier drafted nodes, and two sequences at once; a prompt prefill keeps the per-op
+    path."""
+    from transformers import LlamaConfig
+    from specfw.backends.kernel_layers import KernelDraftLayer
+    from specfw.kv_cache import KVPool
+    from specfw.models.draft_layer import DraftDecoderLayer
+    from specfw.models.llama import Rotary
+
+    if cpu_ops(isa) is None:
+        pytest.skip("the CPU kernels cannot be built here")
+    cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, rms_norm_eps=1e-5)
+    torch.manual_seed(0)
+    layer = DraftDecoderLayer(cfg, in_dim=128)
+    with torch.no_grad():
+        for p in layer.parameters():
+            p.copy_(torch.randn_like(p) * 0.2)
+    layer = layer.to(dtype).eval()
+    backend = make_backend("cpu", batch_invariant=True, cpu_isa=isa, cpu_bf16_kernel=False)
+    layer = backend.prepare_module(layer)
+    kv = KVPool(1, 2, 16, 256, dtype=dtype)
+    rotary = Rotary(cfg, 256, dtype)
+    calls = []
+    real_call = KernelDraftLayer.__call__
+    monkeypatch.setattr(KernelDraftLayer, "__call__", lambda self, *a: calls.append(1) or real_call(self, *a))
+
+    def both(chunks):
+        outs = []
+        for one_call in (True, False):
+            backend.one_call_layers = one_call
+            fb = build_forward_batch(chunks)
+            T = fb.num_tokens
+            g = torch.Generator().manual_seed(T)
+            attn_in, residual = torch.randn(T, 128, generator=g).to(dtype), torch.randn(T, 64, generator=g).to(dtype)
+            with torch.inference_mode():
+                outs.append(layer(attn_in, residual, fb, kv, rotary))
+        backend.one_call_layers = CpuBackend.one_call_layers
+        return outs
+
+    prompts = []
+    for n in (6, 4):  # prompt prefills: causal SDPA, the per-op path
+        slots = kv.allocator.alloc(n)
+        one, per_op = both([(torch.arange(n), torch.arange(n), slots, EMPTY, None)])
+        assert torch.equal(one, per_op)
+        prompts.append(slots)
+    assert calls == []
+    drafted = kv.allocator.alloc(3)  # three earlier beam nodes (KV written by an extend below)
+    both([(torch.arange(3), 6 + torch.arange(3), drafted, prompts[0], None)])
+    mask = torch.tensor([[1, 0, 0, 1, 0], [1, 1, 0, 0, 1]], dtype=torch.bool)  # two beams over 3 drafted nodes + themselves
+    batches = {
+        "an extend chain": [(torch.arange(3), 4 + torch.arange(3), kv.allocator.alloc(3), prompts[1], None)],
+        "a beam step over drafted nodes": [(torch.arange(2), torch.tensor([9, 10]), kv.allocator.alloc(2), torch.cat([prompts[0], drafted]), mask)],
+        "two one-row sequences": [(torch.tensor([5]), torch.tensor([6]), kv.allocator.alloc(1), prompts[0], None),
+                                  (torch.tensor([7]), torch.tensor([4]), kv.allocator.alloc(1), prompts[1], None)],
+    }  # fmt: skip
+    for name, chunks in batches.items():
+        one, per_op = both(chunks)
+        assert torch.equal(one, per_op), name
+    assert len(calls) == len(batches) + 1  # + the extend that wrote the drafted nodes
+    assert KernelDraftLayer.eligible(backend.ops, layer) and not KernelDraftLayer.eligible(backend.ops, DraftDecoderLayer(cfg, in_dim=128))  # unfused
