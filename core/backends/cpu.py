@@ -103,9 +103,9 @@ class CpuBackend(Backend):
             if int8_activations and self.q8ops is not None and q8_supports(qw.in_features):
                 return Q8Linear.from_quant_weight(qw, linear.bias, self.q8ops, scheme)
             return QuantLinear(qw, linear.bias, self.qops, scheme)
-        if w.dtype == torch.bfloat16 and self.bf16_kernel:
+        if w.dtype == torch.bfloat16 and self.bf16_kernel and not self._dot_in_ops():
             return DotBF16Linear(linear, batch_invariant)
-        return KernelLinear(linear, self.ops, self.isa, batch_invariant)
+        return KernelLinear(linear, self.ops, self.isa, batch_invariant, bf16_dot=self.bf16_kernel)
 
     def _swap(
         self, module: nn.Module, batch_invariant: bool, scheme: str = "none", fallback: str | None = None, int8_activations: bool | None = None
@@ -165,6 +165,14 @@ class CpuBackend(Backend):
 
         return bf16_dot() if self.isa == "avx512" and self.bf16_kernel else None
 
+    def _dot_in_ops(self) -> bool:
+        """bf16 linears on this build's own vdpbf16ps path (``KernelLinear`` in ``bf16_dot``'s layout,
+        eligible for the one-call layers) rather than ``DotBF16Linear``: the avx512 build with
+        AVX512-BF16, where the CPU has no AMX (AMX tiles stay ``bf16_amx``'s)."""
+        from ..kernels import bf16_amx
+
+        return hasattr(self.ops, "has_bf16_dot") and self.ops.has_bf16_dot() and bf16_amx() is None
+
     def _per_model(self, model, key: str, build):
         """What ``build()`` makes for ``model``, kept in its ``__dict__`` under ``key``: built once
         per model and kernel build, rebuilt when its ``current()`` says a weight was replaced."""
@@ -195,7 +203,7 @@ class CpuBackend(Backend):
         if self.bf16_kernel:
             from ..kernels import bf16_amx
 
-            bf16 = ", bf16 linears on AMX tiles" if bf16_amx() is not None else ", bf16 linears on bf16_dot (AVX512-BF16)"
+            bf16 = ", bf16 linears on AMX tiles" if bf16_amx() is not None else ", bf16 linears on vdpbf16ps (AVX512-BF16)"
         quant = f", weights {self.quantization}" if self.quantization != "none" else ""
         quant += ", int8 activations" if self.q8ops is not None else ""
         draft = f", draft weights {self.draft_quantization}" if self.draft_quantization != self.quantization else ""

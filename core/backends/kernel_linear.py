@@ -9,7 +9,10 @@ design figures).
 
 An fp32 weight whose every value is a bfloat16 value (a bf16 checkpoint loaded into an fp32
 engine, as the published EAGLE-3 heads are) is packed as bf16: the same values, the same fp32
-arithmetic and bits, half the bytes streamed per token.
+arithmetic and bits, half the bytes streamed per token. A bf16 model's weight, on a build with
+AVX512-BF16 and ``bf16_dot`` asked for, is packed in ``bf16_dot``'s pair layout (``pack_dot``) and
+summed on ``vdpbf16ps``: two products a lane per instruction, the bits of ``DotBF16Linear``, and
+the one-call decoder layers (``KernelLayers``) take it like any other.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ class KernelLinear(nn.Module):
     # the packed weights of many layers (KernelLayers) checks one number, not every layer
     generation = 0
 
-    def __init__(self, linear: nn.Linear, ops, isa: str, batch_invariant: bool = False):
+    def __init__(self, linear: nn.Linear, ops, isa: str, batch_invariant: bool = False, bf16_dot: bool = False):
         super().__init__()
         self.ops, self.isa = ops, isa
         self.batch_invariant = batch_invariant
@@ -33,7 +36,11 @@ class KernelLinear(nn.Module):
         self._row_plan: tuple[int, RowPlan | None] = (0, None)
         self._padded = False  # the probe found this kernel row-dependent: run its row plan
         self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.packed = ops.pack(_narrowest_lossless(linear.weight.detach()))
+        w = linear.weight.detach()
+        # a bf16 model's weight on vdpbf16ps where the build has it (bf16_dot: the backend's
+        # engine.cpu_bf16_kernel); a bf16-valued fp32 weight keeps fp32 arithmetic (its model's bits)
+        dot = bf16_dot and w.dtype == torch.bfloat16 and hasattr(ops, "has_bf16_dot") and ops.has_bf16_dot()
+        self.packed = ops.pack_dot(w) if dot else ops.pack(_narrowest_lossless(w))
         self.bias = torch.empty(0) if linear.bias is None else linear.bias.detach().float()
 
     @property
@@ -58,6 +65,8 @@ class KernelLinear(nn.Module):
     def weight(self) -> torch.Tensor:
         """The ``[N, K]`` weight in plain layout (a copy unpacked from the kernel's layout)."""
         nb, k, lanes = self.packed.shape
+        if lanes == 32:  # pack_dot's layout: per block of 16 outputs, k pairs of (w[n, 2p], w[n, 2p + 1])
+            return self.packed.view(nb, k, 16, 2).permute(0, 2, 1, 3).reshape(nb * 16, k * 2)[: self.out_features, : self.in_features].contiguous()
         return self.packed.transpose(1, 2).reshape(nb * lanes, k)[: self.out_features].contiguous()
 
     def _mm(self, x2: torch.Tensor) -> torch.Tensor:

@@ -66,7 +66,10 @@ def cpu_ops(isa: str | None = None):
     isa = isa or cpu_isa()
     key = f"cpu_ops_{isa}"
     if key not in _cache:
-        _cache[key] = _load(_OPS_SOURCE, f"specfw_cpu_ops_{isa}", _ISA_FLAGS[isa], "cpu kernels " + isa)
+        # AVX512-BF16 where the CPU has it: bf16 models' linears on vdpbf16ps (bf16_dot_tiles.h);
+        # the build's bf16_dot() then says True
+        dot = ["-mavx512bf16"] if isa == "avx512" and "avx512_bf16" in _cpu_flags() else []
+        _cache[key] = _load(_OPS_SOURCE, f"specfw_cpu_ops_{isa}", [*_ISA_FLAGS[isa], *dot], "cpu kernels " + isa + ("+bf16 dot" if dot else ""))
     return _cache[key]
 
 
@@ -110,7 +113,9 @@ def _load(source: Path, name: str, isa_flags: list[str], what: str):
         # on where the build happened to place them (20% apart between two builds of one source)
         cflags = ["-O3", "-fopenmp", "-falign-loops=64", *isa_flags]
         # the hash of the source and flags is in the name: an edited kernel never loads a stale build
-        tag = hashlib.sha1(source.read_bytes() + " ".join(cflags).encode()).hexdigest()[:10]
+        # (and of the headers beside it: bf16_dot_tiles.h is shared by two sources)
+        headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
+        tag = hashlib.sha1(source.read_bytes() + headers + " ".join(cflags).encode()).hexdigest()[:10]
         logger.info("%s: building or loading (first use compiles for ~30-60 s)", what)
         return load(
             name=f"{name}_{tag}", sources=[str(source)], extra_cflags=cflags, extra_ldflags=["-fopenmp"], verbose=False

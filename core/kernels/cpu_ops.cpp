@@ -326,6 +326,26 @@ void linear_impl(int64_t M, const WT* W_, int64_t K, int64_t NB, const float* X,
   });
 }
 
+#if defined(__AVX512BF16__)
+#include "bf16_dot_tiles.h"
+constexpr bool kHasDot = true;
+#else
+constexpr bool kHasDot = false;
+#endif
+
+bool has_bf16_dot() { return kHasDot; }
+
+// w [N, K] bf16 -> bf16_dot's pair layout [ceil(N/16), ceil(K/2), 32], for bf16 models' linears
+// on vdpbf16ps (linear() tells the layouts apart by the last dimension: 32 vs 16)
+torch::Tensor pack_dot(torch::Tensor w) {
+#if defined(__AVX512BF16__)
+  return dot::pack(w);
+#else
+  TORCH_CHECK(false, "pack_dot: this build has no AVX512-BF16 path");
+  return w;
+#endif
+}
+
 // w [N, K] fp32 or bf16 -> [ceil(N/16), K, 16], zero padded
 torch::Tensor pack(torch::Tensor w) {
   TORCH_CHECK(w.dim() == 2, "pack: a 2-d weight");
@@ -335,12 +355,35 @@ torch::Tensor pack(torch::Tensor w) {
   return padded.view({NB, kBlock, K}).transpose(1, 2).contiguous();
 }
 
+// x [M, K] bf16, packed from pack_dot() -> y [M, N] bf16: bf16_dot's sums (k pairs on vdpbf16ps,
+// one fixed order per output), bias added, rounded once
+torch::Tensor linear_dot(torch::Tensor x, torch::Tensor packed, int64_t N, torch::Tensor bias) {
+#if defined(__AVX512BF16__)
+  TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "linear: a pack_dot weight takes bf16 rows");
+  const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), KP = packed.size(1);
+  TORCH_CHECK((K + 1) / 2 == KP && NB * dot::kLanes >= N, "linear: input width does not match the packed weight");
+  if (K % 2) x = torch::constant_pad_nd(x, {0, 1});
+  x = x.contiguous();
+  auto y = torch::empty({M, N}, x.options());
+  if (M == 0) return y;
+  dot::linear_rows(M, reinterpret_cast<const uint16_t*>(packed.data_ptr()), KP, NB, reinterpret_cast<const uint32_t*>(x.data_ptr()),
+                   bias.numel() ? bias.data_ptr<float>() : nullptr, reinterpret_cast<uint16_t*>(y.data_ptr()), N);
+  return y;
+#else
+  TORCH_CHECK(false, "linear: a pack_dot weight needs the AVX512-BF16 build");
+  return x;
+#endif
+}
+
 // x [M, K] fp32 or bf16; packed from pack(); bias fp32 [N] or empty -> y [M, N] in x's dtype
+// (a pack_dot() weight, last dimension 32: linear_dot)
 torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, torch::Tensor bias) {
+  TORCH_CHECK(!bias.numel() || (bias.scalar_type() == torch::kFloat32 && bias.numel() == N), "linear: fp32 bias [N]");
+  if (x.dim() == 2 && packed.dim() == 3 && packed.size(2) == 2 * kBlock && packed.scalar_type() == torch::kBFloat16)
+    return linear_dot(x, packed, N, bias);
   TORCH_CHECK(x.dim() == 2 && packed.dim() == 3 && packed.size(2) == kBlock, "linear: x [M, K], packed [NB, K, 16]");
   const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0);
   TORCH_CHECK(packed.size(1) == K && NB * kBlock >= N, "linear: input width does not match the packed weight");
-  TORCH_CHECK(!bias.numel() || (bias.scalar_type() == torch::kFloat32 && bias.numel() == N), "linear: fp32 bias [N]");
   auto xf = x.to(torch::kFloat32).contiguous();
   auto y = torch::empty({M, N}, xf.options());
   if (M == 0) return y.to(x.scalar_type());
@@ -1025,7 +1068,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("isa", &isa, "the instruction set this build was compiled for");
   m.def("pack", &pack, "pack a [N, K] fp32/bf16 weight for linear()");
-  m.def("linear", &linear, "batch-invariant linear over a packed weight", nogil);
+  m.def("linear", &linear, "batch-invariant linear over a packed weight (pack or pack_dot)", nogil);
+  m.def("pack_dot", &pack_dot, "pack a [N, K] bf16 weight in bf16_dot's pair layout (AVX512-BF16 builds)");
+  m.def("has_bf16_dot", &has_bf16_dot, "whether this build has the vdpbf16ps path (pack_dot)");
   m.def("attention", &attention, "batch-invariant attention of one-row queries over the KV pool", nogil);
   m.def("add_rms_norm", &add_rms_norm, "(x + residual, RMSNorm(x + residual) * weight); residual optional", nogil);
   m.def("rope_write", &rope_write, "rope on q and k heads; k and v written to the KV pool; returns q", nogil);

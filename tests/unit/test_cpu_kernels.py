@@ -376,3 +376,39 @@ def test_attention_plan_lists_every_rows_slots(isa):
     assert all(t.dtype == torch.long for t in got)
     with pytest.raises(RuntimeError, match="mask covers more"):
         ops.attention_plan([torch.arange(3)], [torch.ones(1, 5, dtype=torch.bool)], [0], [1])
+
+
+@isas
+def test_bf16_dot_layout_in_the_cpu_ops_build(isa):
+    """Where the avx512 build has AVX512-BF16 (``has_bf16_dot``): ``pack_dot`` + ``linear`` give
+    ``bf16_dot``'s bits (the shared vdpbf16ps tiles), each row's bits alone for 1..16 rows, odd
+    K and a bias, and ``KernelLinear`` unpacks the layout back to its weight; other builds say no
+    and refuse the layout."""
+    from specfw.backends.kernel_linear import KernelLinear
+    from specfw.kernels import bf16_dot, cpu_has_avx512_bf16
+
+    ops = _ops(isa)
+    if not (isa == "avx512" and cpu_has_avx512_bf16()):
+        assert not ops.has_bf16_dot()
+        with pytest.raises(RuntimeError, match="AVX512-BF16"):
+            ops.pack_dot(torch.zeros(16, 4, dtype=torch.bfloat16))
+        return
+    assert ops.has_bf16_dot()
+    g = torch.Generator().manual_seed(7)
+    lin = torch.nn.Linear(77, 50).to(torch.bfloat16)
+    lin.weight.data.copy_(torch.randn(50, 77, generator=g))
+    bias = torch.randn(50, generator=g)
+    x = torch.randn(16, 77, generator=g).to(torch.bfloat16)
+    packed = ops.pack_dot(lin.weight.data)
+    assert packed.shape == (4, 39, 32)
+    y = ops.linear(x, packed, 50, bias)
+    ref = bf16_dot()
+    assert torch.equal(y, ref.linear(x, ref.pack(lin.weight.data), 50, bias))
+    want = x.double() @ lin.weight.double().T + bias.double()
+    assert torch.allclose(y.double(), want, rtol=1e-2, atol=5e-2)
+    for rows in (1, 2, 3, 5, 8, 9, 16):
+        assert torch.equal(ops.linear(x[:rows], packed, 50, bias), y[:rows]), rows
+    kl = KernelLinear(lin, ops, isa, bf16_dot=True)
+    assert kl.packed.shape[-1] == 32 and torch.equal(kl.weight, lin.weight.data)
+    assert KernelLinear(lin, ops, isa).packed.shape[-1] == 16  # not asked for: the fp32-arithmetic layout
+    assert KernelLinear(lin.float(), ops, isa, bf16_dot=True).packed.shape[-1] == 16  # a bf16-valued fp32 weight keeps fp32 arithmetic

@@ -29,11 +29,13 @@ def _tree_mask(parents):
     return mask
 
 
-def _runner(model_dir, isa, dtype):
+def _runner(model_dir, isa, dtype, bf16_dot=False):
     if cpu_ops(isa) is None:
         pytest.skip("the CPU kernels cannot be built here")
+    if bf16_dot and not cpu_ops(isa).has_bf16_dot():
+        pytest.skip(f"the {isa} build has no vdpbf16ps path on this CPU")
     lm = load_model(str(model_dir), dtype=str(dtype).removeprefix("torch."))
-    backend = make_backend("cpu", batch_invariant=True, cpu_isa=isa, cpu_bf16_kernel=False)
+    backend = make_backend("cpu", batch_invariant=True, cpu_isa=isa, cpu_bf16_kernel=bf16_dot)
     return ModelRunner(lm.model, lm.hf_config, 512, dtype, backend=backend)
 
 
@@ -48,10 +50,12 @@ def _both_paths(runner, chunks, capture=()):
     return outs
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "bf16 vdpbf16ps"])
 @pytest.mark.parametrize("isa", _isas())
 def test_one_call_layers_equal_the_per_layer_path(tiny_model_dir, isa, dtype, monkeypatch):
-    r = _runner(tiny_model_dir, isa, dtype)
+    dot = dtype == "bf16 vdpbf16ps"  # bf16 weights in bf16_dot's layout (AVX512-BF16 in the avx512 build)
+    r = _runner(tiny_model_dir, isa, torch.bfloat16 if dot else dtype, bf16_dot=dot)
+    assert all(layer.qkv_proj.packed.shape[-1] == (32 if dot else 16) for layer in r.model.layers)
     calls = []
     real_call = KernelLayers.__call__
     monkeypatch.setattr(KernelLayers, "__call__", lambda self, *a: calls.append(1) or real_call(self, *a))
