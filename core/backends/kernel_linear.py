@@ -76,7 +76,7 @@ class KernelLinear(nn.Module):
         """The probe's verdict for this kernel (expected: unpadded calls of ``MAX_ROW_BLOCK`` rows)."""
         threads = torch.get_num_threads()
         if self._row_plan[0] != threads:
-            key = ("cpu_ops", self.isa, self.out_features, self.bias.numel() > 0)
+            key = ("cpu_ops", self.isa, self.out_features, self.bias.numel() > 0, self.packed.shape[-1])  # the layout: pack or pack_dot
             self._row_plan = (threads, invariant_row_plan(self._mm, self.in_features, self.packed.dtype, key, self.timed_rows))
             self._padded = self.batch_invariant and self._row_plan[1] != RowPlan(MAX_ROW_BLOCK)
         return self._row_plan[1]
