@@ -171,7 +171,7 @@ class CpuBackend(Backend):
         AVX512-BF16, where the CPU has no AMX (AMX tiles stay ``bf16_amx``'s)."""
         from ..kernels import bf16_amx
 
-        return hasattr(self.ops, "has_bf16_dot") and self.ops.has_bf16_dot() and bf16_amx() is None
+        return self.ops.has_bf16_dot() and bf16_amx() is None
 
     def _per_model(self, model, key: str, build):
         """What ``build()`` makes for ``model``, kept in its ``__dict__`` under ``key``: built once

@@ -39,7 +39,7 @@ class KernelLinear(nn.Module):
         w = linear.weight.detach()
         # a bf16 model's weight on vdpbf16ps where the build has it (bf16_dot: the backend's
         # engine.cpu_bf16_kernel); a bf16-valued fp32 weight keeps fp32 arithmetic (its model's bits)
-        dot = bf16_dot and w.dtype == torch.bfloat16 and hasattr(ops, "has_bf16_dot") and ops.has_bf16_dot()
+        dot = bf16_dot and w.dtype == torch.bfloat16 and ops.has_bf16_dot()
         self.packed = ops.pack_dot(w) if dot else ops.pack(_narrowest_lossless(w))
         self.bias = torch.empty(0) if linear.bias is None else linear.bias.detach().float()
 

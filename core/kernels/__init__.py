@@ -67,7 +67,7 @@ def cpu_ops(isa: str | None = None):
     key = f"cpu_ops_{isa}"
     if key not in _cache:
         # AVX512-BF16 where the CPU has it: bf16 models' linears on vdpbf16ps (bf16_dot_tiles.h);
-        # the build's bf16_dot() then says True
+        # the build's has_bf16_dot() then says True
         dot = ["-mavx512bf16"] if isa == "avx512" and "avx512_bf16" in _cpu_flags() else []
         _cache[key] = _load(_OPS_SOURCE, f"specfw_cpu_ops_{isa}", [*_ISA_FLAGS[isa], *dot], "cpu kernels " + isa + ("+bf16 dot" if dot else ""))
     return _cache[key]

@@ -819,13 +819,6 @@ torch::Tensor top_logprobs(torch::Tensor logits, int64_t k) {
 }
 
 // ---------------------------------------------------------------- decoder layers in one call
-// Every layer of a Llama-style decoder over decode / tree / extend rows (no prompt prefill), in
-// one call instead of ~13 Python-side ops per layer (0.5-0.8 ms of a 9-17 ms fp32 forward of the
-// 30-layer demo model at 1-16 rows): the same functions in the same order as the model's per-op path
-// (models/llama.py, DecoderLayer._forward_fused), so the same bits. Per layer l, ``weights`` holds
-// 8 tensors: input norm weight, qkv packed, qkv bias (or empty), o packed, post-attention norm
-// weight, gate_up packed, down packed, a [4] int64 of the four linears' output widths. Returns the
-// hidden state after the last layer, then the hidden state entering each layer in ``capture``.
 // One decoder layer after its input norm: h (the attention input) through qkv, rope + KV write,
 // attention, o; the residual x plus that, normed, through the MLP. w: qkv, qkv bias, o,
 // post-attention norm, gate_up, down, widths [4] (int64).
@@ -844,6 +837,13 @@ torch::Tensor layer_from(const torch::Tensor& h, const torch::Tensor& x, const t
   return sum_normed[0] + linear(silu_mul(linear(sum_normed[1], w[4], n[2], no_bias)), w[5], n[3], no_bias);
 }
 
+// Every layer of a Llama-style decoder over decode / tree / extend rows (no prompt prefill), in
+// one call instead of ~13 Python-side ops per layer (0.5-0.8 ms of a 9-17 ms fp32 forward of the
+// 30-layer demo model at 1-16 rows): the same functions in the same order as the model's per-op path
+// (models/llama.py, DecoderLayer._forward_fused), so the same bits. Per layer l, ``weights`` holds
+// 8 tensors: input norm weight, qkv packed, qkv bias (or empty), o packed, post-attention norm
+// weight, gate_up packed, down packed, a [4] int64 of the four linears' output widths. Returns the
+// hidden state after the last layer, then the hidden state entering each layer in ``capture``.
 std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<torch::Tensor> weights, std::vector<torch::Tensor> k_caches,
                                           std::vector<torch::Tensor> v_caches, torch::Tensor cos, torch::Tensor sin,
                                           torch::Tensor out_slots, double eps, double scale, int64_t H, int64_t Hkv,
@@ -999,8 +999,6 @@ torch::Tensor greedy_pick(torch::Tensor x, torch::Tensor xb, torch::Tensor p, to
 
 std::string isa() { return SPECFW_ISA; }
 
-}  // namespace
-
 // The slot lists of KernelAttentionPlan (kernel_attention.py) for the sequences that are not
 // prompt prefills, in one call: per sequence its kv_slots (int64, prefix first, then the last m
 // entries that tree_mask [q_len, m] covers; an empty mask = a decode row (q_len 1, m 1) or causal
@@ -1060,6 +1058,8 @@ std::vector<torch::Tensor> attention_plan(std::vector<torch::Tensor> slots, std:
   }
   return {prefix_ptr, prefix_slots, row_ptr, row_q, extra_ptr, extra_slots};
 }
+
+}  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // the GIL is released while a kernel runs: another Python thread (the overlap scheduler's
