@@ -158,7 +158,11 @@ def main():
     ap.add_argument("--load-format", default="auto")
     ap.add_argument("--attention", default="auto", help="model.attention_backend")
     ap.add_argument("--graphs", type=int, default=1, help="engine.cuda_graph_max_bs (0: no CUDA graphs)")
-    ap.add_argument("--algos", default="plain,eagle3,ngram", help="plain or algorithms (auto shape); name:steps:topk:tokens[:draft scheme] for a shape")
+    ap.add_argument(
+        "--algos",
+        default="plain,eagle3,ngram",
+        help="plain or algorithms (auto shape); name:steps:topk:tokens[:draft scheme] for a shape; +key=value after either: a speculative key",
+    )
     ap.add_argument("--adaptive", default="auto", help="speculative.adaptive_draft")
     ap.add_argument("--dataset", default="mtbench", choices=["mtbench", "humaneval"], help="MT-bench first turns (chat) or HumanEval prompts (raw code)")
     ap.add_argument("--prompts", type=int, default=8)
@@ -189,10 +193,11 @@ def main():
     params = SamplingParams(max_new_tokens=a.new_tokens, temperature=0, ignore_eos=True)
     results = {}
     for spec_name in a.algos.split(","):
-        name, *shape = spec_name.split(":")
+        head, *extra = spec_name.split("+")
+        name, *shape = head.split(":")
         spec = SpeculativeConfig()
         if name != "plain":
-            kw = dict(algorithm=name, adaptive_draft=a.adaptive)
+            kw = dict(algorithm=name, adaptive_draft=a.adaptive, **dict(e.split("=", 1) for e in extra))
             if len(shape) == 4:
                 kw["draft_model_quantization"] = shape.pop()
             if shape:

@@ -474,3 +474,37 @@ def test_mtp_multi_layer_refuses_a_token_map():
     with pytest.raises(ConfigError, match="speculative.token_map"):
         MtpConfig(algorithm="mtp", multi_layer=True, topk=1, token_map="freq.pt").validate()
     MtpConfig(algorithm="mtp", multi_layer=True, topk=1, token_map="full").validate()
+
+
+@pytest.mark.model
+def test_eagle3_over_a_token_map_keeps_the_draft_vocab_rows_it_names(demo_engine, tmp_path):
+    """FR-Spec over an EAGLE-3 draft vocabulary: ``speculative.token_map`` keeps the lm_head rows
+    (draft order) whose target id the map names, ``to_target`` maps them back, greedy output is
+    plain greedy output; a map sharing no id with the draft vocabulary is a config error."""
+    from specfw.datasets import mtbench_first_turns
+    from specfw.engine import Engine
+    from specfw_plugins.eagle3.config import Eagle3Config
+
+    params = SamplingParams(max_new_tokens=24, temperature=0)
+    prompts = [demo_engine.tokenize_chat([{"role": "user", "content": q}]) for q in mtbench_first_turns(2)]
+    ref = [o.token_ids for o in demo_engine.generate(prompts, params)]
+
+    def engine(token_map):
+        spec = Eagle3Config(algorithm="eagle3", adaptive_draft=False, token_map=token_map)
+        return Engine(make_cfg(max_total_tokens=4096, max_running_requests=2, speculative=spec))
+
+    full = engine(None).worker.runtime
+    draft_ids = full.to_target
+    wanted = torch.cat([draft_ids[::2], torch.tensor([demo_engine.runner.vocab_size - 1])])  # half the draft vocab, and an id outside it
+    torch.save(wanted, tmp_path / "map.pt")
+    eng = engine(str(tmp_path / "map.pt"))
+    drafter = eng.worker.runtime
+    assert drafter.to_target.tolist() == draft_ids[::2].tolist()
+    assert drafter.head.lm_head.out_features == len(drafter.to_target) == drafter.head.draft_vocab
+    assert torch.equal(drafter.head.lm_head.weight, full.head.lm_head.weight[::2])
+    assert [o.token_ids for o in eng.generate(prompts, params)] == ref
+    assert eng.stats.accepted_draft_tokens > 0
+    outside = sorted(set(range(demo_engine.runner.vocab_size)) - set(draft_ids.tolist()))[:50]
+    torch.save(torch.tensor(outside), tmp_path / "outside.pt")
+    with pytest.raises(ConfigError, match="speculative.token_map"):
+        engine(str(tmp_path / "outside.pt"))
