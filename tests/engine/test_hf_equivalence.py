@@ -7,7 +7,7 @@ from specfw.datasets import mtbench_first_turns
 from specfw.sampling import SamplingParams
 
 pytestmark = pytest.mark.model
-N_PROMPTS, N_NEW = 8, 64
+N_PROMPTS, N_NEW = 5, 64  # HF generate of the references is most of this file's time
 
 
 @pytest.fixture(scope="module")
@@ -39,6 +39,6 @@ def test_single_request_matches_hf(demo_engine, prompts_and_reference):
 def test_batched_requests_match_hf(demo_engine, prompts_and_reference):
     prompts, refs = prompts_and_reference
     params = SamplingParams(max_new_tokens=N_NEW, temperature=0)
-    outs = demo_engine.generate(prompts, params)  # 8 concurrent: one prefill batch, ragged decode batches
+    outs = demo_engine.generate(prompts, params)  # all concurrent: one prefill batch, ragged decode batches
     _check(outs, refs)
     assert demo_engine.runner.allocator.num_used == 0
