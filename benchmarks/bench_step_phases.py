@@ -169,6 +169,7 @@ def main():
     ap.add_argument("--batch", type=int, default=1, help="requests in flight")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--sync", type=int, default=None, help="wait for the device at phase boundaries (default: on CUDA)")
+    ap.add_argument("--bar", type=float, default=1.8, help="a speedup over plain to say the tokens per step it needs (issue 17: 1.8)")
     a = ap.parse_args()
 
     from specfw import datasets
@@ -191,7 +192,7 @@ def main():
           f"{a.dataset} 1-{a.prompts} x {a.new_tokens} tokens, greedy, {a.batch} in flight", flush=True)  # fmt: skip
     texts = (datasets.mtbench_first_turns if a.dataset == "mtbench" else datasets.humaneval_prompts)(a.prompts + a.batch)  # the last batch warm up
     params = SamplingParams(max_new_tokens=a.new_tokens, temperature=0, ignore_eos=True)
-    results = {}
+    results, plain_ms_per_token, plain_step_ms = {}, None, None
     for spec_name in a.algos.split(","):
         head, *extra = spec_name.split("+")
         name, *shape = head.split(":")
@@ -227,6 +228,22 @@ def main():
         print("| phase | ms per decode step | share |\n|---|---|---|")
         for label, ms, share in phases.table():
             print(f"| {label} | {ms:.3f} | {100 * share:.1f}% |")
+        step_ms = 1e3 * phases.seconds["engine step"] / max(steps, 1)
+        if name == "plain":
+            plain_ms_per_token, plain_step_ms = per_token, step_ms
+        elif plain_ms_per_token:
+            print(bounds(plain_ms_per_token, plain_step_ms, step_ms, 1e3 * phases.seconds["draft (hook)"] / max(steps, 1), per_step, a.bar))
+
+
+def bounds(plain_mpt: float, plain_step: float, step: float, draft: float, tokens: float, bar: float) -> str:
+    """What bounds a speculative row, from this run's figures (ms per token / per step): its
+    speedup over plain in decode steps, the speedup if drafting were free, the draft's cost as a
+    share of a plain step, and the tokens per step this step cost would need for ``bar``."""
+    return (
+        f"decode speedup over plain {plain_mpt * tokens / step:.2f}x; with a free draft {plain_mpt * tokens / (step - draft):.2f}x; "
+        f"draft {100 * draft / plain_step:.0f}% of a plain step; {bar}x needs {bar * step / plain_mpt:.2f} tokens per step at this step's cost "
+        f"({bar * (step - draft) / plain_mpt:.2f} with a free draft)"
+    )
 
 
 if __name__ == "__main__":

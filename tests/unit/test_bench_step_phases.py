@@ -39,3 +39,12 @@ def test_phases_split_decode_steps_and_leave_output_unchanged(tiny_model_dir, mo
     kids = ("draft (hook)", "build tree (hook)", "target forward", "verify (hook)", "on_accept (hook)", "observe (hook)", "(rest of worker decode)")
     assert abs(sum(rows[k] for k in kids) - rows["worker decode"]) < 1e-6  # the children and the rest add up to the parent
     assert rows["worker decode"] <= rows["engine step"] and all(rows[k] >= 0 for k in kids[:-1])
+
+
+def test_bounds_say_what_limits_a_speculative_row():
+    from bench_step_phases import bounds
+
+    # plain: 10 ms a token and a step; speculative: 20 ms steps, 5 ms of them drafting, 3 tokens each
+    line = bounds(plain_mpt=10.0, plain_step=10.0, step=20.0, draft=5.0, tokens=3.0, bar=1.8)
+    assert "decode speedup over plain 1.50x" in line and "with a free draft 2.00x" in line
+    assert "draft 50% of a plain step" in line and "1.8x needs 3.60 tokens per step" in line and "(2.70 with a free draft)" in line
