@@ -9,7 +9,7 @@ from specfw.sdk import ConfigError, DraftTrainConfig, SpecAlgoConfig
 
 @dataclass
 class Eagle3Config(SpecAlgoConfig):
-    token_map: Optional[str] = None        # FR-Spec: .pt file of target token ids; the draft lm_head keeps only the draft-vocab (d2t) rows among them; null / full = the draft's whole vocabulary
+    token_map: Optional[str] = None        # FR-Spec token map: ignored for EAGLE-3 (its draft vocab is d2t)
     draft_kv_tokens: Optional[int] = None  # draft KV pool size in tokens; null = same as the target's pool
     aux_layers: Optional[list[int]] = None  # target layers whose *input* is tapped; null = draft config or (2, L//2, L-3)
 

@@ -14,11 +14,8 @@ from specfw.sdk import (
     Rotary,
     draft_kv_slots,
     draft_load_format,
-    load_token_map,
     place_on_target,
     resolve_model_path,
-    resolve_token_map,
-    restricted_lm_head,
     target_device,
     target_dtype,
 )
@@ -37,27 +34,15 @@ def default_draft_path(ctx) -> str:
     raise ConfigError("speculative.draft_model_path", "eagle3 needs a draft checkpoint (EAGLE-3 layout) for this target")
 
 
-def restrict_draft_vocab(head, to_target: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """FR-Spec over an EAGLE-3 draft vocabulary: keep the lm_head rows whose target id is in
-    ``ids`` (in draft order) and return their target ids."""
-    keep = torch.isin(to_target, ids).nonzero().flatten()
-    if keep.numel() == 0:
-        raise ConfigError("speculative.token_map", "no id of the token map is in the EAGLE-3 draft vocabulary")
-    head.lm_head = restricted_lm_head(head.lm_head.weight, keep)
-    head.draft_vocab = int(keep.numel())
-    return to_target.index_select(0, keep)
-
-
 class Eagle3Drafter(FeatureDrafter):
     def __init__(self, ctx):
         cfg = ctx.config
+        if cfg.token_map:
+            logger.warning("speculative.token_map is ignored for EAGLE-3 (the draft vocabulary comes from d2t)")
         path = resolve_model_path(cfg.draft_model_path or default_draft_path(ctx), cfg.draft_model_revision)
         target = ctx.runner.model
         head = load_eagle3(Path(path), ctx.runner.hf_config, target_dtype(ctx), draft_load_format(ctx))
         self.to_target = head.to_target_ids()  # host map, read per drafted token
-        token_map = resolve_token_map(cfg.token_map, None)
-        if token_map:
-            self.to_target = restrict_draft_vocab(head, self.to_target, load_token_map(token_map, ctx.runner.vocab_size))
         self.head = place_on_target(ctx, head)
         self.embed = target.embed_tokens
         self.rotary = Rotary(self.head.config, ctx.runner.max_context, target_dtype(ctx)).to(target_device(ctx))

@@ -478,34 +478,19 @@ def test_mtp_multi_layer_refuses_a_token_map():
 
 
 @pytest.mark.model
-def test_eagle3_over_a_token_map_keeps_the_draft_vocab_rows_it_names(demo_engine, tmp_path):
-    """FR-Spec over an EAGLE-3 draft vocabulary: ``speculative.token_map`` keeps the lm_head rows
-    (draft order) whose target id the map names, ``to_target`` maps them back, greedy output is
-    plain greedy output; a map sharing no id with the draft vocabulary is a config error."""
-    from specfw.datasets import mtbench_first_turns
+def test_eagle3_ignores_a_token_map_as_sglang_does(demo_engine, tmp_path, caplog):
+    """SGLang ignores ``--speculative-token-map`` for EAGLE-3 (its draft vocabulary is ``d2t``):
+    so does specfw, and says so in the log; the head keeps its whole draft vocabulary. (Cutting
+    ``d2t`` to a map's ids was measured and not kept: docs/benchmarks.md, session 26.)"""
+    import logging
+
     from specfw.engine import Engine
     from specfw_plugins.eagle3.config import Eagle3Config
 
-    params = SamplingParams(max_new_tokens=24, temperature=0)
-    prompts = [demo_engine.tokenize_chat([{"role": "user", "content": q}]) for q in mtbench_first_turns(2)]
-    ref = [o.token_ids for o in demo_engine.generate(prompts, params)]
-
-    def engine(token_map):
-        spec = Eagle3Config(algorithm="eagle3", adaptive_draft=False, token_map=token_map)
-        return Engine(make_cfg(max_total_tokens=4096, max_running_requests=2, speculative=spec))
-
-    full = engine(None).worker.runtime
-    draft_ids = full.to_target
-    wanted = torch.cat([draft_ids[::2], torch.tensor([demo_engine.runner.vocab_size - 1])])  # half the draft vocab, and an id outside it
-    torch.save(wanted, tmp_path / "map.pt")
-    eng = engine(str(tmp_path / "map.pt"))
+    torch.save(torch.arange(0, 4096), tmp_path / "map.pt")
+    spec = Eagle3Config(algorithm="eagle3", adaptive_draft=False, token_map=str(tmp_path / "map.pt"))
+    with caplog.at_level(logging.WARNING):
+        eng = Engine(make_cfg(max_total_tokens=4096, max_running_requests=2, speculative=spec))
     drafter = eng.worker.runtime
-    assert drafter.to_target.tolist() == draft_ids[::2].tolist()
-    assert drafter.head.lm_head.out_features == len(drafter.to_target) == drafter.head.draft_vocab
-    assert torch.equal(drafter.head.lm_head.weight, full.head.lm_head.weight[::2])
-    assert [o.token_ids for o in eng.generate(prompts, params)] == ref
-    assert eng.stats.accepted_draft_tokens > 0
-    outside = sorted(set(range(demo_engine.runner.vocab_size)) - set(draft_ids.tolist()))[:50]
-    torch.save(torch.tensor(outside), tmp_path / "outside.pt")
-    with pytest.raises(ConfigError, match="speculative.token_map"):
-        engine(str(tmp_path / "outside.pt"))
+    assert len(drafter.to_target) == drafter.head.draft_vocab == 8192
+    assert any("speculative.token_map is ignored for EAGLE-3" in r.getMessage() for r in caplog.records)
