@@ -16,6 +16,7 @@ device (and the CPU).
 from __future__ import annotations
 
 import argparse
+import ast
 import time
 from collections import defaultdict
 
@@ -198,7 +199,7 @@ def main():
         name, *shape = head.split(":")
         spec = SpeculativeConfig()
         if name != "plain":
-            kw = dict(algorithm=name, adaptive_draft=a.adaptive, **dict(e.split("=", 1) for e in extra))
+            kw = dict(algorithm=name, adaptive_draft=a.adaptive, **dict(_key_value(e) for e in extra))
             if len(shape) == 4:
                 kw["draft_model_quantization"] = shape.pop()
             if shape:
@@ -233,6 +234,15 @@ def main():
             plain_ms_per_token, plain_step_ms = per_token, step_ms
         elif plain_ms_per_token:
             print(bounds(plain_ms_per_token, plain_step_ms, step_ms, 1e3 * phases.seconds["draft (hook)"] / max(steps, 1), per_step, a.bar))
+
+
+def _key_value(item: str) -> tuple[str, object]:
+    """``key=value`` with the value as a Python literal where it is one (``16``, ``False``), else a string."""
+    key, _, value = item.partition("=")
+    try:
+        return key, ast.literal_eval(value)
+    except (ValueError, SyntaxError):
+        return key, value
 
 
 def bounds(plain_mpt: float, plain_step: float, step: float, draft: float, tokens: float, bar: float) -> str:

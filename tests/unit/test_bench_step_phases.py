@@ -48,3 +48,12 @@ def test_bounds_say_what_limits_a_speculative_row():
     line = bounds(plain_mpt=10.0, plain_step=10.0, step=20.0, draft=5.0, tokens=3.0, bar=1.8)
     assert "decode speedup over plain 1.50x" in line and "with a free draft 2.00x" in line
     assert "draft 50% of a plain step" in line and "1.8x needs 3.60 tokens per step" in line and "(2.70 with a free draft)" in line
+
+
+def test_row_keys_are_literals_where_they_parse():
+    from bench_step_phases import _key_value
+
+    assert _key_value("num_draft_tokens=16") == ("num_draft_tokens", 16)
+    assert _key_value("confidence_pruning=False") == ("confidence_pruning", False)
+    assert _key_value("draft_assist=ngram") == ("draft_assist", "ngram")
+    assert _key_value("token_map=/tmp/m.pt") == ("token_map", "/tmp/m.pt")
