@@ -12,7 +12,10 @@ that is a property of the machine, not of the code: measured with torch 2.13,
   (``specfw/__init__``).
 
 So nothing is assumed: ``invariant_row_plan`` finds how a linear must split its rows,
-and ``grouped_attention_is_invariant`` whether one-row queries may share an SDPA call. Random
+and ``grouped_attention_is_invariant`` whether one-row queries may share an SDPA call. A verdict
+that is pure bit equality (no timing chose it) for a kernel build named by ``persist`` (specfw's
+compiled kernels: the build's file, whose name carries its source hash) is kept on disk per CPU
+and thread count (``<cache>/row_plans.json``), so later processes on the machine skip that probe. Random
 inputs suffice, given enough of them: a kernel's reduction order does not depend on the data,
 but in bf16 a different fp32 summation order changes the rounded output only near a rounding
 boundary (measured: 1 of 4,608 outputs of the 1536->576 layer at 8 rows), so each row count is
@@ -21,8 +24,11 @@ checked on about 2^18 outputs.
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -58,6 +64,7 @@ def invariant_row_plan(
     key: tuple,
     timed_rows: tuple[int, ...] = DEFAULT_TIMED_ROWS,
     device: torch.device = torch.device("cpu"),
+    persist: str | None = None,
 ) -> RowPlan:
     """The fastest ``RowPlan`` under which ``mm`` gives every row the bits it gets at that plan's
     one-row call. ``key`` names the kernel and shape (the thread count is added: work splits
@@ -67,13 +74,55 @@ def invariant_row_plan(
     tried too, and the plan with the least time summed over ``timed_rows`` wins (the engine
     passes (1, 8) for plain decoding, one request or a batch of them, and (1, num_draft_tokens)
     for speculative decoding, whose verify forwards carry a draft tree). ``device``: where
-    ``mm`` runs (probe inputs are made there; GPU plans are measured the same way)."""
+    ``mm`` runs (probe inputs are made there; GPU plans are measured the same way). ``persist``:
+    the identity of ``mm``'s compiled code (CPU only); its bit-equality verdicts are kept on disk."""
     device = torch.device(device)
-    key = (*key, in_features, dtype, timed_rows, torch.get_num_threads(), str(device))
+    key = (*key, in_features, dtype, timed_rows, torch.get_num_threads(), str(device), persist)
     if key not in _plans:
-        with torch.inference_mode():
-            _plans[key] = _probe(mm, in_features, dtype, timed_rows, device)
+        disk_key = _disk_key(persist, key) if persist and device.type == "cpu" else None
+        plan = _saved_plans().get(disk_key) if disk_key else None
+        if plan is None:
+            with torch.inference_mode():
+                plan = _probe(mm, in_features, dtype, timed_rows, device)
+            if disk_key and (plan.block >= max(timed_rows) and not plan.pad):  # no timing chose it: the same on every run
+                _save_plan(disk_key, plan)
+        _plans[key] = plan
     return _plans[key]
+
+
+def plans_file() -> Path:
+    from .demo_model import cache_dir
+
+    return cache_dir() / "row_plans.json"
+
+
+def _disk_key(persist: str, key: tuple) -> str:
+    from .machine import cpu_description
+
+    return repr((persist, cpu_description(), *(str(k) for k in key)))
+
+
+def _saved_plans() -> dict[str, RowPlan]:
+    try:
+        raw = json.loads(plans_file().read_text())
+        return {k: RowPlan(int(v["block"]), bool(v["pad"])) for k, v in raw.items()}
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return {}  # none yet, or unreadable: probe again (and rewrite it)
+
+
+def _save_plan(disk_key: str, plan: RowPlan) -> None:
+    """Add one verdict; written whole to a temporary file and renamed (a concurrent writer's
+    entries may be lost, never half-written: a lost one is probed again)."""
+    path = plans_file()
+    saved = {k: {"block": v.block, "pad": v.pad} for k, v in _saved_plans().items()}
+    saved[disk_key] = {"block": plan.block, "pad": plan.pad}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(saved, indent=0, sort_keys=True))
+        os.replace(tmp, path)
+    except OSError:
+        pass  # a read-only cache only costs the probe next time
 
 
 def _probe(mm, in_features: int, dtype: torch.dtype, timed_rows: tuple[int, ...], device: torch.device = torch.device("cpu")) -> RowPlan:

@@ -3,7 +3,8 @@
 fp32 or bf16 weights, packed once into blocks of 16 outputs (the packed copy replaces the plain
 weight: no extra memory); every output is accumulated over the input in one fixed order whatever
 the number of rows, so the layer is batch invariant by construction -- no row plan, no padding
-(the invariance probe confirms it at startup: unpadded calls of up to 64 rows). At the row counts
+(the invariance probe confirms it at startup: unpadded calls of up to 64 rows; the verdict is
+kept on disk per build and CPU, ``invariance.invariant_row_plan(persist=...)``). At the row counts
 of decoding the weight streams once at close to memory speed (figures: docs/benchmarks.md,
 design figures).
 
@@ -77,7 +78,8 @@ class KernelLinear(nn.Module):
         threads = torch.get_num_threads()
         if self._row_plan[0] != threads:
             key = ("cpu_ops", self.isa, self.out_features, self.bias.numel() > 0, self.packed.shape[-1])  # the layout: pack or pack_dot
-            self._row_plan = (threads, invariant_row_plan(self._mm, self.in_features, self.packed.dtype, key, self.timed_rows))
+            plan = invariant_row_plan(self._mm, self.in_features, self.packed.dtype, key, self.timed_rows, persist=getattr(self.ops, "__file__", None))
+            self._row_plan = (threads, plan)
             self._padded = self.batch_invariant and self._row_plan[1] != RowPlan(MAX_ROW_BLOCK)
         return self._row_plan[1]
 

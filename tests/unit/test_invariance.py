@@ -64,3 +64,42 @@ def test_grouped_attention_probe_is_cached_per_shape():
 def test_one_row_workload_never_pays_for_padded_calls():
     """Timed for 1-row steps only, the unpadded block is kept (padding only pays for many rows)."""
     assert invariant_row_plan(_switching_mm, 96, torch.float32, ("switching", 40), timed_rows=(1,)) == RowPlan(3)
+
+
+def _order_free(x):  # exact in float64: any row count gives the same bits
+    return (x.double() @ W.double()).float()
+
+
+def test_a_kernel_builds_bit_equality_verdict_is_kept_on_disk(tmp_path, monkeypatch):
+    """With ``persist`` (a compiled kernel's identity), a verdict no timing chose is written to
+    ``<cache>/row_plans.json`` and a later process (an empty in-process cache) reads it instead of
+    probing; another build, or a verdict a timing chose, is probed."""
+    from specfw import invariance
+
+    monkeypatch.setenv("SPECFW_CACHE_DIR", str(tmp_path))
+    monkeypatch.setattr(invariance, "_plans", {})
+    assert invariant_row_plan(_order_free, 96, torch.float32, ("disk", 40), persist="build-a") == RowPlan(MAX_ROW_BLOCK)
+    assert invariance.plans_file().exists()
+    probed = []
+    real_probe = invariance._probe
+
+    def counting_probe(*args, **kw):
+        probed.append(args[0])
+        return real_probe(*args, **kw)
+
+    monkeypatch.setattr(invariance, "_probe", counting_probe)
+    monkeypatch.setattr(invariance, "_plans", {})  # a new process
+    assert invariant_row_plan(_order_free, 96, torch.float32, ("disk", 40), persist="build-a") == RowPlan(MAX_ROW_BLOCK)
+    assert probed == []  # read from disk
+    assert invariant_row_plan(_order_free, 96, torch.float32, ("disk", 40), persist="build-b") == RowPlan(MAX_ROW_BLOCK)
+    assert len(probed) == 1  # another build is probed
+    switching = invariant_row_plan(_switching_mm, 96, torch.float32, ("switching", 40), persist="build-a")
+    assert switching in (RowPlan(3), RowPlan(8, pad=True), RowPlan(16, pad=True))
+    monkeypatch.setattr(invariance, "_plans", {})
+    invariant_row_plan(_switching_mm, 96, torch.float32, ("switching", 40), persist="build-a")
+    assert len(probed) == 3  # a row-dependent kernel's plan (timed, or a short block) is never taken from disk
+    invariance.plans_file().write_text("not json")
+    monkeypatch.setattr(invariance, "_plans", {})
+    assert invariant_row_plan(_order_free, 96, torch.float32, ("disk", 40), persist="build-a") == RowPlan(MAX_ROW_BLOCK)
+    assert len(probed) == 4  # an unreadable file: probed again, and rewritten
+    assert '"block": 64' in invariance.plans_file().read_text()
