@@ -15,7 +15,8 @@ So nothing is assumed: ``invariant_row_plan`` finds how a linear must split its 
 and ``grouped_attention_is_invariant`` whether one-row queries may share an SDPA call. A verdict
 that is pure bit equality (no timing chose it) for a kernel build named by ``persist`` (specfw's
 compiled kernels: the build's file, whose name carries its source hash) is kept on disk per CPU
-and thread count (``<cache>/row_plans.json``), so later processes on the machine skip that probe. Random
+and thread count (``<cache>/row_plans.json``), so later processes on the machine skip that probe
+(a write drops the entries of builds no longer on disk: rebuilt or removed kernels). Random
 inputs suffice, given enough of them: a kernel's reduction order does not depend on the data,
 but in bf16 a different fp32 summation order changes the rounded output only near a rounding
 boundary (measured: 1 of 4,608 outputs of the 1536->576 layer at 8 rows), so each row count is
@@ -24,6 +25,7 @@ checked on about 2^18 outputs.
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import time
@@ -110,11 +112,21 @@ def _saved_plans() -> dict[str, RowPlan]:
         return {}  # none yet, or unreadable: probe again (and rewrite it)
 
 
+def _build_exists(disk_key: str) -> bool:
+    """The kernel build an entry is for (its key's first element, a file path) is still on disk."""
+    try:
+        build = ast.literal_eval(disk_key)[0]
+    except (ValueError, SyntaxError, TypeError, IndexError, MemoryError, RecursionError):
+        return False
+    return isinstance(build, str) and os.path.isfile(build)
+
+
 def _save_plan(disk_key: str, plan: RowPlan) -> None:
-    """Add one verdict; written whole to a temporary file and renamed (a concurrent writer's
-    entries may be lost, never half-written: a lost one is probed again)."""
+    """Add one verdict and drop those of builds no longer on disk (a rebuilt kernel's old
+    ``.so``, a test's temporary build); written whole to a temporary file and renamed (a
+    concurrent writer's entries may be lost, never half-written: a lost one is probed again)."""
     path = plans_file()
-    saved = {k: {"block": v.block, "pad": v.pad} for k, v in _saved_plans().items()}
+    saved = {k: {"block": v.block, "pad": v.pad} for k, v in _saved_plans().items() if _build_exists(k)}
     saved[disk_key] = {"block": plan.block, "pad": plan.pad}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)

@@ -71,14 +71,19 @@ def _order_free(x):  # exact in float64: any row count gives the same bits
 
 
 def test_a_kernel_builds_bit_equality_verdict_is_kept_on_disk(tmp_path, monkeypatch):
-    """With ``persist`` (a compiled kernel's identity), a verdict no timing chose is written to
+    """With ``persist`` (a compiled kernel's file), a verdict no timing chose is written to
     ``<cache>/row_plans.json`` and a later process (an empty in-process cache) reads it instead of
-    probing; another build, or a verdict a timing chose, is probed."""
+    probing; another build, or a verdict a timing chose, is probed; a write drops the entries of
+    builds no longer on disk."""
     from specfw import invariance
 
     monkeypatch.setenv("SPECFW_CACHE_DIR", str(tmp_path))
     monkeypatch.setattr(invariance, "_plans", {})
-    assert invariant_row_plan(_order_free, 96, torch.float32, ("disk", 40), persist="build-a") == RowPlan(MAX_ROW_BLOCK)
+    build_a, build_b, build_c = (tmp_path / f"ops_{n}.so" for n in "abc")
+    for build in (build_a, build_b, build_c):
+        build.write_bytes(b"")
+    a, b, c = str(build_a), str(build_b), str(build_c)
+    assert invariant_row_plan(_order_free, 96, torch.float32, ("disk", 40), persist=a) == RowPlan(MAX_ROW_BLOCK)
     assert invariance.plans_file().exists()
     probed = []
     real_probe = invariance._probe
@@ -89,17 +94,22 @@ def test_a_kernel_builds_bit_equality_verdict_is_kept_on_disk(tmp_path, monkeypa
 
     monkeypatch.setattr(invariance, "_probe", counting_probe)
     monkeypatch.setattr(invariance, "_plans", {})  # a new process
-    assert invariant_row_plan(_order_free, 96, torch.float32, ("disk", 40), persist="build-a") == RowPlan(MAX_ROW_BLOCK)
+    assert invariant_row_plan(_order_free, 96, torch.float32, ("disk", 40), persist=a) == RowPlan(MAX_ROW_BLOCK)
     assert probed == []  # read from disk
-    assert invariant_row_plan(_order_free, 96, torch.float32, ("disk", 40), persist="build-b") == RowPlan(MAX_ROW_BLOCK)
+    assert invariant_row_plan(_order_free, 96, torch.float32, ("disk", 40), persist=b) == RowPlan(MAX_ROW_BLOCK)
     assert len(probed) == 1  # another build is probed
-    switching = invariant_row_plan(_switching_mm, 96, torch.float32, ("switching", 40), persist="build-a")
+    assert a in invariance.plans_file().read_text() and b in invariance.plans_file().read_text()
+    switching = invariant_row_plan(_switching_mm, 96, torch.float32, ("switching", 40), persist=a)
     assert switching in (RowPlan(3), RowPlan(8, pad=True), RowPlan(16, pad=True))
     monkeypatch.setattr(invariance, "_plans", {})
-    invariant_row_plan(_switching_mm, 96, torch.float32, ("switching", 40), persist="build-a")
+    invariant_row_plan(_switching_mm, 96, torch.float32, ("switching", 40), persist=a)
     assert len(probed) == 3  # a row-dependent kernel's plan (timed, or a short block) is never taken from disk
+    build_b.unlink()  # a rebuilt kernel: the old file is gone
+    assert invariant_row_plan(_order_free, 96, torch.float32, ("disk", 40), persist=c) == RowPlan(MAX_ROW_BLOCK)
+    kept = invariance.plans_file().read_text()
+    assert a in kept and c in kept and b not in kept  # the write dropped the removed build's verdict
     invariance.plans_file().write_text("not json")
     monkeypatch.setattr(invariance, "_plans", {})
-    assert invariant_row_plan(_order_free, 96, torch.float32, ("disk", 40), persist="build-a") == RowPlan(MAX_ROW_BLOCK)
-    assert len(probed) == 4  # an unreadable file: probed again, and rewritten
+    assert invariant_row_plan(_order_free, 96, torch.float32, ("disk", 40), persist=a) == RowPlan(MAX_ROW_BLOCK)
+    assert len(probed) == 5  # an unreadable file: probed again, and rewritten
     assert '"block": 64' in invariance.plans_file().read_text()
