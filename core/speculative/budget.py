@@ -20,6 +20,14 @@ fifth of the base rate; only once it has been played 8 times, as a yield is 0 or
 step): where drafting measured 25% slower (8 requests in flight on a 2-core CPU) it is explored
 a fifth as often as where the sizes are close. A smaller size (a plain step, cheap) is always
 refreshed at the base rate, so a stale slow measurement of it cannot lock drafting in.
+A batch size seen for the first time, with a warm batch size within a factor of 2 (requests
+finishing one by one make batch sizes that last a few steps each), plays plain steps first (cheap)
+and then starts from the neighbour's tables: its costs times this batch size's plain step over the
+neighbour's (what drafting costs relative to a plain step carries over), its yields times the
+ratio of the batch sizes, each weighted as one step, so its own steps soon outweigh them. Without
+that, every new batch size warmed up on the largest tree: at 8 requests in flight on a 2-core CPU
+such a step cost 3-4x a plain one, and batch sizes met for a few steps per burst never left their
+warm-up.
 Size 1 means "skip drafting this step" (a plain decode step), so a draft that does not pay for
 itself is switched off. Steps on which no request had a draft
 (an n-gram miss) say nothing about tree sizes and are not counted.
@@ -90,8 +98,8 @@ class _Decayed:
 
     __slots__ = ("total", "weight")
 
-    def __init__(self):
-        self.total, self.weight = 0.0, 0.0
+    def __init__(self, total: float = 0.0, weight: float = 0.0):
+        self.total, self.weight = total, weight
 
     def add(self, value: float, decay: float) -> None:
         self.total = self.total * decay + value
@@ -116,6 +124,7 @@ class DraftBudget:
         cost_decay: float = 0.8,
         seed: int = 0,
         sizes: list[int] | None = None,
+        seed_new_batch_sizes: bool = True,
     ):
         self.max_size = num_draft_tokens
         self.adaptive = adaptive
@@ -125,6 +134,8 @@ class DraftBudget:
         self.warmup, self.explore, self.decay, self.cost_decay = warmup, explore, decay, cost_decay
         self.explore_temperature, self.explore_floor = explore_temperature, explore_floor
         self.explore_confident_after = explore_confident_after
+        self.seed_new_batch_sizes = seed_new_batch_sizes
+        self._seed_from: dict[int, int] = {}  # new batch size → the warm neighbour it starts from once its plain cost is measured
         self.cost: dict[int, dict[int, _Decayed]] = {}  # batch size → {tree size: seconds per step}
         self.yields: dict[int, dict[int, _Decayed]] = {}  # batch size → {tree size: tokens per step}
         self.played: dict[int, dict[int, int]] = {}  # batch size → {tree size: steps measured}
@@ -146,7 +157,19 @@ class DraftBudget:
         """Tree size (nodes incl. the root) per request for a decode step of ``batch`` requests."""
         if not self.adaptive:
             return self.max_size
-        played = self.played.setdefault(batch, {s: 0 for s in self.sizes})
+        if batch not in self.played:
+            self.played[batch] = {s: 0 for s in self.sizes}
+            near = self._neighbour(batch) if self.seed_new_batch_sizes else None
+            if near is not None:
+                self._seed_from[batch] = near
+        played = self.played[batch]
+        if batch in self._seed_from:
+            if played[1] < self.warmup:  # plain steps first: their cost scales the neighbour's
+                self.chosen[1] += 1
+                return 1
+            near = self._seed_from.pop(batch)
+            if 1 in self.cost.get(batch, {}):
+                self._seed(batch, near)
         under = [s for s in self.sizes if played[s] < self.warmup]
         if under:
             size = under[-1]  # largest first: it measures every size's yield
@@ -162,6 +185,30 @@ class DraftBudget:
                 size = self._explore_larger(batch, size, self.sizes[i + 1])
         self.chosen[size] += 1
         return size
+
+    def _neighbour(self, batch: int) -> int | None:
+        """The nearest batch size (the smaller on a tie) within a factor of 2 of ``batch`` whose
+        sizes all left their warm-up, if any."""
+
+        def warm(b: int) -> bool:
+            return b not in self._seed_from and all(self.played[b][s] >= self.warmup for s in self.sizes) and 1 in self.cost.get(b, {})
+
+        near = [b for b in self.played if b != batch and max(b, batch) <= 2 * min(b, batch) and warm(b)]
+        return min(near, key=lambda b: (abs(b - batch), b)) if near else None
+
+    def _seed(self, batch: int, near: int) -> None:
+        """``batch``'s tables from ``near``'s: costs times the ratio of their plain steps, yields
+        times ``batch / near``, each weighted as one step; sizes ``near`` has both for count as
+        warmed up (its best is then played first; a size seeded too high is corrected by playing
+        it, one seeded too low by exploration)."""
+        own_plain = self.cost[batch][1].mean
+        cost_scale, yield_scale = own_plain / self.cost[near][1].mean, batch / near
+        cost, yields = self.cost[batch], self.yields.setdefault(batch, {})
+        for s, d in self.cost[near].items():
+            if s != 1 and s in self.yields.get(near, {}):
+                cost[s] = _Decayed(d.mean * cost_scale, 1.0)
+                yields[s] = _Decayed(self.yields[near][s].mean * yield_scale, 1.0)
+                self.played[batch][s] = max(self.played[batch][s], self.warmup)
 
     def explore_weight(self, batch: int, best: int, size: int) -> float:
         """The share of the base exploration rate a larger ``size`` gets: ``exp(-gap / T)`` (gap =

@@ -1,3 +1,4 @@
+import pytest
 import torch
 
 from specfw.speculative.budget import DraftBudget, budget_sizes
@@ -155,3 +156,31 @@ def test_exploring_a_size_that_measured_much_slower_is_rarer():
     assert b.explore_weight(1, 1, 8) == 1.0  # nothing measured yet: full rate
     _play(b, {1: 1.0, 8: 2.0}, {1: 1, 8: 1.0}, 4)  # warm-up: two steps of each, drafting 0.5x
     assert b.best(1) == 1 and b.explore_weight(1, 1, 8) == 1.0  # two plays of a noisy yield are not enough
+
+
+def test_a_new_batch_size_starts_from_its_nearest_warm_neighbour():
+    """Concurrency that moves (requests finishing one by one) meets batch sizes for a few steps
+    each: a new one within a factor of 2 of a warm one plays plain steps, then starts from the
+    neighbour's tables (costs scaled by the two plain steps' ratio, yields by the batch sizes')
+    instead of warming up on the largest tree; its own steps then take over. Farther away, or
+    off, it warms up largest first."""
+    plain_pays = {1: 8, 2: 8.5, 4: 9, 8: 9.5}  # 8 requests: drafting does not pay
+    cost = {1: 1.0, 2: 1.6, 4: 2.5, 8: 4.0}
+    seeded = DraftBudget(8, explore=0.0)
+    _play(seeded, cost, plain_pays, 30, batch=8)
+    assert seeded.best(8) == 1
+    seven = []
+    for _ in range(6):
+        seven.append(seeded.choose(7))
+        seeded.observe(7, seven[-1], 0.9 * cost[seven[-1]], {k: plain_pays[k] * 7 / 8 for k in seeded.sizes if k <= seven[-1]})
+    assert seven == [1] * 6  # no warm-up on the largest tree
+    assert seeded.rates(7)[8] == pytest.approx(seeded.rates(8)[8] * (7 / 8) / 0.9, rel=0.05)  # the neighbour's, scaled
+    assert seeded.choose(3) == 8  # 3 is more than a factor of 2 from 7 and 8: its own warm-up
+    # where drafting does pay at the new batch size, its own steps take over from the prior
+    moving = DraftBudget(8, explore=0.2, seed=1)
+    _play(moving, cost, plain_pays, 30, batch=8)
+    _play(moving, {1: 1.0, 2: 1.1, 4: 1.2, 8: 1.4}, {1: 5, 2: 9, 4: 12, 8: 13}, 300, batch=5)
+    assert moving.best(5) == 4
+    cold = DraftBudget(8, explore=0.0, seed_new_batch_sizes=False)
+    _play(cold, cost, plain_pays, 30, batch=8)
+    assert cold.choose(7) == 8
