@@ -1,5 +1,6 @@
 """``speculative.adaptive_draft=auto``: whether a verify forward's cost grows with the tree on this
-device, measured once at startup.
+device, measured once at startup with as many requests as the engine runs together (at most
+``PROBE_BATCH``).
 
 Where verifying ``num_draft_tokens`` rows costs about what one row does (GPUs, or an AMX CPU with
 small trees), drafting every step at the full tree is what pays, as SGLang does: the adaptive
@@ -26,6 +27,12 @@ PREFIX = 128  # tokens of context the probe's rows attend to
 # to run, and every specfw tune there found the policy on as fast or faster (eagle3 +9% on held-out
 # MT-bench, ngram +10% on HumanEval); a GPU's launch-bound verify stays below 1.05.
 GROWS_ABOVE = 1.05
+# requests the probe verifies at once (at most engine.max_running_requests): whether a tree costs
+# more than a plain step matters most where many requests share the forward. Session 27: with one
+# request, 4 rows against 1 measured 0.88-1.14x in repeated probes on a fp32 EPYC (Zen 4), so
+# standalone's policy came out on or off by chance, and off it ran 0.72x plain at 8 in flight (on,
+# 0.93x); 8 requests x 4 rows against 8 x 1 measure well above the threshold there.
+PROBE_BATCH = 8
 
 MODES = ("auto", "true", "false")
 
@@ -36,58 +43,64 @@ def adaptive_mode(value) -> str:
     return {"1": "true", "on": "true", "yes": "true", "0": "false", "off": "false", "no": "false"}.get(v, v)
 
 
-def verify_cost_ratio(runner, rows: int, reps: int = 3) -> float:
-    """Seconds of a forward of ``rows`` tree rows (a chain) over ``PREFIX`` cached tokens, divided by
-    those of one row; the best of ``reps`` each, after a warm-up. KV slots are borrowed and freed."""
+def verify_cost_ratio(runner, rows: int, reps: int = 5, batch: int = 1) -> float:
+    """Seconds of a forward of ``batch`` requests with ``rows`` tree rows each (a chain) over
+    ``PREFIX`` cached tokens each, divided by those of the same requests with one row each: the
+    best of ``reps`` each, timed alternately (a machine whose speed drifts drifts for both), after
+    a warm-up. KV slots are borrowed and freed."""
     alloc = runner.allocator
-    if runner.device.type == "meta" or not alloc.can_alloc(PREFIX + rows + 1):
+    if runner.device.type == "meta" or not alloc.can_alloc(batch * (PREFIX + rows + 1)):
         return float("inf")  # nothing to time (meta tensors) or no room: keep the policy on
-    prefix = alloc.alloc(PREFIX)
+    prefixes = [alloc.alloc(PREFIX) for _ in range(batch)]
     try:
 
-        def timed(n: int) -> float:
-            slots = alloc.alloc(n)
+        def forward(n: int) -> float:
+            slots = [alloc.alloc(n) for _ in range(batch)]
             try:
                 mask = torch.tril(torch.ones(n, n, dtype=torch.bool)) if n > 1 else None
-                chunk = [(torch.randint(0, 1000, (n,)), PREFIX + torch.arange(n), slots, prefix, mask)]
-                runner.forward(build_forward_batch(chunk))
-                best = float("inf")
-                for _ in range(reps):
-                    t0 = time.perf_counter()
-                    runner.forward(build_forward_batch(chunk))
-                    synchronize(runner.device)
-                    best = min(best, time.perf_counter() - t0)
-                return best
+                chunks = [(torch.randint(0, 1000, (n,)), PREFIX + torch.arange(n), s, p, mask) for s, p in zip(slots, prefixes)]
+                t0 = time.perf_counter()
+                runner.forward(build_forward_batch(chunks))
+                synchronize(runner.device)
+                return time.perf_counter() - t0
             finally:
-                alloc.free(slots)
+                for s in slots:
+                    alloc.free(s)
 
-        one = timed(1)
-        return timed(rows) / one
+        forward(1), forward(rows)  # warm-up
+        one, tree = float("inf"), float("inf")
+        for _ in range(reps):
+            one, tree = min(one, forward(1)), min(tree, forward(rows))
+        return tree / one
     finally:
-        alloc.free(prefix)
+        for p in prefixes:
+            alloc.free(p)
 
 
-def resolve_adaptive(value, runner, num_draft_tokens: int) -> bool:
+def resolve_adaptive(value, runner, num_draft_tokens: int, batch: int = 1) -> bool:
     """The adaptive draft policy on or off for ``speculative.adaptive_draft`` = ``value``; ``auto``
-    measures (and logs what it found and what it means)."""
+    measures at ``batch`` requests (the engine passes ``min(engine.max_running_requests,
+    PROBE_BATCH)``) and logs what it found and what it means."""
     mode = adaptive_mode(value)
     if mode != "auto":
         return mode == "true"
-    ratio = verify_cost_ratio(runner, num_draft_tokens)
+    ratio = verify_cost_ratio(runner, num_draft_tokens, batch=batch)
     on = ratio > GROWS_ABOVE
     if on:
         logger.info(
-            "speculative.adaptive_draft=auto: on -- verifying %d rows costs %.2fx one row on this device, so "
+            "speculative.adaptive_draft=auto: on -- verifying %d rows a request costs %.2fx one row (%d requests) on this device, so "
             "each step drafts only when it pays and verifies the tree size that pays best (the tree flags "
             "are upper bounds); speculative.adaptive_draft=false verifies num_draft_tokens every step, as SGLang",
             num_draft_tokens,
             ratio,
+            batch,
         )
     else:
         logger.info(
-            "speculative.adaptive_draft=auto: off -- verifying %d rows costs %.2fx one row on this device "
+            "speculative.adaptive_draft=auto: off -- verifying %d rows a request costs %.2fx one row (%d requests) on this device "
             "(flat), so every step drafts and verifies the configured tree, as SGLang",
             num_draft_tokens,
             ratio,
+            batch,
         )
     return on

@@ -37,7 +37,7 @@ from .config import resolve_tree_shape
 from .merge import merge_candidates
 from .policy import DraftPolicy
 from .types import DraftCandidates, SpecContext, StepPlan, VerifyResult
-from .verify_cost import resolve_adaptive
+from .verify_cost import PROBE_BATCH, resolve_adaptive
 
 logger = logging.getLogger(__name__)
 
@@ -96,7 +96,8 @@ class SpeculativeWorker:
         self.default_verify = all(impl.plugin_name == "specfw.defaults" for impl in self.hook.specfw_verify.get_hookimpls())
         self.algorithm = algorithm.name
         self.slots_per_decode = shape.num_draft_tokens
-        adaptive = resolve_adaptive(cfg.adaptive_draft, runner, shape.num_draft_tokens)
+        probe_batch = min(int(getattr(getattr(engine_config, "engine", None), "max_running_requests", 1) or 1), PROBE_BATCH)
+        adaptive = resolve_adaptive(cfg.adaptive_draft, runner, shape.num_draft_tokens, batch=probe_batch)
         self.policy = DraftPolicy(shape, adaptive=adaptive, confidence_pruning=getattr(cfg, "confidence_pruning", True))
         logger.info(
             "speculative decoding: %s num_steps=%d topk=%d num_draft_tokens=%d%s",

@@ -183,11 +183,31 @@ def test_auto_measures_the_verify_cost_and_decides(tiny_model_dir, caplog):
     assert ratio > 0 and eng.runner.allocator.num_used == 0
     calls = []
     for fake, want in ((2.0, True), (1.1, True), (1.02, False)):
-        verify_cost.verify_cost_ratio, real = (lambda r, n, reps=3, f=fake: calls.append(n) or f), verify_cost.verify_cost_ratio
+        verify_cost.verify_cost_ratio, real = (lambda r, n, reps=5, batch=1, f=fake: calls.append((n, batch)) or f), verify_cost.verify_cost_ratio
         try:
             with caplog.at_level("INFO"):
                 assert verify_cost.resolve_adaptive("auto", eng.runner, 8) is want
         finally:
             verify_cost.verify_cost_ratio = real
-    assert calls == [8, 8, 8] and "adaptive_draft=auto: on" in caplog.text and "adaptive_draft=auto: off" in caplog.text
+    assert calls == [(8, 1)] * 3 and "adaptive_draft=auto: on" in caplog.text and "adaptive_draft=auto: off" in caplog.text
     assert verify_cost.resolve_adaptive(False, eng.runner, 8) is False and verify_cost.resolve_adaptive("true", eng.runner, 8)
+    batched = verify_cost.verify_cost_ratio(eng.runner, 4, batch=3)  # 3 requests x 4 rows against 3 x 1
+    assert batched > 0 and eng.runner.allocator.num_used == 0
+    eng.close()
+
+
+@pytest.mark.parametrize("running, probed", [(1, 1), (3, 3), (16, 8)])
+def test_auto_probes_at_the_engines_concurrency(tiny_model_dir, monkeypatch, running, probed):
+    """The probe verifies min(engine.max_running_requests, PROBE_BATCH) requests at once: with one
+    request a small tree's cost is within this CPU's timing noise of a plain step's."""
+    from conftest import make_cfg
+    from specfw.engine import Engine
+    from specfw.plugins import plugin_manager
+    from specfw.speculative import verify_cost
+
+    seen = []
+    monkeypatch.setattr(verify_cost, "verify_cost_ratio", lambda runner, rows, reps=5, batch=1: seen.append((rows, batch)) or 2.0)
+    spec = plugin_manager().algorithms["ngram"].config_class(algorithm="ngram")
+    with Engine(make_cfg(model_path=str(tiny_model_dir), max_total_tokens=4096, max_running_requests=running, speculative=spec)) as eng:
+        assert eng.worker.policy.adaptive
+    assert seen == [(eng.tree_shape.num_draft_tokens, probed)]
