@@ -47,7 +47,7 @@ class SpecAlgoConfig(SpeculativeConfig):
     accept_threshold_acc: float = 1.0           # accept if coin <= accumulated p_target / this (1.0 = lossless)
     draft_attention_backend: Optional[str] = None  # null (as model.attention_backend) | auto | torch | triton | flashinfer: the drafter's attention (SGLang's --speculative-draft-attention-backend)
     attention_mode: AttentionMode = AttentionMode.prefill  # SGLang compat: verify/extend kernel choice; specfw has one attention path, same result
-    adaptive_draft: str = "auto"               # auto | true | false: per step, draft or not and the tree size to verify, from measured tokens/s (tree flags become upper bounds); auto = on where a verify of num_draft_tokens rows costs > 1.05x one row (measured at startup: CPUs), off where flat (GPUs: SGLang's behaviour)
+    adaptive_draft: str = "auto"               # auto | true | false: per step, draft or not and the tree size to verify, from measured tokens/s (tree flags become upper bounds); auto = on where a verify of num_draft_tokens rows a request costs > 1.05x one row (measured at startup with min(engine.max_running_requests, 8) requests: CPUs), off where flat (GPUs: SGLang's behaviour)
     confidence_pruning: bool = True             # with adaptive_draft: per step, drop draft nodes whose learned acceptance probability is below tokens/s x seconds per verified node
     force_greedy_verify: bool = False           # verify greedily even for sampled requests (also SPECFW_FORCE_GREEDY_VERIFY=1)
     draft_assist: Optional[str] = None          # null | ngram | any registered draft assist: extra candidates merged into the drafter's tree every drafted step (e.g. the n-gram trie's continuation of the context beside an EAGLE head)
