@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -117,12 +118,41 @@ def _load(source: Path, name: str, isa_flags: list[str], what: str):
         headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
         tag = hashlib.sha1(source.read_bytes() + headers + " ".join(cflags).encode()).hexdigest()[:10]
         logger.info("%s: building or loading (first use compiles for ~30-60 s)", what)
-        return load(
-            name=f"{name}_{tag}", sources=[str(source)], extra_cflags=cflags, extra_ldflags=["-fopenmp"], verbose=False
-        )  # OpenMP: at::parallel_for's threads
+        with exclusive_build(f"{name}_{tag}"):
+            return load(
+                name=f"{name}_{tag}", sources=[str(source)], extra_cflags=cflags, extra_ldflags=["-fopenmp"], verbose=False
+            )  # OpenMP: at::parallel_for's threads
     except Exception as e:  # no compiler, no ninja, a failed build: torch's ops still work
         logger.warning("%s unavailable (%s: %s); using torch's ops", what, type(e).__name__, str(e).splitlines()[0][:200])
         return None
+
+
+@contextmanager
+def exclusive_build(name: str):
+    """Hold an OS file lock (``flock``: released when the process dies, however it dies) on
+    ``<torch's build directory of name>.specfw-lock`` while torch builds or loads extension
+    ``name``. torch marks a build in progress with a ``lock`` file in the build directory that
+    outlives a killed build, and every later load of that extension then waits on it forever: a
+    first ``specfw serve`` stopped with Ctrl-C while its kernels compiled made every later start
+    hang. Every specfw load takes this lock first, so a ``lock`` file found while holding it is
+    such a leftover, and is removed (torch then builds again)."""
+    try:
+        import fcntl
+
+        from torch.utils.cpp_extension import _get_build_directory
+
+        build_dir = Path(_get_build_directory(name, verbose=False))
+        handle = open(f"{build_dir}.specfw-lock", "w")
+    except (ImportError, AttributeError, OSError):  # no flock (not POSIX) or torch moved its helper: torch's own baton only
+        yield
+        return
+    with handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        stale = build_dir / "lock"
+        if stale.exists():
+            logger.warning("%s: removing the lock file a killed build left in %s", name, build_dir)
+            stale.unlink(missing_ok=True)
+        yield  # closing the file releases the lock
 
 
 def cpu_has_avx512_bf16() -> bool:

@@ -57,6 +57,45 @@ def test_build_all_builds_every_isa_the_cpu_runs_side_by_side(monkeypatch):
     assert {k for k in default if not k.startswith("bf16")} == {p + i for i in dict.fromkeys([cpu_isa(), "portable"]) for p in ("", "quant_", "q8_")}
 
 
+def test_a_killed_builds_lock_file_does_not_hang_the_next_load(tmp_path, monkeypatch):
+    """torch marks a build in progress with a ``lock`` file that outlives a killed build (a first
+    ``specfw serve`` stopped while compiling); the next load used to wait on it forever. A load
+    holds an OS lock (released when its process dies), and a ``lock`` file found while holding it
+    is removed before torch looks; a second process cannot take the OS lock meanwhile."""
+    import subprocess
+    import sys
+
+    import torch.utils.cpp_extension as cpp
+    from specfw import kernels
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    monkeypatch.delenv("SPECFW_NO_KERNELS", raising=False)
+    seen = {}
+
+    def another_process_can_lock(build_dir) -> bool:
+        probe = f"import fcntl; f = open({str(build_dir) + '.specfw-lock'!r}, 'w'); fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)"
+        return subprocess.run([sys.executable, "-c", probe], capture_output=True).returncode == 0
+
+    def fake_load(name, **kw):
+        build_dir = tmp_path / name
+        seen["lock left"] = (build_dir / "lock").exists()
+        seen["other process locked out"] = not another_process_can_lock(build_dir)
+        return "module"
+
+    monkeypatch.setattr(cpp, "load", fake_load)
+    name = "specfw_q8_ops_portable"
+    src = kernels._Q8_SOURCE
+    tag_dirs_before = set(tmp_path.iterdir())
+    # a killed build's leftover, in the directory the next load of this source uses
+    kernels._load(src, name, [], "probe")  # creates the build directory (torch's helper)
+    (build_dir,) = [d for d in tmp_path.iterdir() if d.is_dir() and d not in tag_dirs_before]
+    (build_dir / "lock").write_text("")
+    assert kernels._load(src, name, [], "probe") == "module"
+    assert seen == {"lock left": False, "other process locked out": True}
+    assert not (build_dir / "lock").exists()
+    assert another_process_can_lock(build_dir)  # released once the load returned
+
+
 def test_forcing_an_isa_the_cpu_lacks_names_the_key(tiny_model_dir):
     from conftest import make_cfg
     from specfw.config import ConfigError, validate
