@@ -96,7 +96,7 @@ class SpeculativeWorker:
         self.default_verify = all(impl.plugin_name == "specfw.defaults" for impl in self.hook.specfw_verify.get_hookimpls())
         self.algorithm = algorithm.name
         self.slots_per_decode = shape.num_draft_tokens
-        probe_batch = min(int(getattr(getattr(engine_config, "engine", None), "max_running_requests", 1) or 1), PROBE_BATCH)
+        probe_batch = min(int(engine_config.engine.max_running_requests), PROBE_BATCH)  # validated >= 1 at startup
         adaptive = resolve_adaptive(cfg.adaptive_draft, runner, shape.num_draft_tokens, batch=probe_batch)
         self.policy = DraftPolicy(shape, adaptive=adaptive, confidence_pruning=getattr(cfg, "confidence_pruning", True))
         logger.info(
