@@ -24,6 +24,15 @@ prompt lookup beside specfw's ngram on HumanEval:
 
 HF rows report how many outputs equal the reference's instead of failing the run (HF's kernels
 are not specfw's, so a near-tie may go the other way).
+
+``--turns 2`` (MT-bench) runs each question's second turn after the first, as a chat client
+would: the conversation so far (the question, the engine's own answer, the second question)
+is sent again, so a prefix cache serves all of it but the new question; tok/s counts both
+turns' tokens and time. E.g. the prefix cache's worth, plain and speculative:
+
+    .venv/bin/python benchmarks/bench_side_by_side.py --dataset mtbench --turns 2 --n 16 \
+        plain= "plain no cache=engine.disable_radix_cache=True" eagle3=algorithm=eagle3 \
+        "eagle3 no cache=algorithm=eagle3,engine.disable_radix_cache=True"
 """
 
 from __future__ import annotations
@@ -98,9 +107,12 @@ def main():
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--turns", type=int, choices=[1, 2], default=1, help="2: MT-bench's second turns too, after each engine's own first answers")
     args = ap.parse_args()
+    if args.turns == 2 and args.dataset != "mtbench":
+        raise SystemExit("--turns 2 needs --dataset mtbench (the only set with second turns)")
     torch.set_num_threads(args.threads)
-    from specfw.datasets import humaneval_prompts, mtbench_first_turns
+    from specfw.datasets import humaneval_prompts, mtbench_first_turns, mtbench_questions
     from specfw.machine import cpu_description
     from specfw.sampling import SamplingParams
 
@@ -126,16 +138,28 @@ def main():
     for name in engines:
         dtype_first.setdefault(dtype_of[name], name)
     ids = [spec_engine.tokenize_chat([{"role": "user", "content": t}]) if args.dataset == "mtbench" else spec_engine.tokenizer.encode(t) for t in texts]
+    questions = mtbench_questions()[args.start : args.start + args.n] if args.turns == 2 else []
+
+    def run(eng, prompts):
+        if isinstance(eng, HFGenerate):
+            return eng.generate(prompts, args.max_new_tokens)
+        return [o.token_ids for o in eng.generate(prompts, params)]
+
+    def second_turn(question, answer):
+        """The conversation after the first answer, ending with the second question."""
+        text = spec_engine.tokenizer.decode(answer, skip_special_tokens=True)
+        turns = [question["turns"][0], text, question["turns"][1]]
+        return spec_engine.tokenize_chat([{"role": ("user", "assistant")[i % 2], "content": t} for i, t in enumerate(turns)])
+
     with tqdm(total=args.rounds * len(engines), desc="runs") as bar:
         for _ in range(args.rounds):
             references: dict[str, list] = {}
             for name, eng in engines.items():
                 eng.flush_cache()  # the n-gram trie must not remember the last round's outputs of these prompts
                 t0 = time.perf_counter()
-                if isinstance(eng, HFGenerate):
-                    tokens = eng.generate(ids, args.max_new_tokens)
-                else:
-                    tokens = [o.token_ids for o in eng.generate(ids, params)]
+                tokens = run(eng, ids)
+                if args.turns == 2:
+                    tokens = tokens + run(eng, [second_turn(q, t) for q, t in zip(questions, tokens)])
                 rates[name].append(sum(len(t) for t in tokens) / (time.perf_counter() - t0))
                 reference = references.setdefault(dtype_of[name], tokens)
                 if name in matches:
@@ -143,7 +167,8 @@ def main():
                 elif tokens != reference:
                     raise SystemExit(f"{name}: greedy output differs from {dtype_first[dtype_of[name]]}'s")
                 bar.update()
-    where = f"{args.dataset} {args.start + 1}-{args.start + args.n} x {args.max_new_tokens} tokens, {args.batch} in flight, {args.dtype}"
+    turns = " (both turns)" if args.turns == 2 else ""
+    where = f"{args.dataset} {args.start + 1}-{args.start + args.n}{turns} x {args.max_new_tokens} tokens, {args.batch} in flight, {args.dtype}"
     print(f"\n{where}, on {cpu_description()}")
     base = statistics.median(rates[first])
     for name, r in rates.items():

@@ -57,6 +57,7 @@ class EngineConfig:
     cpu_packed_gemm: bool = True          # CPU: fp32 MKL-packed + transposed weight copies (~2x weight memory); bf16 oneDNN-blocked weights
     cpu_bf16_kernel: bool = True          # CPU bf16 linears on specfw's own kernel: AMX tiles with AMX-BF16, else vdpbf16ps with AVX512-BF16 (in the avx512 cpu_ops build, so the one-call layers take them; compiled on first use, ~30 s; else the generic kernels' fp32 arithmetic); also the greedy head's bf16 products on vdpbf16ps
     cpu_greedy_head: bool = True          # CPU fp32 lm_head of greedy rows (no logprobs/penalties): a bf16 copy (+56 MB on the demo) bounds every logit, the possible argmaxes are recomputed in fp32: the same tokens, ~half the head's bytes
+    disable_radix_cache: bool = False     # SGLang's --disable-radix-cache: no prefix cache (finished requests' KV is freed, not kept for later requests sharing their first tokens)
     batch_invariant: bool = True          # a token's numerics never depend on batch or draft tree (exact greedy spec == plain, also in bf16)
     cuda_graph_max_bs: Optional[int] = None  # SGLang's --cuda-graph-max-bs: decode/verify forwards of up to this many requests replayed from CUDA graphs (x num_draft_tokens rows when speculative); null = auto (min(max_running_requests, 32)); 0 = off; CUDA with model.attention_backend=triton only (docs/gpu.md)
     disable_cuda_graph: bool = False      # SGLang's --disable-cuda-graph

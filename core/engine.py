@@ -25,6 +25,7 @@ from .device import kv_budget_from_fraction, resolve_device
 from .kv_cache import KVPool
 from .model_loader import DTYPES, load_model
 from .model_runner import PLAIN_BATCH_ROWS, ModelRunner
+from .prefix_cache import PrefixCache
 from .overlap import OverlapScheduler, chain_for_overlap, check_overlap, overlap_requested
 from .quarantine import Quarantine
 from .request import Request
@@ -140,6 +141,7 @@ class Engine:
             self.runner.max_context,
             slots_per_decode=self.worker.slots_per_decode,
             max_queued_requests=cfg.engine.max_queued_requests,
+            prefix_cache=None if getattr(cfg.engine, "disable_radix_cache", False) else PrefixCache(),
         )
         self.quarantine = Quarantine()
         self.eos_token_ids = tuple(sorted({i for i in [self.tokenizer.eos_token_id, getattr(loaded.hf_config, "eos_token_id", None)] if isinstance(i, int)}))
@@ -205,11 +207,12 @@ class Engine:
         return self.scheduler.has_work or (self.overlap is not None and self.overlap.has_work)
 
     def flush_cache(self) -> bool:
-        """Forget what drafting learned from earlier requests' tokens (``specfw_flush_cache``:
-        the n-gram trie), as SGLang's ``/flush_cache``; only with no request in flight. Returns
-        whether it flushed."""
+        """Empty the prefix cache and forget what drafting learned from earlier requests' tokens
+        (``specfw_flush_cache``: the n-gram trie), as SGLang's ``/flush_cache``; only with no
+        request in flight. Returns whether it flushed."""
         if self.has_work:
             return False
+        self.scheduler.flush_cache()
         flush = getattr(self.worker, "flush_cache", None)
         if flush is not None:
             flush()
@@ -267,7 +270,8 @@ class Engine:
         return batch
 
     def _load(self):
-        return Load(len(self.scheduler.running), len(self.scheduler.waiting), self.runner.allocator.num_used, self.runner.kv.usage())
+        used = self.scheduler.kv_in_use  # the prefix cache's unlocked entries are free room
+        return Load(len(self.scheduler.running), len(self.scheduler.waiting), used, used / self.runner.allocator.num_slots)
 
     def _step_failed(self, batch: ScheduledBatch, exc: Exception) -> list[RequestOutput]:
         """Roll the batch back; alone, its request is the cause and fails, else its requests
@@ -334,6 +338,8 @@ class Engine:
 
     def _output(self, req, new, delta, finished, reason, logprobs, num_output: int | None = None, error: str | None = None) -> RequestOutput:
         meta = {"spec_verify_ct": req.spec_verify_ct, "spec_accept_length": round(req.spec_accept_length, 4)} if req.spec_verify_ct else {}
+        if req.cached_tokens is not None:  # SGLang's meta_info key: prompt tokens taken from the prefix cache
+            meta["cached_tokens"] = req.cached_tokens
         n = len(req.output_ids) if num_output is None else num_output
         return RequestOutput(req.rid, new, delta, finished, reason, error or req.error, list(logprobs), len(req.prompt_ids), n, meta)
 

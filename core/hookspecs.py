@@ -176,6 +176,12 @@ def specfw_on_prefill(
     :param aux_hidden: hidden states entering ``ctx.capture_layers`` (EAGLE-3 taps), each ``[T, H]``.
     :param spans: per request, ``(start, length)`` of its rows in ``hidden``. The token sampled
         from this prefill is appended to ``req.output_ids`` by the engine right after this hook.
+
+    A request's rows are its positions ``req.num_cached ..`` (at this hook ``req.slots`` holds only
+    the prefix the prefix cache supplied, usually not 0 with the cache on): the target computed no
+    hidden state for the positions before, so a drafter that consumes target features starts
+    there (the EAGLE family's pairs do); one that keeps its own KV computes it from
+    ``req.seq_ids`` (the standalone draft model prefills the whole prompt).
     """
 
 

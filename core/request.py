@@ -34,6 +34,7 @@ class Request:
     slots: SlotTable = field(default_factory=SlotTable)
     arrival_time: float = field(default_factory=time.monotonic)
     first_token_time: float | None = None
+    cached_tokens: int | None = None  # prompt tokens its first prefill took from the prefix cache (None: not prefilled yet)
     final_text: str = ""
     # speculative decoding counters (spec_verify_ct, accepted draft tokens)
     spec_verify_ct: int = 0

@@ -6,6 +6,12 @@ after the worker ran, ``update(batch, results)`` (keep the KV entries each resul
 the rest of the reservation, append the emitted tokens, finish on eos / stop ids / length).
 Workers read the reservation and return what happened (``step.StepResult``); they never
 allocate, free or append KV slots. A failed step is undone with ``rollback(batch)``.
+
+With a prefix cache (``core/prefix_cache.py``, on unless ``engine.disable_radix_cache``) a
+request admitted to prefill starts from the longest cached prefix of its tokens (those slots
+shared and locked while it runs; only the rest is prefilled), and a finished or retracted
+request's KV goes to the cache instead of the free list; cached slots no request holds are
+evicted, least recently used first, whenever the free list runs short.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .kv_cache import KVPool
+from .prefix_cache import PrefixCache, PrefixMatch
 from .request import Request, Status
 from .step import StepResult
 
@@ -63,7 +70,14 @@ class StepUpdate:
 
 class Scheduler:
     def __init__(
-        self, kv: KVPool, max_running_requests: int, max_prefill_tokens: int, max_context: int, slots_per_decode: int = 1, max_queued_requests: int = 0
+        self,
+        kv: KVPool,
+        max_running_requests: int,
+        max_prefill_tokens: int,
+        max_context: int,
+        slots_per_decode: int = 1,
+        max_queued_requests: int = 0,
+        prefix_cache: PrefixCache | None = None,
     ):
         self.kv = kv
         self.allocator = kv.allocator
@@ -76,6 +90,10 @@ class Scheduler:
         self.running: list[Request] = []
         self.num_retracted = 0
         self.in_flight: ScheduledBatch | None = None  # scheduled, neither updated nor rolled back yet
+        self.cache = prefix_cache
+        self._hits: dict[str, PrefixMatch] = {}  # per running request, its locked cached prefix
+        self.prefill_cached_tokens = 0  # prefilled requests' tokens taken from the prefix cache, all time
+        self.prefill_computed_tokens = 0  # and those the target computed
 
     # ---- queue management -------------------------------------------------------------
     def check(self, req: Request) -> None:
@@ -103,10 +121,10 @@ class Scheduler:
         return None
 
     def finish(self, req: Request, reason: str, error: str | None = None) -> None:
-        """The request is done: out of the running set, its KV freed, its state final."""
+        """The request is done: out of the running set, its KV freed (or cached), its state final."""
         if req in self.running:
             self.running.remove(req)
-        self._free(req)
+        self._free(req, keep=reason != "error")
         req.status, req.finish_reason, req.error = Status.FINISHED, reason, error
 
     def requeue(self, reqs: list[Request]) -> None:
@@ -117,8 +135,72 @@ class Scheduler:
             r.status = Status.WAITING
             self.waiting.appendleft(r)
 
-    def _free(self, req: Request) -> None:
-        self.allocator.free(req.slots.truncate(0))
+    def _free(self, req: Request, keep: bool = True) -> None:
+        """Give up the request's KV: to the prefix cache (``keep``: every entry is final) or the
+        free list; the cached prefix it started from is unlocked."""
+        slots = req.slots.truncate(0)
+        hit = self._hits.pop(req.rid, None)
+        if self.cache is None:
+            self.allocator.free(slots)
+            return
+        own = hit.length if hit is not None else 0  # slots[:own] are the tree's
+        # a step may have kept KV past a token it did not append (cut at max_new_tokens or a stop)
+        n = min(int(slots.numel()), req.seq_len) if keep else own
+        if n > own:
+            self.allocator.free(slots[own : self.cache.insert(req.seq_ids[:n], slots[:n])])
+        self.allocator.free(slots[max(n, own) :])
+        if hit is not None:
+            self.cache.unlock(hit.node)
+
+    def _reclaim(self, n: int) -> bool:
+        """At least ``n`` free slots, evicting unlocked cached prefixes if need be; whether it got them."""
+        short = n - self.allocator.num_free
+        if short > 0 and self.cache is not None and self.cache.evictable:
+            self.allocator.free(self.cache.evict(short))
+        return self.allocator.num_free >= n
+
+    def _room(self) -> int:
+        """Slots free now or after evicting every unlocked cached prefix."""
+        return self.allocator.num_free + (self.cache.evictable if self.cache is not None else 0)
+
+    def _start_from_cache(self, req: Request) -> bool:
+        """Point a request about to prefill at the longest cached prefix of its tokens (at least its
+        last token is computed: its logits give the next); whether it took one now (a request
+        put back by ``narrow`` keeps the prefix it holds)."""
+        if self.cache is None or req.num_cached:
+            return False
+        hit = self.cache.match(req.seq_ids[: req.seq_len - 1])
+        if hit.length == 0:
+            return False
+        self.cache.lock(hit.node)
+        self._hits[req.rid] = hit
+        req.slots.append(hit.slots)
+        return True
+
+    def _forget_start(self, req: Request) -> None:
+        """Undo ``_start_from_cache`` for a request that stays in the queue."""
+        hit = self._hits.pop(req.rid, None)
+        if hit is not None:
+            req.slots.truncate(0)
+            self.cache.unlock(hit.node)
+
+    @property
+    def cache_hit_rate(self) -> float:
+        """Share of prefilled tokens the prefix cache supplied (SGLang's ``cache_hit_rate``)."""
+        total = self.prefill_cached_tokens + self.prefill_computed_tokens
+        return self.prefill_cached_tokens / total if total else 0.0
+
+    @property
+    def kv_in_use(self) -> int:
+        """Slots running requests hold (allocated, less the cache's unlocked entries)."""
+        return self.allocator.num_used - (self.cache.evictable if self.cache is not None else 0)
+
+    def flush_cache(self) -> bool:
+        """Empty the prefix cache (only with no request running or waiting)."""
+        if self.cache is None or self.has_work:
+            return self.cache is None
+        self.allocator.free(self.cache.reset())
+        return True
 
     @property
     def has_work(self) -> bool:
@@ -145,25 +227,31 @@ class Scheduler:
         reserve = self.slots_per_decode * len(self.running)
         while self.waiting and len(self.running) + len(picked) < self.max_running:
             req = self.waiting[0]
-            need = req.seq_len
-            if picked and tokens + need > self.max_prefill_tokens:
-                break
+            took = self._start_from_cache(req)
+            need = req.seq_len - req.num_cached
             reserve_after = reserve + self.slots_per_decode * (len(picked) + 1)
-            if tokens + need + reserve_after > self.allocator.num_free:
+            if (picked and tokens + need > self.max_prefill_tokens) or tokens + need + reserve_after > self._room():
+                if took:
+                    self._forget_start(req)
                 break
             picked.append(self.waiting.popleft())
             tokens += need
+            if req.cached_tokens is None and self.cache is not None:
+                req.cached_tokens = min(req.num_cached, len(req.prompt_ids))
         if not picked:
             return None
         for r in picked:
             r.status = Status.RUNNING
         self.running.extend(picked)
+        self.prefill_computed_tokens += tokens
+        self.prefill_cached_tokens += sum(r.num_cached for r in picked)
+        self._reclaim(tokens)
         return ScheduledBatch("prefill", picked, [self.allocator.alloc(r.seq_len - r.num_cached) for r in picked])
 
     def _make_room_for_decode(self) -> list[Request]:
         """Retract the newest requests until every running one can get its decode slots."""
         retracted = []
-        while self.slots_per_decode * len(self.running) > self.allocator.num_free and len(self.running) > 1:
+        while not self._reclaim(self.slots_per_decode * len(self.running)) and len(self.running) > 1:
             victim = self.running.pop()
             self._free(victim)
             victim.status = Status.WAITING
@@ -175,7 +263,7 @@ class Scheduler:
 
     def _starved(self) -> list[Request]:
         """A lone running request the pool cannot grow any further (it holds the rest)."""
-        if self.allocator.num_free >= self.slots_per_decode * len(self.running):
+        if self._reclaim(self.slots_per_decode * len(self.running)):
             return []
         starved = list(self.running)
         for r in starved:
@@ -243,5 +331,5 @@ class Scheduler:
         for r in batch.reqs:
             if r in self.running:
                 self.running.remove(r)
-            self._free(r)
+            self._free(r, keep=False)
         self.in_flight = None

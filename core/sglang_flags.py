@@ -21,6 +21,7 @@ SWITCH_KEYS = {
     "--trust-remote-code": "model.trust_remote_code",
     "--enable-torch-compile": "engine.torch_compile",
     "--disable-cuda-graph": "engine.disable_cuda_graph",
+    "--disable-radix-cache": "engine.disable_radix_cache",
 }
 # flag → specfw key (the value passes through)
 KEYS = {
@@ -79,7 +80,6 @@ NOT_HONOURED = {
 }
 # honoured as they stand: specfw already behaves so
 ALREADY = {
-    "--disable-radix-cache": "specfw has no prefix cache",
     "--skip-server-warmup": "specfw does not warm the server up",
 }
 PARALLEL = {"--dp-size", "--dp", "--ep-size"}

@@ -59,10 +59,12 @@ class EngineStats:
         if batch.is_prefill:
             new_tokens = sum(r.seq_len for r in batch.reqs)
             self.prompt_tokens += new_tokens
+            computed = sum(int(s.numel()) for s in batch.new_slots)  # the rest came from the prefix cache
             logger.info(
-                "Prefill batch. #new-seq: %d, #new-token: %d, #running-req: %d, #queue-req: %d, token usage: %.2f",
+                "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, #running-req: %d, #queue-req: %d, token usage: %.2f",
                 len(batch.reqs),
-                new_tokens,
+                computed,
+                max(0, sum(r.seq_len - 1 for r in batch.reqs) - computed),
                 load.running,
                 load.waiting,
                 load.kv_usage,

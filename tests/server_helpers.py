@@ -47,7 +47,7 @@ def wait_until(cond, timeout: float = 20.0, interval: float = 0.05) -> bool:
 def engine_idle(server, timeout: float = 20.0) -> bool:
     """Wait until the server's engine has no work and every KV slot is free again."""
     e = server.engine
-    return wait_until(lambda: not e.has_work and e.runner.allocator.num_used == 0, timeout)
+    return wait_until(lambda: not e.has_work and e.scheduler.kv_in_use == 0, timeout)
 
 
 def free_port() -> int:

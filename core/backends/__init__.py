@@ -89,6 +89,7 @@ def backend_from_config(engine_cfg, device: torch.device, cfg=None) -> Backend:
     backend.set_attention(attention, None if draft_attention is None else str(draft_attention))
     if hasattr(backend, "greedy_heads"):
         backend.greedy_heads = bool(getattr(engine_cfg, "cpu_greedy_head", True))
+    backend.cache_exact_prefills = bool(engine_cfg.batch_invariant) and not getattr(engine_cfg, "disable_radix_cache", False)
     if backend.attention == "flashinfer" and engine_cfg.batch_invariant:
         logger.warning(
             "model.attention_backend=flashinfer is not batch invariant: greedy speculative output can differ from plain at near-ties "

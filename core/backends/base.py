@@ -65,6 +65,9 @@ class Backend:
         self.batch_invariant = batch_invariant
         self.attention = "native"  # model.attention_backend, resolved (attention_backends.resolve)
         self.draft_attention: str | None = None  # speculative.draft_attention_backend, resolved; None = as attention
+        # a prompt's rows get the same bits whether its prefix is in the same forward or came from the
+        # prefix cache (set with the cache on and batch_invariant; backends that can honour it do)
+        self.cache_exact_prefills = False
 
     def set_attention(self, target: str | None, draft: str | None = None) -> "Backend":
         from .attention_backends import resolve

@@ -193,7 +193,7 @@ class CpuBackend(Backend):
     def native_plan(self, seqs, device, shape: HeadShape, exact: bool):
         if shape.dtype not in (torch.float32, torch.bfloat16):  # float16: the kernel has no path, torch's SDPA does
             return sdpa_plan(seqs, device, shape, exact)
-        return KernelAttentionPlan(self.ops, seqs)
+        return KernelAttentionPlan(self.ops, seqs, prefills_in_kernel=self.cache_exact_prefills)
 
     def measure(self, model, dtype, timed_rows):
         return {"linears": measure_linears(model, timed_rows), "attention": f"cpu_ops {self.isa} (exact by construction)"}

@@ -50,9 +50,12 @@ def relocate(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     total = sum(_nbytes(t) for t in tensors)
     if total < HUGE_PAGE or not huge_pages_available() or any(t.device.type != "cpu" for t in tensors):
         return tensors
-    buf = torch.empty(total + HUGE_PAGE, dtype=torch.uint8)  # untouched: advised before its first write
+    pages = (total + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
+    # untouched: advised before its first write; room for the advised whole pages from any start
+    # (sized total + 2 MB, the rounded-up range could end past the buffer: madvise then failed)
+    buf = torch.empty(pages + HUGE_PAGE, dtype=torch.uint8)
     start = (buf.data_ptr() + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
-    if not _madvise(start, (total + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE):
+    if not _madvise(start, pages):
         return tensors
     out, offset = [], start - buf.data_ptr()
     for t in tensors:

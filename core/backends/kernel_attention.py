@@ -7,7 +7,10 @@ K/V in place from the pool through those slot lists (no gather, no upcast copy),
 prefix entry once for all the group's rows, and reduces every (row, head) in one fixed order
 over the row's keys in cache order: a tree node's output has the bits of the plain decode step
 that produces the same token, and plain rows never depend on the batch. Prompt prefills (no
-prefix, causal) keep one causal SDPA call per sequence, the same in plain and speculative runs.
+prefix, causal) are one group too where the prefix cache is on (``prefills_in_kernel``): a prompt
+row then gets the bits it gets after a cache hit, where its prefix is a group's shared slots.
+Else they keep one causal SDPA call per sequence, the same in plain and speculative runs (faster
+from ~1,000 tokens; the kernel is faster below ~400, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -26,12 +29,12 @@ def _is_prompt_prefill(s: SeqSpan) -> bool:
 
 
 class KernelAttentionPlan:
-    def __init__(self, ops, seqs: list[SeqSpan]):
+    def __init__(self, ops, seqs: list[SeqSpan], prefills_in_kernel: bool = False):
         # the slot lists in one kernel call (``cpu_ops.attention_plan``, ~10 us; numpy took ~100 us
         # a forward, and the draft loop makes several small forwards a step)
         self.ops = ops
-        self.prefills = [s for s in seqs if _is_prompt_prefill(s)]
-        rest = [s for s in seqs if not _is_prompt_prefill(s)]
+        self.prefills = [] if prefills_in_kernel else [s for s in seqs if _is_prompt_prefill(s)]
+        rest = [s for s in seqs if prefills_in_kernel or not _is_prompt_prefill(s)]
         self.groups = len(rest)
         self.rows = sum(s.q_len for s in rest)
         if self.groups:

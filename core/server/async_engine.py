@@ -59,6 +59,8 @@ class Snapshot:
     kv_used: int = 0
     kv_total: int = 0
     kv_usage: float = 0.0
+    prefix_cache_tokens: int = 0  # KV slots the prefix cache holds (running requests' shared prefixes included)
+    cache_hit_rate: float = 0.0  # share of prefilled tokens the prefix cache supplied
     draft_kv_used: int = 0  # the drafter's own KV pool (0/0 without one)
     draft_kv_total: int = 0
     verify_forwards: int = 0
@@ -431,9 +433,11 @@ class AsyncEngine:
             draft_kv_total=draft.num_slots if draft else 0,
             waiting=len(e.scheduler.waiting),
             running=len(e.scheduler.running),
-            kv_used=alloc.num_used,
+            kv_used=e.scheduler.kv_in_use,
             kv_total=alloc.num_slots,
-            kv_usage=e.runner.kv.usage(),
+            kv_usage=e.scheduler.kv_in_use / alloc.num_slots,
+            prefix_cache_tokens=e.scheduler.cache.size if e.scheduler.cache is not None else 0,
+            cache_hit_rate=e.scheduler.cache_hit_rate,
             verify_forwards=st.verify_forwards,
             accepted_draft_tokens=st.accepted_draft_tokens,
             proposed_draft_tokens=st.proposed_draft_tokens,

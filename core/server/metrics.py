@@ -7,7 +7,8 @@
   ``specfw_inter_token_latency_seconds`` (between tokens as delivered to the HTTP layer),
   ``specfw_e2e_request_latency_seconds``;
 * engine state, read from the bridge's snapshot at scrape time: ``specfw_num_queue_reqs``,
-  ``specfw_num_running_reqs``, ``specfw_kv_cache_usage`` (0..1), ``specfw_kv_cache_used_tokens``,
+  ``specfw_num_running_reqs``, ``specfw_kv_cache_usage`` (0..1), ``specfw_kv_cache_used_tokens`` (held by
+  running requests), ``specfw_prefix_cache_tokens`` (held by the prefix cache), ``specfw_cache_hit_rate``,
   ``specfw_draft_kv_cache_used_tokens`` / ``_total_tokens`` (the drafter's own pool, eagle/eagle3/mtp/standalone),
   and for speculative decoding ``specfw_spec_verify_forwards_total``,
   ``specfw_spec_accepted_draft_tokens_total``, ``specfw_spec_proposed_draft_tokens_total``,
@@ -52,8 +53,10 @@ class _EngineCollector:
 
         yield gauge("specfw_num_queue_reqs", "Requests waiting in the scheduler queue", s.waiting)
         yield gauge("specfw_num_running_reqs", "Requests in the running batch", s.running)
-        yield gauge("specfw_kv_cache_usage", "Fraction of KV cache slots in use", s.kv_usage)
-        yield gauge("specfw_kv_cache_used_tokens", "KV cache slots in use", s.kv_used)
+        yield gauge("specfw_kv_cache_usage", "Fraction of KV cache slots running requests hold", s.kv_usage)
+        yield gauge("specfw_kv_cache_used_tokens", "KV cache slots running requests hold (the prefix cache's unshared entries excluded)", s.kv_used)
+        yield gauge("specfw_prefix_cache_tokens", "KV slots the prefix cache holds", s.prefix_cache_tokens)
+        yield gauge("specfw_cache_hit_rate", "Share of prefilled tokens the prefix cache supplied", s.cache_hit_rate)
         yield gauge("specfw_kv_cache_total_tokens", "KV cache slots", s.kv_total)
         yield gauge("specfw_draft_kv_cache_used_tokens", "Draft model KV cache slots in use", s.draft_kv_used)
         yield gauge("specfw_draft_kv_cache_total_tokens", "Draft model KV cache slots (0: no draft KV pool)", s.draft_kv_total)

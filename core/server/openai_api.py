@@ -20,8 +20,21 @@ router = APIRouter()
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
-    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+def _usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int | None = None) -> dict:
+    usage = {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens, "total_tokens": prompt_tokens + completion_tokens}
+    if cached_tokens is not None:  # OpenAI's field: prompt tokens served from the prefix cache
+        usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return usage
+
+
+def _cached_tokens(sub: Submission, finals: list) -> int | None:
+    """Prompt tokens taken from the prefix cache, each prompt counted once (as ``prompt_tokens``):
+    the most any of its ``n`` choices took (choice i runs prompt i // n). None without a cache."""
+    got = [(o.meta or {}).get("cached_tokens") if o is not None else None for o in finals]
+    if all(c is None for c in got):
+        return None
+    per_prompt = [max((c or 0) for c in got[i * sub.n : (i + 1) * sub.n]) for i in range(len(sub.prompt_ids))]
+    return sum(per_prompt)
 
 
 def _prompt_tokens(sub: Submission) -> int:
@@ -81,7 +94,7 @@ async def chat_completions(body: ChatCompletionRequest, raw: Request):
             "created": created,
             "model": st.model_name,
             "choices": choices,
-            "usage": _usage(_prompt_tokens(sub), completion_tokens),
+            "usage": _usage(_prompt_tokens(sub), completion_tokens, _cached_tokens(sub, [outs[i][-1] for i in range(len(group.rids))])),
             "system_fingerprint": None,
         }
     )
@@ -102,12 +115,12 @@ async def _chat_stream(st: ServerState, body: ChatCompletionRequest, sub: Submis
             }
         )
 
-    completion_tokens = [0] * len(group.rids)
+    completion_tokens, finals = [0] * len(group.rids), [None] * len(group.rids)
     try:
         for i in range(len(group.rids)):
             yield chunk(i, {"role": "assistant", "content": ""})
         async for i, out in group:
-            completion_tokens[i] = out.completion_tokens
+            completion_tokens[i], finals[i] = out.completion_tokens, out
             lp = None
             if body.logprobs and out.logprobs:
                 lp = {"content": chat_logprobs(out.logprobs, st.texts, top_n), "refusal": None}
@@ -123,7 +136,7 @@ async def _chat_stream(st: ServerState, body: ChatCompletionRequest, sub: Submis
                     "created": created,
                     "model": st.model_name,
                     "choices": [],
-                    "usage": _usage(_prompt_tokens(sub), sum(completion_tokens)),
+                    "usage": _usage(_prompt_tokens(sub), sum(completion_tokens), _cached_tokens(sub, finals)),
                 }
             )
     except APIError as e:
@@ -178,7 +191,7 @@ async def completions(body: CompletionRequest, raw: Request):
             "created": created,
             "model": st.model_name,
             "choices": choices,
-            "usage": _usage(_prompt_tokens(sub), completion_tokens),
+            "usage": _usage(_prompt_tokens(sub), completion_tokens, _cached_tokens(sub, [outs[i][-1] for i in range(len(group.rids))])),
             "system_fingerprint": None,
         }
     )
@@ -201,10 +214,10 @@ async def _completion_stream(st: ServerState, body: CompletionRequest, sub: Subm
         )
 
     n = len(group.rids)
-    completion_tokens, offsets = [0] * n, [0] * n
+    completion_tokens, offsets, finals = [0] * n, [0] * n, [None] * n
     try:
         async for i, out in group:
-            completion_tokens[i] = out.completion_tokens
+            completion_tokens[i], finals[i] = out.completion_tokens, out
             lp = None
             if want_lp and out.logprobs:
                 lp = completion_logprobs(out.logprobs, st.texts, top_n, offsets[i])
@@ -221,7 +234,7 @@ async def _completion_stream(st: ServerState, body: CompletionRequest, sub: Subm
                     "created": created,
                     "model": st.model_name,
                     "choices": [],
-                    "usage": _usage(_prompt_tokens(sub), sum(completion_tokens)),
+                    "usage": _usage(_prompt_tokens(sub), sum(completion_tokens), _cached_tokens(sub, finals)),
                 }
             )
     except APIError as e:

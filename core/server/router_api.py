@@ -7,8 +7,8 @@ workers, with SGLang's names and shapes.
 * ``GET /model_info``: as ``/get_model_info``;
 * ``GET /get_load``, ``GET /v1/loads``: one entry per data-parallel rank (here one), SGLang's fields,
   for load-aware policies;
-* ``POST /flush_cache``: the router broadcasts it; specfw keeps no prefix cache, but drafters
-  that learn from every request's tokens (the n-gram trie) forget them (``Engine.flush_cache``);
+* ``POST /flush_cache``: the router broadcasts it; the prefix cache is emptied and drafters that
+  learn from every request's tokens (the n-gram trie) forget them (``Engine.flush_cache``);
   200 when flushed, 400 while requests are in flight (as SGLang: nothing is flushed then);
 * ``GET /health_generate``: healthy when the engine thread runs (as ``/health``).
 """

@@ -21,10 +21,15 @@ class ErrorResponse(BaseModel):
     error: ErrorBody
 
 
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int  # prompt tokens whose KV came from the prefix cache
+
+
 class Usage(BaseModel):
     prompt_tokens: int
     completion_tokens: int
     total_tokens: int
+    prompt_tokens_details: Optional[PromptTokensDetails] = None  # absent with engine.disable_radix_cache
 
 
 class ChatMessageOut(BaseModel):

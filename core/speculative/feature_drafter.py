@@ -33,9 +33,16 @@ from .types import DraftCandidates
 
 
 class _PairState:
-    def __init__(self):
-        self.slots = SlotTable()  # head KV of pairs 0..len-1
-        self.pending: list[torch.Tensor] = []  # features of positions len(slots).. (not consumed yet)
+    def __init__(self, base: int = 0):
+        # the target prefilled from position ``base`` (the prefix before it came from the prefix
+        # cache, so its features were never computed): the head's pairs start there
+        self.base = base
+        self.slots = SlotTable()  # head KV of pairs base..next_pair-1
+        self.pending: list[torch.Tensor] = []  # features of positions next_pair.. (not consumed yet)
+
+    @property
+    def next_pair(self) -> int:
+        return self.base + len(self.slots)
 
 
 class FeatureDrafter:
@@ -89,14 +96,14 @@ class FeatureDrafter:
     @hookimpl
     def specfw_on_prefill(self, ctx, reqs, hidden, aux_hidden, spans):
         for r, (start, n) in zip(reqs, spans):
-            st = self.states.setdefault(r.rid, _PairState())
-            feats = self.target_features(hidden, aux_hidden, torch.arange(start, start + n, device=hidden.device))
-            # rows cover positions len(st.slots).. (a retracted request re-prefills from scratch)
-            st.pending = [feats]
+            # rows cover positions r.num_cached.. (a retracted request's state was released: it
+            # starts anew, from whatever prefix the cache gave it)
+            st = self.states.setdefault(r.rid, _PairState(r.num_cached))
+            st.pending = [self.target_features(hidden, aux_hidden, torch.arange(start, start + n, device=hidden.device))]
         # catch up on the prompt now, as part of the prefill: the first decode step then extends
         # one pair, like every other step, and its cost says what drafting costs
-        ready = [r for r in reqs if r.seq_len - 1 > len(self.states[r.rid].slots)]
-        if ready and self.kv.allocator.can_alloc(sum(r.seq_len - 1 - len(self.states[r.rid].slots) for r in ready)):
+        ready = [r for r in reqs if r.seq_len - 1 > self.states[r.rid].next_pair]
+        if ready and self.kv.allocator.can_alloc(sum(r.seq_len - 1 - self.states[r.rid].next_pair for r in ready)):
             self._extend(ready)
 
     @hookimpl
@@ -118,7 +125,7 @@ class FeatureDrafter:
     def specfw_draft(self, ctx, reqs, plan):
         ready = [r for r in reqs if r.rid in self.states]
         need = sum(r.seq_len for r in ready) + len(ready) * self.shape.topk * self.shape.num_steps
-        if not ready or not self.kv.allocator.can_alloc(need - sum(len(self.states[r.rid].slots) for r in ready)):
+        if not ready or not self.kv.allocator.can_alloc(need - sum(self.states[r.rid].next_pair for r in ready)):
             return [DraftCandidates.empty() for _ in reqs]
         drafted = dict(zip([r.rid for r in ready], self._draft(ready, plan)))
         return [drafted.get(r.rid, DraftCandidates.empty()) for r in reqs]
@@ -143,7 +150,7 @@ class FeatureDrafter:
         chunks, feats = [], []
         for r in reqs:
             st = self.states[r.rid]
-            d = len(st.slots)
+            d = st.next_pair
             pending = torch.cat(st.pending) if len(st.pending) > 1 else st.pending[0]
             m = r.seq_len - 1 - d  # pairs d .. seq_len-2 (the last pairs the root)
             f = pending[:m]

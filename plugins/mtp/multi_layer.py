@@ -33,12 +33,18 @@ logger = logging.getLogger(__name__)
 
 
 class _LayerState:
-    """One upper layer's view of a request: its committed pairs' KV and the lower layer's outputs
-    it has not consumed yet (pairs len(slots)..)."""
+    """One upper layer's view of a request: its committed pairs' KV (from pair ``base``, where the
+    target's prefill started) and the lower layer's outputs it has not consumed yet (pairs
+    next_pair..)."""
 
-    def __init__(self):
+    def __init__(self, base: int = 0):
+        self.base = base
         self.slots = SlotTable()
         self.pending: list[torch.Tensor] = []
+
+    @property
+    def next_pair(self) -> int:
+        return self.base + len(self.slots)
 
     def take(self, m: int) -> torch.Tensor:
         rows = torch.cat(self.pending) if len(self.pending) > 1 else self.pending[0]
@@ -68,7 +74,7 @@ class MultiLayerMtpDrafter(MtpDrafter):
         logger.info("mtp multi_layer: NextN layers %s draft steps 0..%d", want, steps - 1)
 
     def _layers(self, r) -> list[_LayerState]:
-        return self.layer_states.setdefault(r.rid, [_LayerState() for _ in self.uppers])
+        return self.layer_states.setdefault(r.rid, [_LayerState(self.states[r.rid].base) for _ in self.uppers])
 
     def _drop(self, rid: str) -> None:
         for kv, st in zip(self.upper_kv, self.layer_states.pop(rid, [])):
@@ -91,9 +97,9 @@ class MultiLayerMtpDrafter(MtpDrafter):
     def specfw_draft(self, ctx, reqs, plan):
         ready = [r for r in reqs if r.rid in self.states]
         steps = self.shape.num_steps
-        fits = self.kv.allocator.can_alloc(sum(r.seq_len - len(self.states[r.rid].slots) for r in ready))
+        fits = self.kv.allocator.can_alloc(sum(r.seq_len - self.states[r.rid].next_pair for r in ready))
         for j, kv in enumerate(self.upper_kv):
-            fits = fits and kv.allocator.can_alloc(sum(r.seq_len - len(self._layers(r)[j].slots) for r in ready) + len(ready) * steps)
+            fits = fits and kv.allocator.can_alloc(sum(r.seq_len - self._layers(r)[j].next_pair for r in ready) + len(ready) * steps)
         if not ready or not fits:
             return [DraftCandidates.empty() for _ in reqs]
         drafted = dict(zip([r.rid for r in ready], self._draft(ready, plan)))
@@ -111,11 +117,11 @@ class MultiLayerMtpDrafter(MtpDrafter):
         return logits, hidden[fb.logits_indices]
 
     def _extend_layer(self, j, head, kv, reqs) -> list[torch.Tensor | None]:
-        """Layer j over pairs len(slots)..seq_len-2-j of each request; its outputs per request."""
+        """Layer j over pairs next_pair..seq_len-2-j of each request; its outputs per request."""
         chunks, feats, who = [], [], []
         for i, r in enumerate(reqs):
             st = self._layers(r)[j - 1]
-            d = len(st.slots)
+            d = st.next_pair
             m = r.seq_len - 1 - j - d  # pairs d .. seq_len-2-j: tokens t_{d+1+j} .. t_{seq_len-1}
             if m <= 0:
                 continue
@@ -150,7 +156,7 @@ class MultiLayerMtpDrafter(MtpDrafter):
                 chunks, feats = [], []
                 for i in live:
                     r, st = reqs[i], self._layers(reqs[i])[j - 1]
-                    n, c = r.seq_len - 1, len(st.slots)  # rows: pairs c .. n-1
+                    n, c = r.seq_len - 1, st.next_pair  # rows: pairs c .. n-1
                     parts = [x for x in (st.peek(), prev[i]) if x is not None]
                     f = torch.cat(parts) if len(parts) > 1 else parts[0]
                     assert f.shape[0] == n - c, (f.shape, n, c, j)

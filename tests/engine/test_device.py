@@ -248,7 +248,7 @@ def test_cuda_greedy_speculative_equals_plain(tiny_model_dir, tmp_path, dtype):
         eng = Engine(make_cfg(speculative=spec, **kw))
         assert [eng.generate([p], params)[0].token_ids for p in prompts] == ref
         assert [o.token_ids for o in eng.generate(prompts, params)] == ref
-        assert eng.runner.allocator.num_used == 0 and eng.stats.verify_forwards > 0
+        assert eng.scheduler.kv_in_use == 0 and eng.stats.verify_forwards > 0
 
 
 @needs_cuda

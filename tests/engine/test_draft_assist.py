@@ -51,7 +51,7 @@ def test_ngram_assist_keeps_greedy_output(name, tiny_model_dir, tiny_draft_dir, 
     eng, single, batched = run(tiny_model_dir, spec, prompts)
     assert single == plain, f"{name} + ngram assist: batch 1 diverged"
     assert batched == plain, f"{name} + ngram assist: batch 4 diverged"
-    assert eng.runner.allocator.num_used == 0
+    assert eng.scheduler.kv_in_use == 0
     calib = eng.worker.assist.calibration  # one per matched-suffix length bucket
     assert sum(c.tried[0] for c in calib if c.tried) > 0, "the assist never proposed a chain that was judged"
     assert sum(c.right[0] for c in calib if c.right) > 0, "the assist's chains were never right on these repetitive prompts"

@@ -41,4 +41,4 @@ def test_batched_requests_match_hf(demo_engine, prompts_and_reference):
     params = SamplingParams(max_new_tokens=N_NEW, temperature=0)
     outs = demo_engine.generate(prompts, params)  # all concurrent: one prefill batch, ragged decode batches
     _check(outs, refs)
-    assert demo_engine.runner.allocator.num_used == 0
+    assert demo_engine.scheduler.kv_in_use == 0

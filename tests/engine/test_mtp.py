@@ -80,7 +80,7 @@ def test_builtin_nextn_greedy_equals_plain(target_with_mtp, shape):
     eng = _engine(target_with_mtp, **shape)
     assert [eng.generate([p], GREEDY)[0].token_ids for p in PROMPTS] == plain
     assert [o.token_ids for o in eng.generate(PROMPTS, GREEDY)] == plain
-    assert eng.stats.verify_forwards > 0 and eng.runner.allocator.num_used == 0
+    assert eng.stats.verify_forwards > 0 and eng.scheduler.kv_in_use == 0
 
 
 def test_trained_nextn_checkpoint_is_accepted(tiny_model_dir, trained_nextn):

@@ -63,7 +63,7 @@ def test_stop_strings_and_stream_deltas_equal_the_sequential_engine(demo_engine,
             text, ids, fin = seen[r.rid]
             assert len(fin) == 1 and fin[0].finish_reason == "stop" and fin[0].completion_tokens == len(r.output_ids) == len(c.token_ids)
             assert "".join(text) == r.final_text == c.text and ids == r.output_ids
-        assert eng.runner.allocator.num_used == 0 and not eng.has_work
+        assert eng.scheduler.kv_in_use == 0 and not eng.has_work
 
 
 def test_abort_between_steps(tiny_model_dir, tiny_draft_dir):
@@ -84,7 +84,7 @@ def test_abort_between_steps(tiny_model_dir, tiny_draft_dir):
                     finished[o.rid] = o
         assert reqs[1].rid not in finished
         assert [r.output_ids for i, r in enumerate(reqs) if i != 1] == [t for i, t in enumerate(ref) if i != 1]
-        assert eng.runner.allocator.num_used == 0 and not eng.scheduler.running
+        assert eng.scheduler.kv_in_use == 0 and not eng.scheduler.running
 
 
 def test_a_failing_request_fails_alone(tiny_model_dir, monkeypatch):
@@ -105,7 +105,7 @@ def test_a_failing_request_fails_alone(tiny_model_dir, monkeypatch):
             outs.update({o.rid: o for o in eng.step() if o.finished})
         assert outs["r2-bad"].finish_reason == "error" and "injected failure" in outs["r2-bad"].error
         assert [r.output_ids for i, r in enumerate(reqs) if i != 2] == [t for i, t in enumerate(ref) if i != 2]
-        assert eng.stats.step_failures >= 2 and eng.runner.allocator.num_used == 0
+        assert eng.stats.step_failures >= 2 and eng.scheduler.kv_in_use == 0
 
 
 # ---- startup rules ------------------------------------------------------------------------------

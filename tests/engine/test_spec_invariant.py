@@ -80,7 +80,7 @@ def test_greedy_speculative_equals_plain(name, dtype, tiny_model_dir, tiny_draft
         batched = [o.token_ids for o in eng.generate(prompts, GREEDY)]  # 6 requests, 4 running at a time
         assert single == plain_reference, f"{name} {spec}: batch 1 diverged"
         assert batched == plain_reference, f"{name} {spec}: batch 4 diverged"
-        assert eng.runner.allocator.num_used == 0
+        assert eng.scheduler.kv_in_use == 0
         assert eng.stats.verify_forwards > 0
         accepted += eng.stats.accepted_draft_tokens
     assert accepted > 0, "no draft token was ever accepted: the invariant was not exercised"
@@ -172,7 +172,7 @@ def test_greedy_speculative_equals_plain_tensor_parallel(name, tiny_model_dir, t
     with Engine(make_cfg(model_path=str(tiny_model_dir), **TP, speculative=spec)) as eng:
         assert [eng.generate([p], GREEDY)[0].token_ids for p in prompts] == tp_plain_reference, f"{name} {spec}: batch 1 diverged"
         assert [o.token_ids for o in eng.generate(prompts, GREEDY)] == tp_plain_reference, f"{name} {spec}: batch 4 diverged"
-        assert eng.stats.verify_forwards > 0 and eng.runner.allocator.num_used == 0
+        assert eng.stats.verify_forwards > 0 and eng.scheduler.kv_in_use == 0
 
 
 # ---- the overlap scheduler (engine.overlap_schedule, SGLang's SpecV2: topk=1 chains) -------------
@@ -191,7 +191,7 @@ def test_greedy_overlap_schedule_equals_plain(name, tiny_model_dir, tiny_draft_d
         assert eng.overlap is not None
         assert [eng.generate([p], GREEDY)[0].token_ids for p in prompts] == plain_references["float32"], f"{name}: batch 1 diverged"
         assert [o.token_ids for o in eng.generate(prompts, GREEDY)] == plain_references["float32"], f"{name}: batch 4 diverged"
-        assert eng.runner.allocator.num_used == 0 and not eng.has_work
+        assert eng.scheduler.kv_in_use == 0 and not eng.has_work
         if spec is not None:
             assert eng.stats.accepted_draft_tokens > 0
 

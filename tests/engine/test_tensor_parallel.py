@@ -26,7 +26,7 @@ def _run(model_dir, tp_size, **kw):
                 logprobs[o.rid] += [t.logprob for t in o.logprobs]
         outs = [(list(r.output_ids), logprobs[r.rid]) for r in reqs]
         procs = list(eng.tp.processes) if eng.tp else []
-        assert eng.runner.allocator.num_used == 0
+        assert eng.scheduler.kv_in_use == 0
     return outs, procs
 
 

@@ -63,7 +63,7 @@ def test_every_mapped_flag_lands_on_its_key():
 
 def test_algorithms_dtype_and_switches():
     t = translate("--speculative-algorithm EAGLE3 --dtype bfloat16 --speculative-eagle-topk=1 --disable-radix-cache")
-    assert t.overrides == ["speculative=eagle3", "model.dtype=bfloat16", "speculative.topk=1"] and not t.warnings
+    assert t.overrides == ["speculative=eagle3", "model.dtype=bfloat16", "speculative.topk=1", "engine.disable_radix_cache=true"] and not t.warnings
     assert translate("--speculative-algorithm NEXTN").overrides == ["speculative=mtp"]
     assert translate("--dtype auto").overrides == []
     assert translate("--dp 1").warnings == []  # one engine: what specfw does

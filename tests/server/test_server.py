@@ -35,7 +35,7 @@ def server(demo_engine):
     with ServerThread(app) as srv:
         srv.engine, srv.state, srv.refs = demo_engine, app.state.specfw, refs
         yield srv
-    assert not demo_engine.has_work and demo_engine.runner.allocator.num_used == 0
+    assert not demo_engine.has_work and demo_engine.scheduler.kv_in_use == 0
     assert app.state.specfw.metrics.observer not in demo_engine.stats.observers
 
 
@@ -312,6 +312,31 @@ def test_metrics(server, http, client):
     assert _metric(t, "specfw_spec_accept_length") == 0
     assert _metric(t, "specfw_decode_steps_total") > 0
     assert "_created" not in t
+
+
+def test_usage_reports_prompt_tokens_from_the_prefix_cache(server, http, client):
+    """A repeated prompt reuses its KV (all but its last token, whose logits give the first new
+    one): OpenAI's ``usage.prompt_tokens_details.cached_tokens``, SGLang's ``meta_info.cached_tokens``
+    and ``specfw_cache_hit_rate``; the answer is the offline one; /flush_cache empties the cache."""
+    q = QUESTIONS[2]
+    assert engine_idle(server, 15) and http.post("/flush_cache").status_code == 200
+    assert _metric(http.get("/metrics").text, "specfw_prefix_cache_tokens") == 0
+    first = _chat(client, q)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    again = _chat(client, q)
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+    assert again.choices[0].message.content == first.choices[0].message.content == server.refs[q].text
+    stream = list(_chat(client, q, stream=True, stream_options={"include_usage": True}))
+    assert stream[-1].usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+    ids = server.engine.tokenize_chat(_msgs(q))
+    r = http.post("/generate", json={"input_ids": ids + [28], "sampling_params": {"max_new_tokens": 4, "temperature": 0}})
+    assert r.status_code == 200 and r.json()["meta_info"]["cached_tokens"] == len(ids)
+    t = http.get("/metrics").text
+    assert _metric(t, "specfw_cache_hit_rate") > 0 and _metric(t, "specfw_prefix_cache_tokens") > len(ids)
+    assert _metric(t, "specfw_kv_cache_used_tokens") == 0  # the cache's entries are not held by a request
+    assert http.post("/flush_cache").status_code == 200
+    assert _metric(http.get("/metrics").text, "specfw_prefix_cache_tokens") == 0
+    assert server.engine.runner.allocator.num_used == 0
 
 
 # ---- client disconnects ---------------------------------------------------------------------------------

@@ -27,7 +27,7 @@ def server(demo_engine):
     with ServerThread(app) as srv:
         srv.engine, srv.state = demo_engine, app.state.specfw
         yield srv
-    assert not demo_engine.has_work and demo_engine.runner.allocator.num_used == 0
+    assert not demo_engine.has_work and demo_engine.scheduler.kv_in_use == 0
 
 
 @pytest.fixture(scope="module")

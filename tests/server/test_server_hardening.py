@@ -30,7 +30,7 @@ def server(tiny_model_dir):
     with ServerThread(app) as srv:
         srv.engine, srv.state = eng, app.state.specfw
         yield srv
-    assert not eng.has_work and eng.runner.allocator.num_used == 0
+    assert not eng.has_work and eng.scheduler.kv_in_use == 0
 
 
 @pytest.fixture(scope="module")
@@ -250,7 +250,7 @@ def test_engine_fails_only_the_poisoned_request(tiny_engine, monkeypatch, kind):
         if i != 3:
             assert r.finish_reason == "length" and r.output_ids == ref[i], i
     assert eng.stats.step_failures >= 2 and not eng.quarantine.suspects
-    assert eng.runner.allocator.num_used == 0
+    assert eng.scheduler.kv_in_use == 0
 
 
 def test_server_fails_only_the_poisoned_request_in_a_running_batch(server, http):

@@ -42,7 +42,7 @@ def test_retraction_under_kv_pressure_keeps_outputs(tiny_model_dir, tiny_engine)
     outs = [o.token_ids for o in small.generate(_prompts(4), GREEDY)]
     assert small.scheduler.num_retracted > 0
     assert outs == ref
-    assert small.runner.allocator.num_used == 0
+    assert small.scheduler.kv_in_use == 0
 
 
 def test_admission_counts_every_prompt_of_a_prefill_batch(tiny_model_dir, tiny_engine):
@@ -55,7 +55,7 @@ def test_admission_counts_every_prompt_of_a_prefill_batch(tiny_model_dir, tiny_e
     eng = Engine(make_cfg(model_path=str(tiny_model_dir), max_running_requests=6, max_total_tokens=150))
     outs = [o.token_ids for o in eng.generate(prompts, GREEDY)]
     assert outs == ref
-    assert eng.runner.allocator.num_used == 0
+    assert eng.scheduler.kv_in_use == 0
 
 
 def test_lone_request_larger_than_pool_ends_with_length(tiny_model_dir):
@@ -64,7 +64,7 @@ def test_lone_request_larger_than_pool_ends_with_length(tiny_model_dir):
     eng = Engine(make_cfg(model_path=str(tiny_model_dir), max_total_tokens=16))
     out = eng.generate([[5, 6, 7, 8]], SamplingParams(max_new_tokens=100, temperature=0, ignore_eos=True))[0]
     assert out.finish_reason == "length" and 0 < len(out.token_ids) <= 13
-    assert eng.runner.allocator.num_used == 0
+    assert eng.scheduler.kv_in_use == 0
 
 
 def test_requests_that_can_never_run_are_rejected(tiny_model_dir):

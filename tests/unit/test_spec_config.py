@@ -180,7 +180,7 @@ def test_auto_measures_the_verify_cost_and_decides(tiny_model_dir, caplog):
 
     eng = Engine(make_cfg(model_path=str(tiny_model_dir), max_total_tokens=4096))
     ratio = verify_cost.verify_cost_ratio(eng.runner, 16)
-    assert ratio > 0 and eng.runner.allocator.num_used == 0
+    assert ratio > 0 and eng.scheduler.kv_in_use == 0
     calls = []
     for fake, want in ((2.0, True), (1.1, True), (1.02, False)):
         verify_cost.verify_cost_ratio, real = (lambda r, n, reps=5, batch=1, f=fake: calls.append((n, batch)) or f), verify_cost.verify_cost_ratio
@@ -192,7 +192,7 @@ def test_auto_measures_the_verify_cost_and_decides(tiny_model_dir, caplog):
     assert calls == [(8, 1)] * 3 and "adaptive_draft=auto: on" in caplog.text and "adaptive_draft=auto: off" in caplog.text
     assert verify_cost.resolve_adaptive(False, eng.runner, 8) is False and verify_cost.resolve_adaptive("true", eng.runner, 8)
     batched = verify_cost.verify_cost_ratio(eng.runner, 4, batch=3)  # 3 requests x 4 rows against 3 x 1
-    assert batched > 0 and eng.runner.allocator.num_used == 0
+    assert batched > 0 and eng.scheduler.kv_in_use == 0
     eng.close()
 
 
