@@ -142,6 +142,7 @@ class Engine:
             slots_per_decode=self.worker.slots_per_decode,
             max_queued_requests=cfg.engine.max_queued_requests,
             prefix_cache=None if getattr(cfg.engine, "disable_radix_cache", False) else PrefixCache(),
+            prefix_to_reuse=getattr(self.worker, "prefix_to_reuse", None),
         )
         self.quarantine = Quarantine()
         self.eos_token_ids = tuple(sorted({i for i in [self.tokenizer.eos_token_id, getattr(loaded.hf_config, "eos_token_id", None)] if isinstance(i, int)}))

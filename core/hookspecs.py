@@ -202,6 +202,16 @@ def specfw_on_accept(
     """
 
 
+@hookspec(firstresult=True)
+def specfw_prefix_to_reuse(ctx: "SpecContext", req: "Request", cached: int) -> "int | None":
+    """The prefix cache holds the KV of ``req``'s first ``cached`` tokens: how many of them the
+    target reuses (the rest it recomputes, and :func:`specfw_on_prefill` gets their hidden states).
+    Return ``cached`` or less; None (no implementation) reuses all. A drafter that continues from
+    target features and keeps its own state of earlier requests returns how far that state
+    reaches, so the target computes the features it continues from (the EAGLE family: its cached
+    pairs, ``speculative/pair_cache.py``). Called when the scheduler admits ``req``."""
+
+
 @hookspec
 def specfw_release(ctx: "SpecContext", req: "Request") -> None:
     """A request finished or was aborted/retracted: drop its drafter state (and draft KV)."""

@@ -78,6 +78,7 @@ class Scheduler:
         slots_per_decode: int = 1,
         max_queued_requests: int = 0,
         prefix_cache: PrefixCache | None = None,
+        prefix_to_reuse=None,
     ):
         self.kv = kv
         self.allocator = kv.allocator
@@ -91,6 +92,10 @@ class Scheduler:
         self.num_retracted = 0
         self.in_flight: ScheduledBatch | None = None  # scheduled, neither updated nor rolled back yet
         self.cache = prefix_cache
+        # (request, cached tokens) -> how many to reuse: a drafter that continues from target
+        # features asks the target to recompute those its own cached state does not reach
+        # (the worker's ``prefix_to_reuse``, hook ``specfw_prefix_to_reuse``); None: all
+        self.prefix_to_reuse = prefix_to_reuse
         self._hits: dict[str, PrefixMatch] = {}  # per running request, its locked cached prefix
         self.prefill_cached_tokens = 0  # prefilled requests' tokens taken from the prefix cache, all time
         self.prefill_computed_tokens = 0  # and those the target computed
@@ -170,8 +175,11 @@ class Scheduler:
         if self.cache is None or req.num_cached:
             return False
         hit = self.cache.match(req.seq_ids[: req.seq_len - 1])
-        if hit.length == 0:
+        use = min(hit.length, self.prefix_to_reuse(req, hit.length)) if self.prefix_to_reuse and hit.length else hit.length
+        if use <= 0:
             return False
+        if use < hit.length:  # the same node stays locked: it covers the shorter prefix too
+            hit = PrefixMatch(hit.slots[:use], hit.node)
         self.cache.lock(hit.node)
         self._hits[req.rid] = hit
         req.slots.append(hit.slots)

@@ -28,6 +28,27 @@ def _is_prompt_prefill(s: SeqSpan) -> bool:
     return s.q_len > 1 and s.prefix_len == 0 and s.tree_mask is None
 
 
+CAUSAL_BLOCK = 32  # rows of a causal run (a prompt, an extend) per group: see _causal_blocks
+
+
+def _causal_blocks(s: SeqSpan) -> list[tuple]:
+    """``attention_plan``'s entries (slots, mask, q_start, q_len) for one sequence. A causal run of
+    more than ``CAUSAL_BLOCK`` new rows is cut into groups of that many: a group's earlier keys are
+    its shared prefix (each key read once per pass over several rows) and only the keys inside the
+    block are per-row extras; as one group every earlier new row was an extra of each row (a
+    1,500-token prompt read its keys ~1,500 times). A row's keys stay the same list in the same
+    order, and the kernel's sums run over a row's whole list whatever part is shared, so the bits
+    do not change."""
+    mask = _NO_MASK if s.tree_mask is None else s.tree_mask
+    if s.tree_mask is not None or s.q_len <= CAUSAL_BLOCK:
+        return [(s.kv_slots, mask, s.q_start, s.q_len)]
+    before = int(s.kv_slots.numel()) - s.q_len
+    return [
+        (s.kv_slots[: before + a + min(CAUSAL_BLOCK, s.q_len - a)], mask, s.q_start + a, min(CAUSAL_BLOCK, s.q_len - a))
+        for a in range(0, s.q_len, CAUSAL_BLOCK)
+    ]
+
+
 class KernelAttentionPlan:
     def __init__(self, ops, seqs: list[SeqSpan], prefills_in_kernel: bool = False):
         # the slot lists in one kernel call (``cpu_ops.attention_plan``, ~10 us; numpy took ~100 us
@@ -35,15 +56,11 @@ class KernelAttentionPlan:
         self.ops = ops
         self.prefills = [] if prefills_in_kernel else [s for s in seqs if _is_prompt_prefill(s)]
         rest = [s for s in seqs if prefills_in_kernel or not _is_prompt_prefill(s)]
-        self.groups = len(rest)
         self.rows = sum(s.q_len for s in rest)
+        groups = [g for s in rest for g in _causal_blocks(s)]
+        self.groups = len(groups)
         if self.groups:
-            (self.prefix_ptr, self.prefix_slots, self.row_ptr, self.row_q, self.extra_ptr, self.extra_slots) = ops.attention_plan(
-                [s.kv_slots for s in rest],
-                [_NO_MASK if s.tree_mask is None else s.tree_mask for s in rest],
-                [s.q_start for s in rest],
-                [s.q_len for s in rest],
-            )
+            (self.prefix_ptr, self.prefix_slots, self.row_ptr, self.row_q, self.extra_ptr, self.extra_slots) = ops.attention_plan(*map(list, zip(*groups)))
 
     def __call__(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, scale: float) -> torch.Tensor:
         q = q.contiguous()

@@ -402,9 +402,13 @@ class AsyncEngine:
         """With no request in the engine every draft KV slot must be free; a failed draft step
         could otherwise leave some allocated."""
         alloc = draft_allocator(self.engine)
-        if alloc is not None and alloc.num_used:
-            logger.warning("reclaiming %d draft KV slots leaked by a failed step", alloc.num_used)
-            type(alloc).__init__(alloc, alloc.num_slots)
+        if alloc is None or not draft_kv_in_use(self.engine):
+            return
+        logger.warning("reclaiming %d draft KV slots leaked by a failed step", draft_kv_in_use(self.engine))
+        cache = getattr(getattr(self.engine.worker, "runtime", None), "pair_cache", None)
+        if cache is not None:  # its slots go back with the rest: empty it first
+            cache.tree.reset()
+        type(alloc).__init__(alloc, alloc.num_slots)
 
     def _shutdown(self) -> None:
         per_loop: dict[asyncio.AbstractEventLoop, list] = defaultdict(list)
@@ -429,7 +433,7 @@ class AsyncEngine:
         e = self.engine
         alloc, st, draft = e.runner.allocator, e.stats, draft_allocator(e)
         self.snapshot = Snapshot(
-            draft_kv_used=draft.num_used if draft else 0,
+            draft_kv_used=draft_kv_in_use(e) if draft else 0,
             draft_kv_total=draft.num_slots if draft else 0,
             waiting=len(e.scheduler.waiting),
             running=len(e.scheduler.running),
@@ -447,6 +451,16 @@ class AsyncEngine:
             num_retracted=e.scheduler.num_retracted,
             step_failures=self.step_failures + st.step_failures,
         )
+
+
+def draft_kv_in_use(engine) -> int:
+    """Draft KV slots running requests hold: the drafter's allocated slots less those its pair
+    cache keeps for later requests (speculative/pair_cache.py)."""
+    alloc = draft_allocator(engine)
+    if alloc is None:
+        return 0
+    cache = getattr(getattr(engine.worker, "runtime", None), "pair_cache", None)
+    return alloc.num_used - (cache.idle_slots if cache is not None else 0)
 
 
 def draft_allocator(engine):

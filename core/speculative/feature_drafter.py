@@ -29,7 +29,12 @@ from ..hookspecs import hookimpl
 from ..kv_cache import KVPool, SlotTable
 from ..model_runner import build_forward_batch
 from .beam import beam_search
+from .pair_cache import PairCache
 from .types import DraftCandidates
+
+
+# target tokens of a cached prefix recomputed, at most, so that the head's cached pairs continue
+RECOMPUTE_FOR_PAIRS = 32
 
 
 class _PairState:
@@ -47,6 +52,7 @@ class _PairState:
 
 class FeatureDrafter:
     to_target: torch.Tensor | None = None  # draft-vocab index → target id (None = same vocab)
+    cache_pairs = True  # keep the head's KV of finished requests (pair_cache.py) for later ones sharing their tokens
 
     def __init__(self, ctx, layer, num_slots: int):
         self.ctx = ctx
@@ -55,6 +61,8 @@ class FeatureDrafter:
         self.device = ctx.runner.device
         self.kv = KVPool(1, layer.n_kv, layer.head_dim, num_slots, dtype=ctx.runner.kv.dtype, device=self.device)
         self.states: dict[str, _PairState] = {}
+        self.pair_cache = PairCache(self.kv.allocator) if self.cache_pairs else None
+        self._held: dict[str, object] = {}  # per request, the cached pairs it started from (locked)
         self.graphs = None  # specfw.graphs.GraphedHead: beam steps from static buffers / CUDA graphs
         self.chain = None  # device_chain.DeviceChain: topk=1 drafts, the whole loop in one replay
         target = getattr(ctx.runner, "graphs", None)
@@ -98,12 +106,12 @@ class FeatureDrafter:
         for r, (start, n) in zip(reqs, spans):
             # rows cover positions r.num_cached.. (a retracted request's state was released: it
             # starts anew, from whatever prefix the cache gave it)
-            st = self.states.setdefault(r.rid, _PairState(r.num_cached))
+            st = self.states.get(r.rid) or self._start(r)
             st.pending = [self.target_features(hidden, aux_hidden, torch.arange(start, start + n, device=hidden.device))]
         # catch up on the prompt now, as part of the prefill: the first decode step then extends
         # one pair, like every other step, and its cost says what drafting costs
         ready = [r for r in reqs if r.seq_len - 1 > self.states[r.rid].next_pair]
-        if ready and self.kv.allocator.can_alloc(sum(r.seq_len - 1 - self.states[r.rid].next_pair for r in ready)):
+        if ready and self._room(sum(r.seq_len - 1 - self.states[r.rid].next_pair for r in ready)):
             self._extend(ready)
 
     @hookimpl
@@ -118,14 +126,49 @@ class FeatureDrafter:
     @hookimpl
     def specfw_release(self, ctx, req):
         st = self.states.pop(req.rid, None)
-        if st is not None:
+        if st is None:
+            return
+        held = self._held.pop(req.rid, None)
+        if self.pair_cache is not None and st.base == 0:
+            self.pair_cache.give(req.seq_ids, st.slots.truncate(0), held)
+        else:
             self.kv.allocator.free(st.slots.truncate(0))
+
+    @hookimpl
+    def specfw_flush_cache(self, ctx):
+        if self.pair_cache is not None:
+            self.pair_cache.flush()
+
+    @hookimpl
+    def specfw_prefix_to_reuse(self, ctx, req, cached):
+        """Reuse the target's cached prefix up to where this drafter's cached pairs end, so the
+        target computes the features the pairs continue from: in a chat's next turn the last
+        turn's final few tokens (its last step's pairs were never extended). Where the pairs end
+        far earlier (evicted), the whole prefix is reused and the head starts without context."""
+        if self.pair_cache is None:
+            return None
+        have = self.pair_cache.reach(req.seq_ids, cached)
+        return have if cached - have <= RECOMPUTE_FOR_PAIRS else cached
+
+    def _start(self, r) -> _PairState:
+        """A request's state at its prefill: its pairs before ``r.num_cached`` (the target's cached
+        prefix) from the pair cache where all are there, else its pairs start at ``r.num_cached``."""
+        p0 = r.num_cached
+        held = self.pair_cache.take(r.seq_ids, p0) if self.pair_cache is not None and p0 else None
+        st = self.states[r.rid] = _PairState(0 if held is not None else p0)
+        if held is not None:
+            st.slots.append(held.slots)
+            self._held[r.rid] = held
+        return st
+
+    def _room(self, n: int) -> bool:
+        return self.pair_cache.room(n) if self.pair_cache is not None else self.kv.allocator.can_alloc(n)
 
     @hookimpl
     def specfw_draft(self, ctx, reqs, plan):
         ready = [r for r in reqs if r.rid in self.states]
         need = sum(r.seq_len for r in ready) + len(ready) * self.shape.topk * self.shape.num_steps
-        if not ready or not self.kv.allocator.can_alloc(need - sum(self.states[r.rid].next_pair for r in ready)):
+        if not ready or not self._room(need - sum(self.states[r.rid].next_pair for r in ready)):
             return [DraftCandidates.empty() for _ in reqs]
         drafted = dict(zip([r.rid for r in ready], self._draft(ready, plan)))
         return [drafted.get(r.rid, DraftCandidates.empty()) for r in reqs]

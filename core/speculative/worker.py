@@ -119,6 +119,11 @@ class SpeculativeWorker:
     def run(self, batch: ScheduledBatch) -> list[StepResult]:
         return self.prefill(batch) if batch.is_prefill else self.decode(batch)
 
+    def prefix_to_reuse(self, req: Request, cached: int) -> int:
+        """How many of the prefix cache's ``cached`` tokens of ``req`` the target reuses (the scheduler asks)."""
+        use = self.hook.specfw_prefix_to_reuse(ctx=self.ctx, req=req, cached=cached)
+        return cached if use is None else max(0, min(cached, int(use)))
+
     # ---- prefill ------------------------------------------------------------------------
     def prefill(self, batch: ScheduledBatch) -> list[StepResult]:
         chunks = prefill_chunks(batch)

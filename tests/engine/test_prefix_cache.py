@@ -43,8 +43,10 @@ def _fresh(eng, base=BASE, rounds=3):
 
 
 def _check_idle(eng):
+    from specfw.server.async_engine import draft_kv_in_use
+
     cache = eng.scheduler.cache
-    assert not eng.has_work and eng.scheduler.kv_in_use == 0
+    assert not eng.has_work and eng.scheduler.kv_in_use == 0 and draft_kv_in_use(eng) == 0
     assert eng.runner.allocator.num_used == cache.size == cache.evictable  # every kept slot is the cache's
 
 
@@ -91,11 +93,33 @@ def test_speculative_decoding_from_a_cached_prefix_equals_plain(name, tiny_model
     got, metas = _conversation(spec, base)
     assert got == ref
     assert sum(m["cached_tokens"] > 0 for m in metas) >= 6
-    # the prompt the draft knows the answer to, again: all but its last token come from the cache,
-    # so the drafter starts from (almost) no context of its own, and its drafts are still accepted
+    # the prompt the draft knows the answer to, again: all but its last token come from the cache
+    # (the EAGLE family's head pairs from its own pair cache), and its drafts are accepted
+    rt, starts = spec.worker.runtime, []
+    if hasattr(rt, "pair_cache"):  # the EAGLE family: record where each request's head pairs start
+        start = rt._start
+
+        def record(r):
+            st = start(r)
+            starts.append((r.num_cached, st.base, len(st.slots)))
+            return st
+
+        rt._start = record
     first, again = spec.generate([base], GREEDY)[0], spec.generate([base], GREEDY)[0]
     assert again.token_ids == first.token_ids == ref[0]
     assert again.meta["cached_tokens"] == len(base) - 1 and again.meta["spec_accept_length"] > 1
+    if getattr(rt, "pair_cache", None) is not None:  # the head's own pairs of the prompt came from its pair cache
+        assert starts[-1] == (len(base) - 1, 0, len(base) - 1)
+    elif hasattr(rt, "pair_cache"):  # multi-layer MTP: its pairs start after the cached prefix
+        assert starts[-1][1] == starts[-1][0]
+    # a next turn: the target reuses its cached prefix as far as the head's cached pairs reach (the
+    # last step's few tokens had no pairs yet: the target recomputes them), the head continues
+    follow = base + again.token_ids + [410, 411]  # not a turn the conversation above had
+    got = spec.generate([follow], GREEDY)[0]
+    assert got.token_ids == plain.generate([follow], GREEDY)[0].token_ids
+    if getattr(rt, "pair_cache", None) is not None:
+        p0, b, n = starts[-1]
+        assert len(base) <= p0 <= len(base) + len(again.token_ids) - 1 and (b, n) == (0, p0) and got.meta["cached_tokens"] == p0
     _check_idle(spec)
 
 

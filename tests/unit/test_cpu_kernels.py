@@ -219,6 +219,35 @@ def test_attention_plan_values_and_tree_rows_equal_lone_decode_rows(isa, dtype, 
 
 
 @isas
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_causal_runs_in_the_kernel_equal_lone_decode_rows(isa, dtype):
+    """With the prefix cache on, prompt prefills attend through the kernel too, and a causal run of
+    more rows than ``CAUSAL_BLOCK`` is cut into groups: a prompt's row, a cached-prefix extend's row
+    and the lone decode row over the same keys have the same bits (what makes a cache hit exact)."""
+    from specfw.backends.kernel_attention import CAUSAL_BLOCK, KernelAttentionPlan
+
+    ops = _ops(isa)
+    g = torch.Generator().manual_seed(7)
+    k_cache, v_cache = torch.randn(400, 3, 64, generator=g).to(dtype), torch.randn(400, 3, 64, generator=g).to(dtype)
+    slots = torch.randperm(400, generator=g)[:150]
+    n = 2 * CAUSAL_BLOCK + 9  # three groups, the last one short
+    prompt = SeqSpan(0, n, slots[:n])  # no prefix: a fresh prompt
+    extend = SeqSpan(n, n, slots[: 40 + n])  # the same tokens' successors after a 40-slot cached prefix
+    q = torch.randn(2 * n, 9, 64, generator=g).to(dtype)
+    plan = KernelAttentionPlan(ops, [prompt, extend], prefills_in_kernel=True)
+    assert not plan.prefills and plan.groups == 6
+    out = plan(q, k_cache, v_cache, 0.125)
+    tol = 2e-5 if dtype == torch.float32 else 3e-2
+    for s in (prompt, extend):
+        before = int(s.kv_slots.numel()) - s.q_len
+        for i in range(0, s.q_len, 7):
+            visible, row = s.kv_slots[: before + i + 1], s.q_start + i
+            lone = KernelAttentionPlan(ops, [SeqSpan(0, 1, visible)])(q[row : row + 1], k_cache, v_cache, 0.125)
+            assert torch.equal(lone[0], out[row]), (s.q_len, before, i)
+            assert (out[row].double() - _reference(q[row], k_cache, v_cache, visible, 0.125)).abs().max() < tol
+
+
+@isas
 def test_attention_of_a_fully_drafted_span_without_prefix(isa):
     """Edge cases: a group with an empty prefix (a draft span whose visible keys are all its own),
     and a one-key row."""
