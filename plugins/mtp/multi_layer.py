@@ -59,6 +59,7 @@ class MultiLayerMtpDrafter(MtpDrafter):
     # the upper layers consume layer 0's outputs pair by pair: pairs taken from a cache would leave
     # them nothing to consume, so a cached target prefix starts every layer's pairs after it
     cache_pairs = False
+
     def __init__(self, ctx):
         super().__init__(ctx)  # layer mtp_layer (step 0) and its KV pool: FeatureDrafter's
         cfg, steps = ctx.config, ctx.shape.num_steps

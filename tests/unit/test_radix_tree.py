@@ -77,3 +77,31 @@ def test_a_split_under_a_lock_keeps_the_lock_on_both_halves():
     assert c.evict(100).tolist() == [26]  # only the new leaf could go
     c.unlock(whole.node)
     assert c.evictable == c.size == 4
+
+
+def test_the_pair_cache_keys_each_pair_by_the_tokens_it_depends_on():
+    """Pair i (token t_{i+1}, feature f_i) is cached under (t_i, t_{i+1}): a request shares a pair
+    only where both tokens match; ``reach`` counts the shared pairs from pair 0, ``take`` hands them
+    over (locked) only when all asked for are there, ``give`` frees duplicates, ``room`` evicts."""
+    from specfw.kv_cache import SlotAllocator
+    from specfw.speculative.pair_cache import PairCache, pair_keys
+
+    assert pair_keys([5, 6, 7, 8], 3) == [(5, 6), (6, 7), (7, 8)]
+    alloc = SlotAllocator(16)
+    cache = PairCache(alloc)
+    a = alloc.alloc(4)  # pairs 0..3 of [1, 2, 3, 4, 5]
+    cache.give([1, 2, 3, 4, 5], a, None)
+    assert alloc.num_used == 4 and cache.idle_slots == 4
+    assert cache.reach([1, 2, 3, 9, 9], 4) == 2  # pair 2 is (3, 9) here, (3, 4) there
+    assert cache.take([1, 2, 3, 9], 3) is None  # not all three
+    held = cache.take([1, 2, 3, 9], 2)
+    assert held.slots.tolist() == a[:2].tolist() and cache.idle_slots == 2
+    b = alloc.alloc(2)  # the new request's own pairs 2..3
+    cache.give([1, 2, 3, 9, 9], torch.cat([held.slots, b]), held)
+    assert cache.idle_slots == 6 and alloc.num_used == 6
+    dup = alloc.alloc(3)  # a request that computed pairs 0..2 of [1, 2, 3, 4] itself: all cached already
+    cache.give([1, 2, 3, 4], dup, None)
+    assert alloc.num_used == 6
+    assert cache.room(12) and alloc.num_free >= 12 and cache.idle_slots < 6
+    cache.flush()
+    assert alloc.num_used == 0 and cache.idle_slots == 0
