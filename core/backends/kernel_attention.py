@@ -9,8 +9,8 @@ over the row's keys in cache order: a tree node's output has the bits of the pla
 that produces the same token, and plain rows never depend on the batch. Prompt prefills (no
 prefix, causal) are one group too where the prefix cache is on (``prefills_in_kernel``): a prompt
 row then gets the bits it gets after a cache hit, where its prefix is a group's shared slots.
-Else they keep one causal SDPA call per sequence, the same in plain and speculative runs (faster
-from ~1,000 tokens; the kernel is faster below ~400, docs/benchmarks.md).
+Else they keep one causal SDPA call per sequence, the same in plain and speculative runs (7-8%
+faster at 1,500 tokens; the kernel is 10-25% faster at a few hundred, docs/benchmarks.md).
 """
 
 from __future__ import annotations

@@ -406,8 +406,8 @@ class AsyncEngine:
             return
         logger.warning("reclaiming %d draft KV slots leaked by a failed step", draft_kv_in_use(self.engine))
         cache = getattr(getattr(self.engine.worker, "runtime", None), "pair_cache", None)
-        if cache is not None:  # its slots go back with the rest: empty it first
-            cache.tree.reset()
+        if cache is not None:  # its slots go back with the rest
+            cache.forget()
         type(alloc).__init__(alloc, alloc.num_slots)
 
     def _shutdown(self) -> None:

@@ -64,6 +64,10 @@ class PairCache:
     def flush(self) -> None:
         self.allocator.free(self.tree.reset())
 
+    def forget(self) -> None:
+        """Drop every entry, locked or not, freeing nothing: for a pool being reset as a whole."""
+        self.tree = PrefixCache()
+
     @property
     def idle_slots(self) -> int:
         """Slots the cache holds that no running request uses."""
