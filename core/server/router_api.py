@@ -87,17 +87,12 @@ async def v1_loads(raw: Request):
     return {"loads": _loads(raw)}
 
 
-@router.post("/flush_cache")
+@router.api_route("/flush_cache", methods=["GET", "POST"], response_class=PlainTextResponse)  # one route: OPTIONS allows both
 async def flush_cache(raw: Request):
     state = get_state(raw)
     if not await state.bridge.run(lambda engine: engine.flush_cache()):
         raise APIError(400, "Cache not flushed: requests are in flight. Retry when the server is idle.", None, "cache_not_flushed")
     return PlainTextResponse("Cache flushed.\n")
-
-
-@router.get("/flush_cache")
-async def flush_cache_get(raw: Request):
-    return await flush_cache(raw)
 
 
 @router.get("/health_generate")
