@@ -22,8 +22,20 @@ prompt lookup beside specfw's ngram on HumanEval:
     .venv/bin/python benchmarks/bench_side_by_side.py --dataset humaneval --n 20 --max-new-tokens 128 \
         plain= ngram=algorithm=ngram "hf=backend=hf" "hf prompt lookup=backend=hf,prompt_lookup_num_tokens=10"
 
-HF rows report how many outputs equal the reference's instead of failing the run (HF's kernels
-are not specfw's, so a near-tie may go the other way).
+``backend=llama.cpp`` makes a row of llama.cpp (llama-cpp-python, ``pip install '.[bench-llama]'``
+built for the CPU: docs/quantization.md) on the demo target's own Q4_1 GGUF file, fed the same
+prompt token ids, greedy, ``--threads`` threads, batch 1; ``prompt_lookup_num_tokens=N`` gives it
+llama-cpp-python's prompt lookup drafting. Its KV starts empty for every prompt (as HF's does).
+What a CPU user would pick for a GGUF, against specfw's fastest exact rows:
+
+    .venv/bin/python benchmarks/bench_side_by_side.py --dataset mtbench --start 40 --n 24 \
+        plain= "gguf+a8=model.quantization=gguf,model.activation_quantization=int8" \
+        "gguf+a8 eagle3=algorithm=eagle3,model.quantization=gguf,model.activation_quantization=int8" \
+        "llama.cpp=backend=llama.cpp" "hf=backend=hf"
+
+HF and llama.cpp rows report how many outputs equal the reference's instead of failing the run
+(their kernels are not specfw's, so a near-tie may go the other way; llama.cpp also rounds its
+activations to 8 bits).
 
 ``--turns 2`` (MT-bench) runs each question's second turn after the first, as a chat client
 would: the conversation so far (the question, the engine's own answer, the second question)
@@ -56,6 +68,17 @@ def parse(spec: str) -> tuple[str, dict]:
         except (ValueError, SyntaxError):
             kw[k] = v
     return name, kw
+
+
+def numerics(kw: dict, dtype: str) -> str:
+    """What a specfw row's greedy bits depend on: its dtype (``model.dtype``, else ``--dtype``), its
+    weight scheme (``gguf`` keeps the fp32 model's bits) and its activation rounding. Rows with the
+    same numerics must give the same tokens."""
+    quant = kw.get("model.quantization")
+    quant = None if quant in (None, "none", "gguf") else quant
+    acts = kw.get("model.activation_quantization")
+    acts = None if acts in (None, "none") else acts
+    return " ".join(x for x in (str(kw.get("model.dtype", dtype)), quant and f"weights {quant}", acts and f"activations {acts}") if x)
 
 
 def make_engine(kw: dict, dtype: str, batch: int, threads: int):
@@ -96,6 +119,42 @@ class HFGenerate:
         return out
 
 
+class LlamaCppGenerate:
+    """llama.cpp's greedy decoding of the demo target's Q4_1 GGUF at batch 1 (llama-cpp-python)."""
+
+    def __init__(self, threads: int, kw: dict):
+        try:
+            from llama_cpp import Llama
+            from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+        except ImportError as e:
+            raise SystemExit(f"backend=llama.cpp needs llama-cpp-python ({e}); see docs/quantization.md for the build") from None
+        from specfw.demo_model import demo_gguf_path
+
+        unknown = set(kw) - {"prompt_lookup_num_tokens"}
+        if unknown:
+            raise SystemExit(f"backend=llama.cpp: unknown keys {sorted(unknown)} (allowed: prompt_lookup_num_tokens)")
+        draft = LlamaPromptLookupDecoding(num_pred_tokens=int(kw["prompt_lookup_num_tokens"])) if "prompt_lookup_num_tokens" in kw else None
+        self.llm = Llama(str(demo_gguf_path()), n_threads=threads, n_threads_batch=threads, n_ctx=4096, verbose=False, draft_model=draft)
+
+    def flush_cache(self) -> None:
+        self.llm.reset()
+
+    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+        out = []
+        for ids in prompts:
+            self.llm.reset()
+            toks: list[int] = []
+            for tok in self.llm.generate(ids, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True):
+                toks.append(int(tok))
+                if len(toks) >= max_new_tokens or tok == self.llm.token_eos():
+                    break
+            out.append(toks)
+        return out
+
+
+OTHER_BACKENDS = ("hf", "llama.cpp")
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("configs", nargs="+", help="name=key=value,... (the first is the reference; name= alone: plain decoding)")
@@ -117,31 +176,43 @@ def main():
     from specfw.sampling import SamplingParams
 
     configs = dict(parse(c) for c in args.configs)
-    engines = {name: make_engine(kw, args.dtype, args.batch, args.threads) for name, kw in configs.items() if kw.get("backend") != "hf"}
+    if next(iter(configs.values())).get("backend", "specfw") != "specfw":
+        raise SystemExit(f"the first configuration is the reference and must be a specfw one, not {next(iter(configs))}")
+    for name, kw in configs.items():
+        if kw.get("backend", "specfw") not in ("specfw", *OTHER_BACKENDS):
+            raise SystemExit(f"{name}: backend={kw['backend']} is not one of {['specfw', *OTHER_BACKENDS]}")
+        if kw.get("backend") in OTHER_BACKENDS and args.batch != 1:
+            raise SystemExit(f"{name}: backend={kw['backend']} rows run at --batch 1")
+    specfw_rows = {name: {k: v for k, v in kw.items() if k != "backend"} for name, kw in configs.items() if kw.get("backend", "specfw") == "specfw"}
+    engines = {name: make_engine(kw, args.dtype, args.batch, args.threads) for name, kw in specfw_rows.items()}
     if not engines:
         raise SystemExit("at least one specfw configuration is needed (the first one is the reference)")
     spec_engine = next(iter(engines.values()))
     for name, kw in configs.items():
+        other = {k: v for k, v in kw.items() if k != "backend"}
         if kw.get("backend") == "hf":
-            if args.batch != 1:
-                raise SystemExit(f"{name}: HF generate rows run at --batch 1")
-            engines[name] = HFGenerate(spec_engine.model_path, args.dtype, spec_engine.tokenizer, {k: v for k, v in kw.items() if k != "backend"})
+            engines[name] = HFGenerate(spec_engine.model_path, args.dtype, spec_engine.tokenizer, other)
+        elif kw.get("backend") == "llama.cpp":
+            engines[name] = LlamaCppGenerate(args.threads, other)
     engines = {name: engines[name] for name in configs}  # the command line's order
-    matches: dict[str, list[int]] = {name: [] for name in engines if isinstance(engines[name], HFGenerate)}
+    matches: dict[str, list[int]] = {name: [] for name in engines if isinstance(engines[name], (HFGenerate, LlamaCppGenerate))}
     texts = (mtbench_first_turns if args.dataset == "mtbench" else humaneval_prompts)(args.start + args.n)[args.start :]
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
     rates: dict[str, list[float]] = {name: [] for name in engines}
     first = next(iter(engines))
-    # a row's greedy output must equal the first row's of its own dtype (model.dtype, else --dtype)
-    dtype_of = {name: str(configs[name].get("model.dtype", args.dtype)) for name in engines}
+    # a row's greedy output must equal the first row's of its own numerics
+    dtype_of = {name: numerics(configs[name], args.dtype) for name in engines if configs[name].get("backend", "specfw") == "specfw"}
     dtype_first = {}
-    for name in engines:
+    for name in dtype_of:
         dtype_first.setdefault(dtype_of[name], name)
+    plain_numerics = numerics({}, args.dtype)
+    for name in engines:  # HF and llama.cpp rows: counted against specfw's unquantized row of --dtype, else the first row
+        dtype_of.setdefault(name, plain_numerics if plain_numerics in dtype_first else dtype_of[first])
     ids = [spec_engine.tokenize_chat([{"role": "user", "content": t}]) if args.dataset == "mtbench" else spec_engine.tokenizer.encode(t) for t in texts]
     questions = mtbench_questions()[args.start : args.start + args.n] if args.turns == 2 else []
 
     def run(eng, prompts):
-        if isinstance(eng, HFGenerate):
+        if isinstance(eng, (HFGenerate, LlamaCppGenerate)):
             return eng.generate(prompts, args.max_new_tokens)
         return [o.token_ids for o in eng.generate(prompts, params)]
 
@@ -176,7 +247,7 @@ def main():
         same = f"{min(matches[name])}/{len(texts)}" if name in matches else "yes"
         ref = dtype_first[dtype_of[name]]
         own = ""
-        if ref != first:  # another dtype: its ratio to the first row of that dtype too
+        if ref != first:  # other numerics: its ratio to the first row of those too
             own = f", {statistics.median(r) / statistics.median(rates[ref]):.3f}x {ref} (rounds: {', '.join(f'{x / y:.3f}' for x, y in zip(r, rates[ref]))})"
         print(f"{name:24s} {statistics.median(r):7.1f} tok/s  {statistics.median(r) / base:.3f}x {first}  (rounds: {rounds}){own}  == {ref}: {same}")
 

@@ -97,7 +97,7 @@ class Scheduler:
         # (the worker's ``prefix_to_reuse``, hook ``specfw_prefix_to_reuse``); None: all
         self.prefix_to_reuse = prefix_to_reuse
         self._hits: dict[str, PrefixMatch] = {}  # per running request, its locked cached prefix
-        self.prefill_cached_tokens = 0  # prefilled requests' tokens taken from the prefix cache, all time
+        self.prefill_cached_tokens = 0  # prefilled requests' tokens taken from the prefix cache, all time (counted in update)
         self.prefill_computed_tokens = 0  # and those the target computed
 
     # ---- queue management -------------------------------------------------------------
@@ -251,8 +251,6 @@ class Scheduler:
         for r in picked:
             r.status = Status.RUNNING
         self.running.extend(picked)
-        self.prefill_computed_tokens += tokens
-        self.prefill_cached_tokens += sum(r.num_cached for r in picked)
         self._reclaim(tokens)
         return ScheduledBatch("prefill", picked, [self.allocator.alloc(r.seq_len - r.num_cached) for r in picked])
 
@@ -297,6 +295,9 @@ class Scheduler:
         a stop id or ``max_new_tokens``) and finish the request if one of those, or the context
         length, is reached."""
         updates = []
+        if batch.is_prefill:  # counted once a prefill has run (not when a failed or narrowed batch is put back)
+            self.prefill_computed_tokens += sum(len(slots) for slots in batch.new_slots)
+            self.prefill_cached_tokens += sum(r.num_cached for r in batch.reqs)
         for req, slots, res in zip(batch.reqs, batch.new_slots, results):
             self._keep_kv(req, slots, res.kv_keep)
             new, reason = self._append_tokens(req, res.tokens)

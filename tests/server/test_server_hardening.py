@@ -238,6 +238,7 @@ def test_engine_fails_only_the_poisoned_request(tiny_engine, monkeypatch, kind):
     prompts = [[5 + i, 6, 7 + i] for i in range(6)]
     p = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
     ref = [c.token_ids for c in eng.generate(prompts, p)]
+    prefilled = eng.scheduler.prefill_computed_tokens + eng.scheduler.prefill_cached_tokens
     reqs = [eng.add_request(eng.make_request(ids, p, rid=f"r{i}" + ("-bad" if i == 3 else ""))) for i, ids in enumerate(prompts)]
     _poison(eng, monkeypatch, "-bad", kind)
     outs = {}
@@ -251,6 +252,9 @@ def test_engine_fails_only_the_poisoned_request(tiny_engine, monkeypatch, kind):
             assert r.finish_reason == "length" and r.output_ids == ref[i], i
     assert eng.stats.step_failures >= 2 and not eng.quarantine.suspects
     assert eng.scheduler.kv_in_use == 0
+    if kind == "prefill":  # prefills that raised or were put back are not counted: each good prompt once
+        prefilled = eng.scheduler.prefill_computed_tokens + eng.scheduler.prefill_cached_tokens - prefilled
+        assert prefilled == sum(len(ids) for i, ids in enumerate(prompts) if i != 3)
 
 
 def test_server_fails_only_the_poisoned_request_in_a_running_batch(server, http):

@@ -9,7 +9,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_side_by_side import parse  # noqa: E402
+from bench_side_by_side import numerics, parse  # noqa: E402
 
 
 def test_parse_names_and_typed_keys():
@@ -18,6 +18,41 @@ def test_parse_names_and_typed_keys():
         "eagle full",
         {"algorithm": "eagle", "token_map": "full", "adaptive_draft": False, "num_steps": 3},
     )
+
+
+def test_rows_are_checked_against_rows_of_the_same_numerics():
+    fp32 = numerics({}, "float32")
+    assert numerics({"algorithm": "eagle3", "engine.cpu_greedy_head": False}, "float32") == fp32
+    assert numerics({"model.quantization": "gguf"}, "float32") == fp32  # the GGUF blocks in place: the fp32 model's bits
+    assert numerics({"model.quantization": "none", "model.activation_quantization": "none"}, "float32") == fp32
+    a8 = numerics({"model.quantization": "gguf", "model.activation_quantization": "int8"}, "float32")
+    assert a8 != fp32 and a8 == numerics({"algorithm": "ngram", "model.quantization": "gguf", "model.activation_quantization": "int8"}, "float32")
+    assert numerics({"model.quantization": "int8"}, "float32") not in (fp32, a8)
+    assert numerics({"model.dtype": "bfloat16"}, "float32") == numerics({}, "bfloat16") != fp32
+
+
+@pytest.mark.model
+def test_llama_cpp_rows_beside_specfw():
+    """A llama.cpp row (the demo's own GGUF) and a quantized specfw pair checked against each other."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is an optional benchmark extra (docs/quantization.md)")
+    a8 = "model.quantization=gguf,model.activation_quantization=int8"
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/bench_side_by_side.py"), "--n", "1", "--max-new-tokens", "8", "--rounds", "1",
+         "plain=", f"a8={a8}", f"a8 ngram=algorithm=ngram,{a8}", "llama=backend=llama.cpp", "llama pl=backend=llama.cpp,prompt_lookup_num_tokens=4"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = {line.split("  ")[0].strip(): line for line in r.stdout.splitlines() if " tok/s " in line}
+    assert rows.keys() == {"plain", "a8", "a8 ngram", "llama", "llama pl"}
+    assert "== a8: yes" in rows["a8 ngram"] and "x a8 (rounds: " in rows["a8 ngram"]
+    for name in ("llama", "llama pl"):
+        assert "== plain: " in rows[name] and rows[name].rstrip().endswith("/1")
+
+
+def test_bad_backend_and_reference_rows_are_refused():
+    for configs, says in ((["plain=", "x=backend=vllm"], "not one of"), (["hf=backend=hf", "plain="], "must be a specfw one")):
+        r = subprocess.run([sys.executable, str(ROOT / "benchmarks/bench_side_by_side.py"), *configs], capture_output=True, text=True, timeout=120)
+        assert r.returncode != 0 and says in r.stderr, r.stderr[-1000:]
 
 
 @pytest.mark.model
