@@ -21,7 +21,7 @@ from __future__ import annotations
 import argparse
 import ast
 import time
-from collections import defaultdict
+from collections import Counter, defaultdict
 
 import torch
 
@@ -160,6 +160,8 @@ def main():
     ap.add_argument("--dtype", default=None, help="default: bfloat16 on CUDA, float32 on a CPU")
     ap.add_argument("--model", default="demo", help="demo, tiny (a random 2-layer model: smoke runs), or a model directory")
     ap.add_argument("--load-format", default="auto")
+    ap.add_argument("--quantization", default="none", help="model.quantization (e.g. gguf: the demo file's blocks)")
+    ap.add_argument("--activations", default="none", help="model.activation_quantization (int8: integer dot products)")
     ap.add_argument("--attention", default="auto", help="model.attention_backend")
     ap.add_argument("--graphs", type=int, default=1, help="engine.cuda_graph_max_bs (0: no CUDA graphs)")
     ap.add_argument(
@@ -191,7 +193,8 @@ def main():
     dtype = a.dtype or ("bfloat16" if a.device.startswith("cuda") else "float32")
     sync = bool(a.sync if a.sync is not None else a.device.startswith("cuda"))
     where = torch.cuda.get_device_name() if a.device.startswith("cuda") else "no GPU"
-    print(f"{where}; CPU: {cpu_description()}; torch {torch.__version__}; model {a.model} ({dtype}, {a.load_format} weights); "
+    print(f"{where}; CPU: {cpu_description()}; torch {torch.__version__}; model {a.model} ({dtype}, {a.load_format} weights, "
+          f"quantization {a.quantization}, activations {a.activations}); "
           f"attention {a.attention}; cuda_graph_max_bs {a.graphs}; sync at phase boundaries: {sync}; "
           f"{a.dataset} 1-{a.prompts} x {a.new_tokens} tokens, greedy, {a.batch} in flight", flush=True)  # fmt: skip
     texts = (datasets.mtbench_first_turns if a.dataset == "mtbench" else datasets.humaneval_prompts)(a.prompts + a.batch)  # the last batch warm up
@@ -209,8 +212,18 @@ def main():
                 kw.update(num_steps=int(shape[0]), topk=int(shape[1]), num_draft_tokens=int(shape[2]))
             spec = plugin_manager().algorithms[name].config_class(**kw)
         engine = EngineConfig(max_running_requests=a.batch, cuda_graph_max_bs=a.graphs and max(a.graphs, a.batch), max_total_tokens=32768)
-        model = ModelConfig(path=None if a.model == "demo" else a.model, dtype=dtype, device=a.device, attention_backend=a.attention, load_format=a.load_format)
+        model = ModelConfig(
+            path=None if a.model == "demo" else a.model,
+            dtype=dtype,
+            device=a.device,
+            attention_backend=a.attention,
+            load_format=a.load_format,
+            quantization=a.quantization,
+            activation_quantization=a.activations,
+        )
         with Engine(SpecfwConfig(model=model, engine=engine, speculative=spec)) as eng:
+            kinds = Counter(type(m).__name__ for m in eng.runner.model.modules() if type(m).__name__.endswith("Linear"))
+            print(f"\n{spec_name}: target linears " + ", ".join(f"{k} x {n}" for k, n in sorted(kinds.items())))
             chat = [eng.tokenize_chat([{"role": "user", "content": q}]) if a.dataset == "mtbench" else eng.tokenizer(q)["input_ids"] for q in texts]
             run_engine(eng, chat[a.prompts :], SamplingParams(max_new_tokens=24, temperature=0), a.batch, "warm-up")
             phases = Phases(sync)

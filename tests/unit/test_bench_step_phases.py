@@ -57,3 +57,19 @@ def test_row_keys_are_literals_where_they_parse():
     assert _key_value("confidence_pruning=False") == ("confidence_pruning", False)
     assert _key_value("draft_assist=ngram") == ("draft_assist", "ngram")
     assert _key_value("token_map=/tmp/m.pt") == ("token_map", "/tmp/m.pt")
+
+
+def test_quantized_rows_run_the_quantized_linears():
+    """``--quantization`` / ``--activations`` reach the engine: a tiny model's linears in int8 with
+    int8 activations, plain and ngram, the same tokens."""
+    import subprocess
+
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/bench_step_phases.py"), "--device", "cpu", "--model", "tiny", "--quantization", "int8",
+         "--activations", "int8", "--algos", "plain,ngram", "--prompts", "1", "--new-tokens", "6"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert "quantization int8, activations int8" in r.stdout
+    assert "plain: target linears Q8Linear x " in r.stdout and "ngram: target linears Q8Linear x " in r.stdout
+    assert "== plain: 1/1" in r.stdout
