@@ -233,7 +233,8 @@ def main():
 
     with tqdm(total=args.rounds * len(engines), desc="runs") as bar:
         for _ in range(args.rounds):
-            references: dict[str, list] = {}
+            references: dict[str, list] = {}  # numerics -> the first specfw row's outputs this round
+            others: dict[str, list] = {}  # HF and llama.cpp rows' outputs this round
             for name, eng in engines.items():
                 eng.flush_cache()  # the n-gram trie must not remember the last round's outputs of these prompts
                 t0 = time.perf_counter()
@@ -241,12 +242,13 @@ def main():
                 if args.turns == 2:
                     tokens = tokens + run(eng, [second_turn(q, t) for q, t in zip(questions, tokens)])
                 rates[name].append(sum(len(t) for t in tokens) / (time.perf_counter() - t0))
-                reference = references.setdefault(dtype_of[name], tokens)
-                if name in matches:
-                    matches[name].append(sum(a == b for a, b in zip(tokens, reference)))
-                elif tokens != reference:
+                if name in matches:  # counted after the round: the specfw row it is counted against may come later
+                    others[name] = tokens
+                elif tokens != references.setdefault(dtype_of[name], tokens):
                     raise SystemExit(f"{name}: greedy output differs from {dtype_first[dtype_of[name]]}'s")
                 bar.update()
+            for name, tokens in others.items():
+                matches[name].append(sum(a == b for a, b in zip(tokens, references[dtype_of[name]])))
     turns = " (both turns)" if args.turns == 2 else ""
     where = f"{args.dataset} {args.start + 1}-{args.start + args.n}{turns} x {args.max_new_tokens} tokens, {args.batch} in flight, {args.dtype}"
     print(f"\n{where}, on {cpu_description()}")
