@@ -210,13 +210,13 @@ def main():
     rates: dict[str, list[float]] = {name: [] for name in engines}
     first = next(iter(engines))
     # a row's greedy output must equal the first row's of its own numerics
-    dtype_of = {name: numerics(configs[name], args.dtype) for name in engines if configs[name].get("backend", "specfw") == "specfw"}
-    dtype_first = {}
-    for name in dtype_of:
-        dtype_first.setdefault(dtype_of[name], name)
+    numerics_of = {name: numerics(configs[name], args.dtype) for name in engines if configs[name].get("backend", "specfw") == "specfw"}
+    numerics_first = {}
+    for name in numerics_of:
+        numerics_first.setdefault(numerics_of[name], name)
     plain_numerics = numerics({}, args.dtype)
     for name in engines:  # HF and llama.cpp rows: counted against specfw's unquantized row of --dtype, else the first row
-        dtype_of.setdefault(name, plain_numerics if plain_numerics in dtype_first else dtype_of[first])
+        numerics_of.setdefault(name, plain_numerics if plain_numerics in numerics_first else numerics_of[first])
     ids = [spec_engine.tokenize_chat([{"role": "user", "content": t}]) if args.dataset == "mtbench" else spec_engine.tokenizer.encode(t) for t in texts]
     questions = mtbench_questions()[args.start : args.start + args.n] if args.turns == 2 else []
 
@@ -244,11 +244,11 @@ def main():
                 rates[name].append(sum(len(t) for t in tokens) / (time.perf_counter() - t0))
                 if name in matches:  # counted after the round: the specfw row it is counted against may come later
                     others[name] = tokens
-                elif tokens != references.setdefault(dtype_of[name], tokens):
-                    raise SystemExit(f"{name}: greedy output differs from {dtype_first[dtype_of[name]]}'s")
+                elif tokens != references.setdefault(numerics_of[name], tokens):
+                    raise SystemExit(f"{name}: greedy output differs from {numerics_first[numerics_of[name]]}'s")
                 bar.update()
             for name, tokens in others.items():
-                matches[name].append(sum(a == b for a, b in zip(tokens, references[dtype_of[name]])))
+                matches[name].append(sum(a == b for a, b in zip(tokens, references[numerics_of[name]])))
     turns = " (both turns)" if args.turns == 2 else ""
     where = f"{args.dataset} {args.start + 1}-{args.start + args.n}{turns} x {args.max_new_tokens} tokens, {args.batch} in flight, {args.dtype}"
     print(f"\n{where}, on {cpu_description()}")
@@ -256,7 +256,7 @@ def main():
     for name, r in rates.items():
         rounds = ", ".join(f"{x / y:.3f}" for x, y in zip(r, rates[first]))
         same = f"{min(matches[name])}/{len(texts)}" if name in matches else "yes"
-        ref = dtype_first[dtype_of[name]]
+        ref = numerics_first[numerics_of[name]]
         own = ""
         if ref != first:  # other numerics: its ratio to the first row of those too
             own = f", {statistics.median(r) / statistics.median(rates[ref]):.3f}x {ref} (rounds: {', '.join(f'{x / y:.3f}' for x, y in zip(r, rates[ref]))})"

@@ -401,11 +401,11 @@ class AsyncEngine:
     def _reclaim_idle_draft_slots(self) -> None:
         """With no request in the engine every draft KV slot must be free; a failed draft step
         could otherwise leave some allocated."""
-        alloc = draft_allocator(self.engine)
-        if alloc is None or not draft_kv_in_use(self.engine):
+        alloc, leaked = draft_allocator(self.engine), draft_kv_in_use(self.engine)
+        if alloc is None or not leaked:
             return
-        logger.warning("reclaiming %d draft KV slots leaked by a failed step", draft_kv_in_use(self.engine))
-        cache = getattr(getattr(self.engine.worker, "runtime", None), "pair_cache", None)
+        logger.warning("reclaiming %d draft KV slots leaked by a failed step", leaked)
+        cache = _pair_cache(self.engine)
         if cache is not None:  # its slots go back with the rest
             cache.forget()
         type(alloc).__init__(alloc, alloc.num_slots)
@@ -459,8 +459,13 @@ def draft_kv_in_use(engine) -> int:
     alloc = draft_allocator(engine)
     if alloc is None:
         return 0
-    cache = getattr(getattr(engine.worker, "runtime", None), "pair_cache", None)
+    cache = _pair_cache(engine)
     return alloc.num_used - (cache.idle_slots if cache is not None else 0)
+
+
+def _pair_cache(engine):
+    """The EAGLE-family drafter's pair cache, if the algorithm runtime keeps one."""
+    return getattr(getattr(engine.worker, "runtime", None), "pair_cache", None)
 
 
 def draft_allocator(engine):
