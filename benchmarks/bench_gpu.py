@@ -41,7 +41,7 @@ def settings(backends: list[str], device: str, eager: bool = True) -> list[tuple
     return out
 
 
-def build(model: str, dtype: str, device: str, attention: str, graphs: bool, algo: dict | None, max_bs: int, load_format: str = "auto"):
+def build(model: str, dtype: str, device: str, attention: str, graphs: bool, algo: dict | None, max_bs: int, load_format="auto", prefix_cache=True):
     from specfw.config import EngineConfig, ModelConfig, SpecfwConfig, SpeculativeConfig
     from specfw.engine import Engine
     from specfw.plugins import plugin_manager
@@ -49,7 +49,7 @@ def build(model: str, dtype: str, device: str, attention: str, graphs: bool, alg
     spec = SpeculativeConfig()
     if algo:
         spec = plugin_manager().algorithms[algo["algorithm"]].config_class(**algo)
-    engine = EngineConfig(max_running_requests=max_bs, cuda_graph_max_bs=max_bs if graphs else 0, max_total_tokens=32768)
+    engine = EngineConfig(max_running_requests=max_bs, cuda_graph_max_bs=max_bs if graphs else 0, max_total_tokens=32768, disable_radix_cache=not prefix_cache)
     return Engine(
         SpecfwConfig(
             model=ModelConfig(path=None if model == "demo" else model, dtype=dtype, device=device, attention_backend=attention, load_format=load_format),
@@ -67,8 +67,12 @@ def main():
     ap.add_argument("--backends", default="torch,triton,flashinfer")
     ap.add_argument("--algos", default="plain,eagle3-auto,eagle3-5-8-32,eagle3-3-1-4,ngram", help=f"of {', '.join(ALGOS)}")
     ap.add_argument("--no-eager", action="store_true", help="the CUDA-graph rows only")
+    ap.add_argument("--no-prefix-cache", action="store_true", help="engine.disable_radix_cache=true (the chat prompts share their template's first tokens)")
     ap.add_argument("--batch-sizes", default="1,16")
     ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument(
+        "--warmup-prompts", type=int, default=4, help="prompts run first at the timed length (at least the largest batch): graphs captured, kernels compiled"
+    )
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--out", default="bench_results/gpu")
     ap.add_argument("--deadline-s", type=float, default=0, help="start no configuration after this many seconds (0: none); the table says what was left out")
@@ -90,11 +94,13 @@ def main():
         model = str(tiny_model())
     bss = [int(b) for b in a.batch_sizes.split(",")]
     algos = {k: ALGOS[k] for k in a.algos.split(",")}
-    questions = datasets.mtbench_first_turns(a.prompts + max(bss))  # the last max(bss) warm the engines up
+    warm_n = max(max(bss), a.warmup_prompts)
+    questions = datasets.mtbench_first_turns(a.prompts + warm_n)  # the last warm_n warm the engines up
     params = SamplingParams(max_new_tokens=a.new_tokens, temperature=0, ignore_eos=True)
     gpu = torch.cuda.get_device_name() if a.device.startswith("cuda") else f"no GPU ({a.device})"
     weights = "" if a.load_format == "auto" else f", {a.load_format} weights"
-    header = f"{gpu}; torch {torch.__version__}; model {a.model} ({a.dtype}{weights}); MT-bench 1-{a.prompts} x {a.new_tokens} tokens, greedy"
+    cache = "prefix cache off" if a.no_prefix_cache else "prefix cache on"
+    header = f"{gpu}; torch {torch.__version__}; model {a.model} ({a.dtype}{weights}); MT-bench 1-{a.prompts} x {a.new_tokens} tokens, greedy, {cache}"
     print(header, flush=True)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -109,7 +115,7 @@ def main():
                 continue
             for bs in bss:  # a fresh engine per concurrency: no n-gram cache or draft-budget statistics carried over
                 try:
-                    eng = build(model, a.dtype, a.device, attention, graphs, algo, bs, a.load_format)
+                    eng = build(model, a.dtype, a.device, attention, graphs, algo, bs, a.load_format, not a.no_prefix_cache)
                 except Exception as e:  # a backend this machine lacks: say so, go on
                     print(f"{label} {name}: not run ({type(e).__name__}: {e})", flush=True)
                     rows.append((label, name, bs, "-", "-", "-", "-", f"not run: {e}"))
@@ -118,8 +124,10 @@ def main():
                 prompts, warm = chat[: a.prompts], chat[a.prompts :]
                 try:
                     # kernels compiled, this concurrency's graphs captured, on other prompts than the timed ones
-                    run_engine(eng, warm[:bs], SamplingParams(max_new_tokens=16, temperature=0), bs, "warm-up")
+                    run_engine(eng, warm[: max(bs, a.warmup_prompts)], params, bs, "warm-up")
+                    before = captured_graphs(eng)
                     res = run_engine(eng, prompts, params, bs, f"{label} {name} bs={bs}")
+                    late = captured_graphs(eng) - before
                 except Exception as e:  # a failing setting must not cost the rest of the table
                     traceback.print_exc()
                     rows.append((label, name, bs, "-", "-", "-", "-", f"failed: {type(e).__name__}: {e}"))
@@ -133,16 +141,33 @@ def main():
                 speed = "" if base is None else f"{res.tok_s / base.tok_s:.2f}x"
                 acc = f"{res.accept_length:.2f}" if res.accept_length else ""
                 graphed = getattr(eng.runner.graphs, "replays", 0) if eng.runner.graphs else 0
-                rows.append((label, name, bs, f"{res.tok_s:.1f}", speed, acc, same, f"{graphed} graphed forwards" if graphs else ""))
+                note = f"{graphed} graphed forwards, {late} graphs captured while timed" if graphs else ""
+                rows.append((label, name, bs, f"{res.tok_s:.1f}", speed, acc, same, note))
                 records.append(
                     dict(
-                        setting=label, attention=attention, graphs=graphs, algo=name, batch_size=bs, tok_s=res.tok_s, accept_length=res.accept_length, same=same
+                        setting=label,
+                        attention=attention,
+                        graphs=graphs,
+                        algo=name,
+                        batch_size=bs,
+                        tok_s=res.tok_s,
+                        accept_length=res.accept_length,
+                        same=same,
+                        graphs_captured_while_timed=late,
                     )
                 )
                 print(" | ".join(str(x) for x in rows[-1]), flush=True)
                 _write(out, header, rows, records)
                 _close(eng)
     print(_write(out, header, rows, records))
+
+
+def captured_graphs(eng) -> int:
+    """CUDA graphs the engine holds: the target's forwards, the draft head's, the chain draft's.
+    One captured while timed is a capture (and its kernels' compiles) counted as serving time."""
+    runtime = getattr(eng.worker, "runtime", None)
+    holders = (eng.runner.graphs, getattr(runtime, "graphs", None), getattr(runtime, "chain", None))
+    return sum(len(getattr(h, "entries", None) or {}) for h in holders)
 
 
 def _close(eng) -> None:

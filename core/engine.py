@@ -134,6 +134,8 @@ class Engine:
             compile_layers(self.runner, cfg.engine.torch_compile_max_bs)
         self.stats = EngineStats(decode_log_interval=cfg.engine.decode_log_interval)
         self.worker = worker_factory(self) if worker_factory else self._default_worker()
+        if self.runner.graphs is not None and self.runner.graphs.capture and hasattr(self.worker, "capture_graphs"):
+            self._capture_graphs()
         self.scheduler = Scheduler(
             self.runner.kv,
             cfg.engine.max_running_requests,
@@ -158,6 +160,13 @@ class Engine:
             num_slots,
             type(self.worker).__name__,
         )
+
+    def _capture_graphs(self) -> None:
+        """Every CUDA graph a step can replay, captured before the first request (as SGLang does):
+        the target's forwards per row bucket, then the drafter's (``specfw_capture_graphs``)."""
+        t0 = time.perf_counter()
+        made = self.worker.capture_graphs()
+        logger.info("captured %d CUDA graphs at startup in %.1f s", made, time.perf_counter() - t0)
 
     def __enter__(self) -> "Engine":
         return self

@@ -170,6 +170,19 @@ class GraphedForward:
         return fb.logits_indices is None and 0 < fb.num_tokens <= self.max_rows
 
     @torch.inference_mode()
+    def capture_all(self, capture_layers: tuple[int, ...] = ()) -> int:
+        """Every row bucket's entry made now (captured on CUDA), as SGLang captures its graphs at
+        startup: a capture met while serving costs its kernels' compiles and three forwards
+        inside a request's step. Returns how many were made."""
+        made = 0
+        for rows in self.buckets:
+            if self.runner.graphs is not self:  # a capture failed: eager from now on
+                break
+            if (rows, capture_layers) not in self.entries:
+                made += self._make(rows, capture_layers) is not None
+        return made
+
+    @torch.inference_mode()
     def run(self, fb: ForwardBatch) -> ForwardOutput | None:
         """The forward from a static entry, or None when it does not fit one (run it eagerly)."""
         T = fb.num_tokens
@@ -274,6 +287,16 @@ class GraphedHead:
         if fb.logits_indices is not None:
             return logits.index_select(0, fb.logits_indices.to(logits.device)), hidden[:T].clone()
         return logits[:T].clone(), hidden[:T].clone()
+
+    @torch.inference_mode()
+    def capture_all(self, dtype: torch.dtype) -> int:
+        """Every row bucket's head forward made now (``GraphedForward.capture_all``); ``dtype``:
+        the features'. Returns how many were made."""
+        made = 0
+        for rows in self.buckets:
+            if self.max_rows and rows not in self.entries:
+                made += self._make(rows, dtype) is not None
+        return made
 
     def _make(self, rows: int, dtype: torch.dtype) -> _Entry | None:
         sfb, layout = _static_batch(rows, self.num_slots, self.kv.scratch_slot, self.device)

@@ -225,6 +225,15 @@ def specfw_flush_cache(ctx: "SpecContext") -> None:
     content (the draft policy's timings, acceptance calibrations) stay."""
 
 
+@hookspec
+def specfw_capture_graphs(ctx: "SpecContext") -> "int | None":
+    """Called once at startup, on CUDA, where the target's forwards are replayed from CUDA graphs
+    (``engine.cuda_graph_max_bs``), after the target's graphs were captured: capture the
+    runtime's own graphs (a draft loop's) now rather than on first use, as SGLang does (a capture
+    met while serving costs its kernels' compiles and a few forwards inside a request's step).
+    Return how many were captured (logged)."""
+
+
 # ---- observers --------------------------------------------------------------------------
 @hookspec
 def specfw_observe_step(ctx: "SpecContext", reqs: "list[Request]", results: "list[VerifyResult]") -> None:

@@ -69,3 +69,7 @@ class PlainWorker:
 
     def flush_cache(self) -> None:
         """Drop state learned from earlier requests (none for plain decoding)."""
+
+    def capture_graphs(self) -> int:
+        """The target's graphs for every row bucket (plain forwards tap no layer). Returns how many were made."""
+        return self.runner.graphs.capture_all(())

@@ -33,6 +33,7 @@ from typing import Any, Callable
 
 from ..engine import Engine, RequestOutput
 from ..request import Request
+from ..draft_kv import draft_allocator, draft_kv_in_use, pair_cache
 from .errors import APIError
 
 logger = logging.getLogger("specfw.server")
@@ -405,7 +406,7 @@ class AsyncEngine:
         if alloc is None or not leaked:
             return
         logger.warning("reclaiming %d draft KV slots leaked by a failed step", leaked)
-        cache = _pair_cache(self.engine)
+        cache = pair_cache(self.engine)
         if cache is not None:  # its slots go back with the rest
             cache.forget()
         type(alloc).__init__(alloc, alloc.num_slots)
@@ -451,32 +452,6 @@ class AsyncEngine:
             num_retracted=e.scheduler.num_retracted,
             step_failures=self.step_failures + st.step_failures,
         )
-
-
-def draft_kv_in_use(engine) -> int:
-    """Draft KV slots running requests hold: the drafter's allocated slots less those its pair
-    cache keeps for later requests (speculative/pair_cache.py)."""
-    alloc = draft_allocator(engine)
-    if alloc is None:
-        return 0
-    cache = _pair_cache(engine)
-    return alloc.num_used - (cache.idle_slots if cache is not None else 0)
-
-
-def _pair_cache(engine):
-    """The EAGLE-family drafter's pair cache, if the algorithm runtime keeps one."""
-    return getattr(getattr(engine.worker, "runtime", None), "pair_cache", None)
-
-
-def draft_allocator(engine):
-    """The slot allocator of the drafter's own KV pool, if the algorithm runtime has one (the
-    EAGLE family keeps a ``kv`` pool, a standalone draft model a runner with an ``allocator``)."""
-    runtime = getattr(engine.worker, "runtime", None)
-    for holder in (getattr(runtime, "kv", None), getattr(runtime, "draft", None)):
-        alloc = getattr(holder, "allocator", None)
-        if alloc is not None and hasattr(alloc, "num_used"):
-            return alloc
-    return None
 
 
 # ---- helpers run on the event loop ----------------------------------------------------------

@@ -75,7 +75,7 @@ class DeviceChain:
         B, E = len(committed), extend.num_tokens
         if not 0 < B <= self.max_requests or not 0 < E <= self.max_rows or depth < 1:
             return None
-        R, RE = next(b for b in self.buckets if b >= B), next(b for b in self.row_buckets if b >= E)
+        R, RE = _bucket(self.buckets, B), _bucket(self.row_buckets, E)
         entry = self.entries.get((RE, R, depth)) or self._make(RE, R, depth, features)
         if entry is None:
             return None
@@ -93,6 +93,23 @@ class DeviceChain:
             if depth > 1:
                 self.kv.allocator.free(chain.reshape(-1))
         return [_candidates(out[0, i].long().tolist(), out[1, i].tolist(), score_floor, keep) for i in range(B)]
+
+    @torch.inference_mode()
+    def capture_all(self, depth: int, width: int, dtype: torch.dtype) -> int:
+        """Every (extend rows bucket, requests bucket) entry of chains of ``depth`` a step can
+        meet made now (``GraphedForward.capture_all``): each request extends by 1 to ``depth + 1``
+        accepted pairs, so R requests' extend has R to R x (depth + 1) rows. ``width``, ``dtype``:
+        the projected features'. Returns how many were made."""
+        features, made, fewer = torch.empty(0, width, dtype=dtype, device=self.device), 0, 0
+        for requests in self.buckets:  # this bucket serves fewer + 1 .. requests requests
+            lo = _bucket(self.row_buckets, fewer + 1)
+            hi = _bucket(self.row_buckets, min(self.max_rows, requests * (depth + 1)))
+            for rows in (b for b in self.row_buckets if lo <= b <= hi and (b, requests, depth) not in self.entries):
+                if not self.max_requests:  # a capture failed: drafting beam by beam from now on
+                    return made
+                made += self._make(rows, requests, depth, features) is not None
+            fewer = requests
+        return made
 
     def _load(self, e: _ChainEntry, extend: ForwardBatch, features, committed, root_positions, chain, depth: int) -> bool:
         B, R, E = len(committed), e.fb.input_ids.numel(), extend.num_tokens
@@ -164,6 +181,10 @@ class DeviceChain:
             logger.info("captured a CUDA graph of the chain draft: %d extend rows, %d requests, depth %d", extend_rows, rows, depth)
         self.entries[(extend_rows, rows, depth)] = entry
         return entry
+
+
+def _bucket(buckets: list[int], n: int) -> int:
+    return next(b for b in buckets if b >= n)
 
 
 def _candidates(tokens: list[int], logprobs: list[float], score_floor: float, keep: int | None) -> DraftCandidates:

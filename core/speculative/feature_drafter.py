@@ -140,6 +140,14 @@ class FeatureDrafter:
             self.pair_cache.flush()
 
     @hookimpl
+    def specfw_capture_graphs(self, ctx):
+        made = self.graphs.capture_all(self.kv.dtype) if self.graphs is not None else 0
+        if self.chain is not None:
+            depth = max(1, min(self.shape.num_steps, self.shape.num_draft_tokens - 1))  # a plan's depth at full size
+            made += self.chain.capture_all(depth, self.graphs.hidden, self.kv.dtype)
+        return made
+
+    @hookimpl
     def specfw_prefix_to_reuse(self, ctx, req, cached):
         """Reuse the target's cached prefix up to where this drafter's cached pairs end, so the
         target computes the features the pairs continue from: in a chat's next turn the last

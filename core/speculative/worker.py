@@ -233,3 +233,9 @@ class SpeculativeWorker:
 
     def flush_cache(self) -> None:
         self.hook.specfw_flush_cache(ctx=self.ctx)
+
+    def capture_graphs(self) -> int:
+        """The target's graphs for every row bucket (its forwards here tap ``ctx.capture_layers``),
+        then the runtime's (``specfw_capture_graphs``). Returns how many were made."""
+        made = self.runner.graphs.capture_all(self.ctx.capture_layers)
+        return made + sum(n or 0 for n in self.hook.specfw_capture_graphs(ctx=self.ctx))

@@ -43,7 +43,7 @@ def _fresh(eng, base=BASE, rounds=3):
 
 
 def _check_idle(eng):
-    from specfw.server.async_engine import draft_kv_in_use
+    from specfw.draft_kv import draft_kv_in_use
 
     cache = eng.scheduler.cache
     assert not eng.has_work and eng.scheduler.kv_in_use == 0 and draft_kv_in_use(eng) == 0

@@ -310,6 +310,10 @@ def test_device_chain_drafts_what_beam_search_drafts(name, tiny_model_dir, tiny_
         # batch 2 warms up on its own tree (a drafted step of 2 requests is what this compares), not
         # from batch 1's tables, where this random draft may have made plain steps the best
         eng.worker.policy.budget.seed_new_batch_sizes = False
+        # what the engine captures at startup on CUDA (static buffers only here): every shape a step meets
+        made = eng.worker.capture_graphs()
+        startup = (set(eng.runner.graphs.entries), set(drafter.chain.entries))
+        assert made == len(startup[0]) + len(drafter.graphs.entries) + len(startup[1]) and len(startup[0]) == len(eng.runner.graphs.buckets)
         compared = []
         chain_draft = drafter._chain
 
@@ -327,6 +331,7 @@ def test_device_chain_drafts_what_beam_search_drafts(name, tiny_model_dir, tiny_
         assert eng.generate(prompts[:1], TRITON_GREEDY)[0].token_ids == triton_plain_reference[0], f"{name}: batch 1 diverged"
         assert [o.token_ids for o in eng.generate(prompts[:2], TRITON_GREEDY)] == triton_plain_reference, f"{name}: batch 2 diverged"
         assert drafter.chain.replays == len(compared) > 0 and 2 in compared and eng.stats.accepted_draft_tokens > 0
+        assert (set(eng.runner.graphs.entries), set(drafter.chain.entries)) == startup, "a step met a shape not made at startup"
     # the cut: a node exists while its parent scored at least the floor and the keep-th best so far
     assert _candidates([5, 6, 7, 8], [-0.1, -0.2, -3.0, -0.1], -1.0, None).tokens.tolist() == [5, 6, 7]
     assert _candidates([5, 6, 7, 8], [-0.1, -0.2, -0.3, -0.1], float("-inf"), 2).parents.tolist() == [-1, 0, 1]  # node 3's parent is below the 2nd best
