@@ -141,7 +141,10 @@ def main():
                 speed = "" if base is None else f"{res.tok_s / base.tok_s:.2f}x"
                 acc = f"{res.accept_length:.2f}" if res.accept_length else ""
                 graphed = getattr(eng.runner.graphs, "replays", 0) if eng.runner.graphs else 0
-                note = f"{graphed} graphed forwards, {late} graphs captured while timed" if graphs else ""
+                policy = getattr(eng.worker, "policy", None)
+                notes = [f"{graphed} graphed forwards, {late} graphs captured while timed"] if graphs else []
+                notes += [f"adaptive draft {'on' if policy.adaptive else 'off'}"] if policy is not None else []  # auto: a startup timing decides
+                note = "; ".join(notes)
                 rows.append((label, name, bs, f"{res.tok_s:.1f}", speed, acc, same, note))
                 records.append(
                     dict(
