@@ -13,9 +13,12 @@ same kernel functions in the same order inside C++, so its outputs have the per-
 captured hidden states).
 
 It applies only where the layers run their own forward (not ``engine.torch_compile``'s) and
-every layer's four linears are ``KernelLinear`` on the same ``cpu_ops`` build (fp32/bf16 weights:
-quantized or AMX/bf16_dot linears keep the per-op path), and checks that again before each
-forward (a relocated or re-planned weight is picked up, never a stale one read).
+every layer's four linears are ``KernelLinear`` on the same ``cpu_ops`` build (fp32/bf16 weights)
+or, in an fp32 model, all ``Q8Linear`` of one ``q8_ops`` build (int8 activations x 4/8-bit
+codes: ``model.activation_quantization=int8``, a ``w8a8_int8`` draft), which ``cpu_ops`` calls
+through the address ``q8_ops.linear_address()`` hands out; weight-only quantized and AMX/bf16_dot
+linears keep the per-op path. It checks that again before each forward (a relocated or
+re-planned weight is picked up, never a stale one read).
 """
 
 from __future__ import annotations
@@ -38,6 +41,30 @@ def _kernel_linears(ops, linears) -> bool:
     return True
 
 
+def _code_linears(linears, norm: torch.Tensor) -> bool:
+    """Every linear is a ``Q8Linear`` of one ``q8_ops`` build that can hand out its address, in an
+    fp32 layer (``Q8Linear`` rounds a bf16 model's outputs back to bf16; the one call does not)."""
+    from .q8_linear import Q8Linear
+
+    if norm.dtype != torch.float32 or not all(isinstance(lin, Q8Linear) for lin in linears):
+        return False
+    builds = {id(lin.ops) for lin in linears}
+    return len(builds) == 1 and hasattr(linears[0].ops, "linear_address")
+
+
+def _code_weights(linears) -> list[torch.Tensor]:
+    """``cpu_ops``' CodeLinears: codes, d, m, bias of each linear, then meta [8] (output widths,
+    code widths)."""
+    out = []
+    for lin in linears:
+        out += [lin.q8.codes, lin.q8.d, lin.q8.m, lin.bias]
+    return out + [torch.tensor([lin.out_features for lin in linears] + [lin.q8.bits for lin in linears], dtype=torch.long)]
+
+
+def _one_call_linears(ops, linears, norm: torch.Tensor) -> bool:
+    return _kernel_linears(ops, linears) or _code_linears(linears, norm)
+
+
 class KernelLayers:
     def __init__(self, ops, layers):
         self.ops, self.layers = ops, list(layers)
@@ -45,24 +72,32 @@ class KernelLayers:
         self.eps = first.input_layernorm.eps
         self.n_heads, self.n_kv, self.scale = first.n_heads, first.n_kv, first.scale
         self.generation = KernelLinear.generation
+        codes = _code_linears([getattr(first, name) for name in _LINEARS], first.input_layernorm.weight)
+        self.q8_linear = first.qkv_proj.ops.linear_address() if codes else 0  # 0: this build's packed linears
         self.weights: list[torch.Tensor] = []
         for layer in self.layers:
             four = qkv, o, gate_up, down = [getattr(layer, name) for name in _LINEARS]
-            widths = torch.tensor([lin.out_features for lin in four], dtype=torch.long)
             ln1, ln2 = layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()
-            self.weights += [ln1, qkv.packed, qkv.bias, o.packed, ln2, gate_up.packed, down.packed, widths]
+            if codes:
+                self.weights += [ln1, ln2, *_code_weights(four)]
+            else:
+                widths = torch.tensor([lin.out_features for lin in four], dtype=torch.long)
+                self.weights += [ln1, qkv.packed, qkv.bias, o.packed, ln2, gate_up.packed, down.packed, widths]
 
     @staticmethod
     def eligible(ops, layers) -> bool:
         """Every layer runs its class's forward (not one replaced per instance, as
         ``engine.torch_compile`` does), has the four projections on ``ops``' ``KernelLinear``,
-        unpadded, without a bias beyond qkv's, and one norm epsilon throughout."""
+        unpadded, without a bias beyond qkv's (or all on one ``q8_ops`` build's ``Q8Linear``, fp32),
+        and one norm epsilon throughout."""
         if any("forward" in layer.__dict__ for layer in layers):
             return False
         eps = {layer.input_layernorm.eps for layer in layers} | {layer.post_attention_layernorm.eps for layer in layers}
         if len(eps) != 1:
             return False
-        return all(_kernel_linears(ops, [getattr(layer, name, None) for name in _LINEARS]) for layer in layers)
+        kinds = {_code_linears([getattr(layer, name, None) for name in _LINEARS], layer.input_layernorm.weight) for layer in layers}
+        lins = [[getattr(layer, name, None) for name in _LINEARS] for layer in layers]
+        return len(kinds) == 1 and all(_one_call_linears(ops, four, layer.input_layernorm.weight) for four, layer in zip(lins, layers))
 
     def current(self) -> bool:
         """The weights collected at build time are still the ones the layers run (no packed weight
@@ -83,7 +118,7 @@ class KernelLayers:
         wanted = sorted({i for i in capture if i < L})
         out = self.ops.decoder_layers(
             x, self.weights, kv.k[:L], kv.v[:L], cos, sin, fb.out_slots, self.eps, self.scale, self.n_heads, self.n_kv,
-            plan.prefix_ptr, plan.prefix_slots, plan.row_ptr, plan.row_q, plan.extra_ptr, plan.extra_slots, wanted,
+            plan.prefix_ptr, plan.prefix_slots, plan.row_ptr, plan.row_q, plan.extra_ptr, plan.extra_slots, wanted, self.q8_linear,
         )  # fmt: skip
         return out[0], dict(zip(wanted, out[1:]))
 
@@ -97,8 +132,14 @@ class KernelDraftLayer:
         self.eps, self.scale = layer.post_attention_layernorm.eps, layer.scale
         self.generation = KernelLinear.generation
         four = qkv, o, gate_up, down = self._linears(layer)
-        widths = torch.tensor([lin.out_features for lin in four], dtype=torch.long)
-        self.weights = [qkv.packed, qkv.bias, o.packed, layer.post_attention_layernorm.weight.detach(), gate_up.packed, down.packed, widths]
+        norm = layer.post_attention_layernorm.weight.detach()
+        codes = _code_linears(four, norm)
+        self.q8_linear = qkv.ops.linear_address() if codes else 0  # 0: this build's packed linears
+        if codes:
+            self.weights = [norm, *_code_weights(four)]
+        else:
+            widths = torch.tensor([lin.out_features for lin in four], dtype=torch.long)
+            self.weights = [qkv.packed, qkv.bias, o.packed, norm, gate_up.packed, down.packed, widths]
 
     @staticmethod
     def _linears(layer) -> list:
@@ -106,11 +147,12 @@ class KernelDraftLayer:
 
     @staticmethod
     def eligible(ops, layer) -> bool:
-        """Fused projections (``fuse_projections``) on ``ops``' unpadded ``KernelLinear``, and the
-        layer's own forward (not one replaced per instance)."""
+        """Fused projections (``fuse_projections``) on ``ops``' unpadded ``KernelLinear`` (or one
+        ``q8_ops`` build's ``Q8Linear``, fp32), and the layer's own forward (not one replaced per
+        instance)."""
         if layer.qkv_fused is None or "forward" in layer.__dict__:
             return False
-        return _kernel_linears(ops, KernelDraftLayer._linears(layer))
+        return _one_call_linears(ops, KernelDraftLayer._linears(layer), layer.post_attention_layernorm.weight)
 
     def current(self) -> bool:
         """No packed weight replaced nor padding verdict changed since the weights were collected."""
@@ -123,4 +165,5 @@ class KernelDraftLayer:
         return self.ops.draft_layer(
             attn_in, residual, self.weights, kv.k[0], kv.v[0], rotary.cos, rotary.sin, fb.positions, fb.out_slots, self.eps, self.scale,
             self.layer.n_heads, self.layer.n_kv, plan.prefix_ptr, plan.prefix_slots, plan.row_ptr, plan.row_q, plan.extra_ptr, plan.extra_slots,
+            self.q8_linear,
         )  # fmt: skip

@@ -820,21 +820,52 @@ torch::Tensor top_logprobs(torch::Tensor logits, int64_t k) {
 
 // ---------------------------------------------------------------- decoder layers in one call
 // One decoder layer after its input norm: h (the attention input) through qkv, rope + KV write,
-// attention, o; the residual x plus that, normed, through the MLP. w: qkv, qkv bias, o,
-// post-attention norm, gate_up, down, widths [4] (int64).
-torch::Tensor layer_from(const torch::Tensor& h, const torch::Tensor& x, const torch::Tensor* w, const torch::Tensor& k_cache,
+// attention, o; the residual x plus that, normed (ln2), through the MLP. lin(i, a): linear i of
+// the layer (0 qkv, 1 o, 2 gate_up, 3 down) applied to a.
+template <typename Lin>
+torch::Tensor layer_body(const Lin& lin, const torch::Tensor& h, const torch::Tensor& x, const torch::Tensor& ln2, const torch::Tensor& k_cache,
                          const torch::Tensor& v_cache, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& out_slots,
                          double eps, double scale, int64_t H, int64_t Hkv, int64_t D, const torch::Tensor& prefix_ptr,
                          const torch::Tensor& prefix_slots, const torch::Tensor& row_ptr, const torch::Tensor& row_q,
                          const torch::Tensor& extra_ptr, const torch::Tensor& extra_slots) {
   const int64_t T = x.size(0);
-  const int64_t* n = w[6].data_ptr<int64_t>();
-  const auto no_bias = torch::empty({0}, x.options().dtype(torch::kFloat32));
-  auto q = rope_write(linear(h, w[0], n[0], w[1]), cos, sin, k_cache, v_cache, out_slots, H, Hkv);
+  auto q = rope_write(lin(0, h), cos, sin, k_cache, v_cache, out_slots, H, Hkv);
   auto o = torch::empty_like(q);
   attention(q, k_cache, v_cache, o, scale, prefix_ptr, prefix_slots, row_ptr, row_q, extra_ptr, extra_slots);
-  auto sum_normed = add_rms_norm(x, linear(o.reshape({T, H * D}), w[2], n[1], no_bias), w[3], eps);
-  return sum_normed[0] + linear(silu_mul(linear(sum_normed[1], w[4], n[2], no_bias)), w[5], n[3], no_bias);
+  auto sum_normed = add_rms_norm(x, lin(1, o.reshape({T, H * D})), ln2, eps);
+  return sum_normed[0] + lin(3, silu_mul(lin(2, sum_normed[1])));
+}
+
+// A layer's linears on this build's packed fp32/bf16 weights. w: qkv packed, qkv bias (or empty),
+// o packed, (the post-attention norm), gate_up packed, down packed, widths [4] (int64).
+struct PackedLinears {
+  const torch::Tensor* w;
+  torch::Tensor no_bias;
+  PackedLinears(const torch::Tensor* w_, const torch::Tensor& like) : w(w_), no_bias(torch::empty({0}, like.options().dtype(torch::kFloat32))) {}
+  torch::Tensor operator()(int i, const torch::Tensor& a) const {
+    static constexpr int packed[4] = {0, 2, 4, 5};
+    return linear(a, w[packed[i]], w[6].data_ptr<int64_t>()[i], i == 0 ? w[1] : no_bias);
+  }
+};
+
+// A layer's linears on int8 activations x 4/8-bit weight codes: q8_ops.cpp's linear, called
+// through the address its build hands out (q8_ops.linear_address(): the two extensions are
+// separate libraries in one process, on one libtorch). w: codes, d, m, bias for qkv, o, gate_up,
+// down (16 tensors), then meta [8] int64: the four output widths, then the four code widths.
+using Q8Linear = torch::Tensor (*)(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t, torch::Tensor);
+struct CodeLinears {
+  const torch::Tensor* w;
+  const torch::Tensor& meta;
+  Q8Linear fn;
+  torch::Tensor operator()(int i, const torch::Tensor& a) const {
+    const int64_t* n = meta.data_ptr<int64_t>();
+    return fn(a, w[4 * i], w[4 * i + 1], w[4 * i + 2], n[4 + i], n[i], w[4 * i + 3]);
+  }
+};
+
+Q8Linear q8_linear_at(int64_t address) {
+  TORCH_CHECK(address != 0, "q8 layers: no q8_ops linear address");
+  return reinterpret_cast<Q8Linear>(address);
 }
 
 // Every layer of a Llama-style decoder over decode / tree / extend rows (no prompt prefill), in
@@ -842,25 +873,33 @@ torch::Tensor layer_from(const torch::Tensor& h, const torch::Tensor& x, const t
 // 30-layer demo model at 1-16 rows): the same functions in the same order as the model's per-op path
 // (models/llama.py, DecoderLayer._forward_fused), so the same bits. Per layer l, ``weights`` holds
 // 8 tensors: input norm weight, qkv packed, qkv bias (or empty), o packed, post-attention norm
-// weight, gate_up packed, down packed, a [4] int64 of the four linears' output widths. Returns the
-// hidden state after the last layer, then the hidden state entering each layer in ``capture``.
+// weight, gate_up packed, down packed, a [4] int64 of the four linears' output widths; with
+// ``q8_linear`` (an address, not 0) instead 19: input norm weight, post-attention norm weight,
+// the CodeLinears' 16 tensors and meta. Returns the hidden state after the last layer, then the
+// hidden state entering each layer in ``capture``.
 std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<torch::Tensor> weights, std::vector<torch::Tensor> k_caches,
                                           std::vector<torch::Tensor> v_caches, torch::Tensor cos, torch::Tensor sin,
                                           torch::Tensor out_slots, double eps, double scale, int64_t H, int64_t Hkv,
                                           torch::Tensor prefix_ptr, torch::Tensor prefix_slots, torch::Tensor row_ptr,
                                           torch::Tensor row_q, torch::Tensor extra_ptr, torch::Tensor extra_slots,
-                                          std::vector<int64_t> capture) {
+                                          std::vector<int64_t> capture, int64_t q8_linear) {
   const int64_t L = int64_t(k_caches.size()), T = x.size(0), D = k_caches.empty() ? 0 : k_caches[0].size(2);
-  TORCH_CHECK(int64_t(weights.size()) == 8 * L && int64_t(v_caches.size()) == L, "decoder_layers: 8 weights and 2 caches per layer");
+  const int64_t per = q8_linear ? 19 : 8;
+  TORCH_CHECK(int64_t(weights.size()) == per * L && int64_t(v_caches.size()) == L, "decoder_layers: 8 (19 with q8 linears) weights and 2 caches per layer");
   std::vector<torch::Tensor> captured(capture.size());
   const auto no_residual = x.new_empty({0});
   x = x.contiguous();
   for (int64_t l = 0; l < L; ++l) {
     for (size_t c = 0; c < capture.size(); ++c)
       if (capture[c] == l) captured[c] = x;
-    const torch::Tensor* w = weights.data() + 8 * l;
-    x = layer_from(add_rms_norm(x, no_residual, w[0], eps)[1], x, w + 1, k_caches[l], v_caches[l], cos, sin, out_slots, eps, scale, H, Hkv, D,
-                   prefix_ptr, prefix_slots, row_ptr, row_q, extra_ptr, extra_slots);
+    const torch::Tensor* w = weights.data() + per * l;
+    const auto h = add_rms_norm(x, no_residual, w[0], eps)[1];
+    if (q8_linear)
+      x = layer_body(CodeLinears{w + 2, w[18], q8_linear_at(q8_linear)}, h, x, w[1], k_caches[l], v_caches[l], cos, sin, out_slots, eps, scale,
+                     H, Hkv, D, prefix_ptr, prefix_slots, row_ptr, row_q, extra_ptr, extra_slots);
+    else
+      x = layer_body(PackedLinears(w + 1, x), h, x, w[4], k_caches[l], v_caches[l], cos, sin, out_slots, eps, scale, H, Hkv, D, prefix_ptr,
+                     prefix_slots, row_ptr, row_q, extra_ptr, extra_slots);
   }
   captured.insert(captured.begin(), x);
   return captured;
@@ -869,17 +908,23 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<torch::Te
 // An EAGLE-family draft head's decoder layer (DraftDecoderLayer: its attention input attn_in is
 // not the residual stream, e.g. EAGLE-3's cat(norm(embed), norm(hidden)) of width 2H) in one call:
 // the per-op path's kernel functions in its order, so the same bits. weights: qkv, qkv bias (or
-// empty), o, post-attention norm, gate_up, down, widths [4]; cos / sin: the full tables, indexed
-// by positions here.
+// empty), o, post-attention norm, gate_up, down, widths [4]; with ``q8_linear`` (an address, not
+// 0) instead the post-attention norm, the CodeLinears' 16 tensors and meta. cos / sin: the full
+// tables, indexed by positions here.
 torch::Tensor draft_layer(torch::Tensor attn_in, torch::Tensor residual, std::vector<torch::Tensor> weights, torch::Tensor k_cache,
                           torch::Tensor v_cache, torch::Tensor cos_table, torch::Tensor sin_table, torch::Tensor positions,
                           torch::Tensor out_slots, double eps, double scale, int64_t H, int64_t Hkv, torch::Tensor prefix_ptr,
                           torch::Tensor prefix_slots, torch::Tensor row_ptr, torch::Tensor row_q, torch::Tensor extra_ptr,
-                          torch::Tensor extra_slots) {
-  TORCH_CHECK(weights.size() == 7, "draft_layer: qkv, qkv bias, o, norm, gate_up, down, widths");
+                          torch::Tensor extra_slots, int64_t q8_linear) {
+  TORCH_CHECK(weights.size() == (q8_linear ? 18 : 7), "draft_layer: qkv, qkv bias, o, norm, gate_up, down, widths (q8: norm, 16 code tensors, meta)");
   const auto cos = cos_table.index_select(0, positions).unsqueeze(1), sin = sin_table.index_select(0, positions).unsqueeze(1);
-  return layer_from(attn_in.contiguous(), residual.contiguous(), weights.data(), k_cache, v_cache, cos, sin, out_slots, eps, scale, H, Hkv,
-                    k_cache.size(2), prefix_ptr, prefix_slots, row_ptr, row_q, extra_ptr, extra_slots);
+  const auto h = attn_in.contiguous(), x = residual.contiguous();
+  const int64_t D = k_cache.size(2);
+  if (q8_linear)
+    return layer_body(CodeLinears{weights.data() + 1, weights[17], q8_linear_at(q8_linear)}, h, x, weights[0], k_cache, v_cache, cos, sin,
+                      out_slots, eps, scale, H, Hkv, D, prefix_ptr, prefix_slots, row_ptr, row_q, extra_ptr, extra_slots);
+  return layer_body(PackedLinears(weights.data(), x), h, x, weights[3], k_cache, v_cache, cos, sin, out_slots, eps, scale, H, Hkv, D,
+                    prefix_ptr, prefix_slots, row_ptr, row_q, extra_ptr, extra_slots);
 }
 
 // Logits of greedy rows from a cheaper copy of an fp32 weight (the lm_head), exact where it

@@ -369,6 +369,12 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torc
   return y;
 }
 
+// linear()'s address, for cpu_ops' one-call decoder layers (another extension in this process,
+// on the same libtorch): they call it for each of a layer's four linears
+int64_t linear_address() {
+  return reinterpret_cast<int64_t>(&linear);
+}
+
 std::string isa() {
 #if defined(SPECFW_Q8_VNNI)
   return "avx512_vnni";
@@ -388,5 +394,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("linear", &linear, "batch-invariant linear with int8 activations and 4/8-bit weight codes", nogil);
   m.def("quantize_rows", &quantize_rows, "int8 codes and per-32 scales of each row", nogil);
+  m.def("linear_address", &linear_address, "linear()'s address, for cpu_ops' one-call decoder layers");
   m.def("isa", &isa, "the instruction set this build targets");
 }

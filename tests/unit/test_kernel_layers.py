@@ -9,7 +9,7 @@ import torch
 from specfw.backends import make_backend
 from specfw.backends.cpu import CpuBackend
 from specfw.backends.kernel_layers import KernelLayers
-from specfw.kernels import ISAS, cpu_ops, isa_supported
+from specfw.kernels import ISAS, cpu_ops, isa_supported, q8_ops
 from specfw.model_loader import load_model
 from specfw.model_runner import ModelRunner, build_forward_batch
 
@@ -29,13 +29,15 @@ def _tree_mask(parents):
     return mask
 
 
-def _runner(model_dir, isa, dtype, bf16_dot=False):
-    if cpu_ops(isa) is None:
+def _runner(model_dir, isa, dtype, bf16_dot=False, codes=None):
+    """``codes``: int8 / int4 weights with int8 activations (``Q8Linear``: q8_ops' linears)."""
+    if cpu_ops(isa) is None or (codes and q8_ops(isa) is None):
         pytest.skip("the CPU kernels cannot be built here")
     if bf16_dot and not cpu_ops(isa).has_bf16_dot():
         pytest.skip(f"the {isa} build has no vdpbf16ps path on this CPU")
     lm = load_model(str(model_dir), dtype=str(dtype).removeprefix("torch."))
-    backend = make_backend("cpu", batch_invariant=True, cpu_isa=isa, cpu_bf16_kernel=bf16_dot)
+    quant = dict(quantization=codes, activation_quantization="int8") if codes else {}
+    backend = make_backend("cpu", batch_invariant=True, cpu_isa=isa, cpu_bf16_kernel=bf16_dot, **quant)
     return ModelRunner(lm.model, lm.hf_config, 512, dtype, backend=backend)
 
 
@@ -50,12 +52,20 @@ def _both_paths(runner, chunks, capture=()):
     return outs
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "bf16 vdpbf16ps"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "bf16 vdpbf16ps", "int8 codes", "int4 codes"])
 @pytest.mark.parametrize("isa", _isas())
 def test_one_call_layers_equal_the_per_layer_path(tiny_model_dir, isa, dtype, monkeypatch):
+    """Also with int8 activations x int8 / int4 codes (``cpu_ops`` calling q8_ops' linear)."""
+    from specfw.backends.q8_linear import Q8Linear
+
     dot = dtype == "bf16 vdpbf16ps"  # bf16 weights in bf16_dot's layout (AVX512-BF16 in the avx512 build)
-    r = _runner(tiny_model_dir, isa, torch.bfloat16 if dot else dtype, bf16_dot=dot)
-    assert all(layer.qkv_proj.packed.shape[-1] == (32 if dot else 16) for layer in r.model.layers)
+    codes = dtype.split()[0] if isinstance(dtype, str) and dtype.endswith("codes") else None
+    r = _runner(tiny_model_dir, isa, torch.bfloat16 if dot else torch.float32 if codes else dtype, bf16_dot=dot, codes=codes)
+    if codes:
+        assert all(isinstance(getattr(layer, n), Q8Linear) for layer in r.model.layers for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
+        assert {layer.qkv_proj.q8.bits for layer in r.model.layers} == {8 if codes == "int8" else 4}
+    else:
+        assert all(layer.qkv_proj.packed.shape[-1] == (32 if dot else 16) for layer in r.model.layers)
     calls = []
     real_call = KernelLayers.__call__
     monkeypatch.setattr(KernelLayers, "__call__", lambda self, *a: calls.append(1) or real_call(self, *a))
@@ -109,6 +119,10 @@ def test_layers_with_other_linears_keep_the_per_layer_path(tiny_model_dir):
     lm = load_model(str(tiny_model_dir))
     q = ModelRunner(lm.model, lm.hf_config, 64, torch.float32, backend=quant)
     assert q.backend.decoder_stack(q.model) is None
+    a8 = make_backend("cpu", batch_invariant=True, cpu_isa="portable", quantization="int8", activation_quantization="int8")
+    lm = load_model(str(tiny_model_dir))
+    q = ModelRunner(lm.model, lm.hf_config, 64, torch.float32, backend=a8)
+    assert q.backend.decoder_stack(q.model).q8_linear == q.model.layers[0].qkv_proj.ops.linear_address() != 0  # int8 activations: one call
     # a weight replaced after the stack was built: rebuilt from the layer's current weight
     stack = r.backend.decoder_stack(r.model)
     layer = r.model.layers[0].o_proj
@@ -118,7 +132,7 @@ def test_layers_with_other_linears_keep_the_per_layer_path(tiny_model_dir):
     assert rebuilt is not stack and rebuilt.current()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "w8a8_int8"])
 @pytest.mark.parametrize("isa", _isas())
 def test_one_call_draft_layer_equals_the_per_op_path(isa, dtype, monkeypatch):
     """``KernelDraftLayer`` (``cpu_ops.draft_layer``): an EAGLE-3-shaped draft layer (attention
@@ -131,8 +145,10 @@ def test_one_call_draft_layer_equals_the_per_op_path(isa, dtype, monkeypatch):
     from specfw.models.draft_layer import DraftDecoderLayer
     from specfw.models.llama import Rotary
 
-    if cpu_ops(isa) is None:
+    codes = dtype == "w8a8_int8"  # int8 weights and activations (q8_ops' linear, called from cpu_ops)
+    if cpu_ops(isa) is None or (codes and q8_ops(isa) is None):
         pytest.skip("the CPU kernels cannot be built here")
+    dtype = torch.float32 if codes else dtype
     cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, rms_norm_eps=1e-5)
     torch.manual_seed(0)
     layer = DraftDecoderLayer(cfg, in_dim=128)
@@ -140,8 +156,9 @@ def test_one_call_draft_layer_equals_the_per_op_path(isa, dtype, monkeypatch):
         for p in layer.parameters():
             p.copy_(torch.randn_like(p) * 0.2)
     layer = layer.to(dtype).eval()
-    backend = make_backend("cpu", batch_invariant=True, cpu_isa=isa, cpu_bf16_kernel=False)
+    backend = make_backend("cpu", batch_invariant=True, cpu_isa=isa, cpu_bf16_kernel=False, draft_quantization="w8a8_int8" if codes else None)
     layer = backend.prepare_module(layer)
+    assert (type(layer.qkv_fused).__name__ == "Q8Linear") == codes
     kv = KVPool(1, 2, 16, 256, dtype=dtype)
     rotary = Rotary(cfg, 256, dtype)
     calls = []
