@@ -42,14 +42,13 @@ def _kernel_linears(ops, linears) -> bool:
 
 
 def _code_linears(linears, norm: torch.Tensor) -> bool:
-    """Every linear is a ``Q8Linear`` of one ``q8_ops`` build that can hand out its address, in an
-    fp32 layer (``Q8Linear`` rounds a bf16 model's outputs back to bf16; the one call does not)."""
+    """Every linear is a ``Q8Linear`` of one ``q8_ops`` build, in an fp32 layer (``Q8Linear``
+    rounds a bf16 model's outputs back to bf16; the one call does not)."""
     from .q8_linear import Q8Linear
 
     if norm.dtype != torch.float32 or not all(isinstance(lin, Q8Linear) for lin in linears):
         return False
-    builds = {id(lin.ops) for lin in linears}
-    return len(builds) == 1 and hasattr(linears[0].ops, "linear_address")
+    return len({id(lin.ops) for lin in linears}) == 1
 
 
 def _code_weights(linears) -> list[torch.Tensor]:
@@ -95,9 +94,10 @@ class KernelLayers:
         eps = {layer.input_layernorm.eps for layer in layers} | {layer.post_attention_layernorm.eps for layer in layers}
         if len(eps) != 1:
             return False
-        kinds = {_code_linears([getattr(layer, name, None) for name in _LINEARS], layer.input_layernorm.weight) for layer in layers}
         lins = [[getattr(layer, name, None) for name in _LINEARS] for layer in layers]
-        return len(kinds) == 1 and all(_one_call_linears(ops, four, layer.input_layernorm.weight) for four, layer in zip(lins, layers))
+        if all(_code_linears(four, layer.input_layernorm.weight) for four, layer in zip(lins, layers)):
+            return len({id(four[0].ops) for four in lins}) == 1  # one q8 build throughout: the call takes one address
+        return all(_kernel_linears(ops, four) for four in lins)
 
     def current(self) -> bool:
         """The weights collected at build time are still the ones the layers run (no packed weight
