@@ -37,6 +37,13 @@ HF and llama.cpp rows report how many outputs equal the reference's instead of f
 (their kernels are not specfw's, so a near-tie may go the other way; llama.cpp also rounds its
 activations to 8 bits).
 
+``--dataset sharegpt-long --context N`` sends multi-turn ShareGPT chats of 3/4 N to N tokens (each
+conversation up to the last user turn that fits), where decoding reads a long KV cache every step:
+
+    .venv/bin/python benchmarks/bench_side_by_side.py --dataset sharegpt-long --context 2000 --n 8 \
+        --max-new-tokens 128 "gguf+a8=model.quantization=gguf,model.activation_quantization=int8" \
+        "llama.cpp=backend=llama.cpp"
+
 ``--turns 2`` (MT-bench) runs each question's second turn after the first, as a chat client
 would: the conversation so far (the question, the engine's own answer, the second question)
 is sent again, so a prefix cache serves all of it but the new question; tok/s counts both
@@ -167,7 +174,8 @@ OTHER_BACKENDS = ("hf", "llama.cpp")
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("configs", nargs="+", help="name=key=value,... (the first is the reference; name= alone: plain decoding)")
-    ap.add_argument("--dataset", choices=["mtbench", "humaneval"], default="mtbench")
+    ap.add_argument("--dataset", choices=["mtbench", "humaneval", "sharegpt-long"], default="mtbench")
+    ap.add_argument("--context", type=int, default=2000, help="sharegpt-long: multi-turn chats of 3/4 of this to this many tokens")
     ap.add_argument("--start", type=int, default=0)
     ap.add_argument("--n", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=2)
@@ -180,7 +188,7 @@ def main():
     if args.turns == 2 and args.dataset != "mtbench":
         raise SystemExit("--turns 2 needs --dataset mtbench (the only set with second turns)")
     torch.set_num_threads(args.threads)
-    from specfw.datasets import humaneval_prompts, mtbench_first_turns, mtbench_questions
+    from specfw.datasets import humaneval_prompts, long_chats, mtbench_first_turns, mtbench_questions
     from specfw.machine import cpu_description
     from specfw.sampling import SamplingParams
 
@@ -205,7 +213,11 @@ def main():
             engines[name] = LlamaCppGenerate(args.threads, other)
     engines = {name: engines[name] for name in configs}  # the command line's order
     matches: dict[str, list[int]] = {name: [] for name in engines if isinstance(engines[name], (HFGenerate, LlamaCppGenerate))}
-    texts = (mtbench_first_turns if args.dataset == "mtbench" else humaneval_prompts)(args.start + args.n)[args.start :]
+    if args.dataset == "sharegpt-long":  # multi-turn chat contexts: where attention over the KV cache weighs
+        chats = long_chats(lambda m: len(spec_engine.tokenize_chat(m)), args.start + args.n, args.context)[args.start :]
+        texts = chats
+    else:
+        texts = (mtbench_first_turns if args.dataset == "mtbench" else humaneval_prompts)(args.start + args.n)[args.start :]
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
     rates: dict[str, list[float]] = {name: [] for name in engines}
     first = next(iter(engines))
@@ -217,7 +229,10 @@ def main():
     plain_numerics = numerics({}, args.dtype)
     for name in engines:  # HF and llama.cpp rows: counted against specfw's unquantized row of --dtype, else the first row
         numerics_of.setdefault(name, plain_numerics if plain_numerics in numerics_first else numerics_of[first])
-    ids = [spec_engine.tokenize_chat([{"role": "user", "content": t}]) if args.dataset == "mtbench" else spec_engine.tokenizer.encode(t) for t in texts]
+    if args.dataset == "sharegpt-long":
+        ids = [spec_engine.tokenize_chat(c) for c in chats]
+    else:
+        ids = [spec_engine.tokenize_chat([{"role": "user", "content": t}]) if args.dataset == "mtbench" else spec_engine.tokenizer.encode(t) for t in texts]
     questions = mtbench_questions()[args.start : args.start + args.n] if args.turns == 2 else []
 
     def run(eng, prompts):
@@ -250,7 +265,8 @@ def main():
             for name, tokens in others.items():
                 matches[name].append(sum(a == b for a, b in zip(tokens, references[numerics_of[name]])))
     turns = " (both turns)" if args.turns == 2 else ""
-    where = f"{args.dataset} {args.start + 1}-{args.start + args.n}{turns} x {args.max_new_tokens} tokens, {args.batch} in flight, {args.dtype}"
+    dataset = args.dataset + (f" (prompts {min(map(len, ids))}-{max(map(len, ids))} tokens)" if args.dataset == "sharegpt-long" else "")
+    where = f"{dataset} {args.start + 1}-{args.start + args.n}{turns} x {args.max_new_tokens} tokens, {args.batch} in flight, {args.dtype}"
     print(f"\n{where}, on {cpu_description()}")
     base = statistics.median(rates[first])
     for name, r in rates.items():

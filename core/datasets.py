@@ -56,6 +56,29 @@ def sharegpt_conversations(limit: int | None = None) -> list[list[dict]]:
     return out
 
 
+def long_chats(tokens_of, n: int, max_tokens: int, scan: int = 4000) -> list[list[dict]]:
+    """``n`` multi-turn ShareGPT chat contexts of ``3/4 max_tokens`` to ``max_tokens`` tokens
+    (``tokens_of(messages)``: their length with the chat template), each a conversation up to one of
+    its user turns (the longest that fits), in the dataset's order; from the first ``scan``
+    conversations. Fewer found is an error."""
+    out = []
+    for conv in sharegpt_conversations(scan):
+        best = None
+        for end in range(1, len(conv) + 1, 2):  # through user turn end-1 (turns alternate from a user's)
+            msgs = conv[:end]
+            if any(m["role"] != ("user", "assistant")[i % 2] for i, m in enumerate(msgs)):
+                break
+            length = tokens_of(msgs)
+            if length > max_tokens:
+                break
+            best = msgs if length >= 3 * max_tokens // 4 else best
+        if best is not None:
+            out.append(best)
+            if len(out) == n:
+                return out
+    raise ValueError(f"only {len(out)} ShareGPT chats of {3 * max_tokens // 4}-{max_tokens} tokens in the first {scan} conversations, not {n}")
+
+
 def jsonl_messages(path: str | Path) -> list[list[dict]]:
     """Chat contexts from a JSONL file: per line ``{"messages": [...]}`` (ending with a user turn),
     ``{"prompt": str}``, ``{"question": str}`` (GSM8K's ``test.jsonl``) or a plain string (one user turn)."""

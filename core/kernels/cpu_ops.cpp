@@ -20,8 +20,9 @@
 // still sees one FMA per k in k order).
 //
 // Attention: rows are grouped by request; a group has a shared prefix of KV slots and, per row,
-// its own extra slots (its visible tree nodes, or its own new token). Per (group, head) the
-// prefix K/V entries are read once for all the group's rows. A row's keys are its prefix then
+// its own extra slots (its visible tree nodes, or its own new token). Per (group, kv head) the
+// prefix K/V entries are read once for all the group's rows of every query head sharing that kv
+// head (GQA), whatever way the work is split over the threads. A row's keys are its prefix then
 // its extras, in that order: score_j = (q . k_j) * scale, p_j = exp(score_j - max), the sum of
 // p_j in lanes j mod W, out = (sum_j p_j v_j) / sum in j order -- the same values, in the same
 // order, whether the row is a lone decode step or one node of a 16-row tree.
@@ -32,6 +33,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -487,15 +489,41 @@ void rows_values(const float* p, int64_t p_stride, int64_t D, const T* cache, in
     for (int i = 0; i < ND; ++i) vstore(acc + r * D + i * W, a[r][i]);
 }
 
-// R rows' scores (q rows D apart, score rows s_stride apart) over the same n keys
+// R rows' scores (q rows D apart, score rows s_stride apart) over the same n keys: passes of
+// kRowsPerPass rows, then the remaining rows in one pass (each row's sums as row_scores forms them)
 template <int ND, typename T>
 void all_rows_scores(int64_t R, const float* q, int64_t D, const T* cache, int64_t slot_stride, const int64_t* slots, int64_t n,
                      float scale, float* s, int64_t s_stride) {
   int64_t r = 0;
-  if constexpr (ND > 0)
-    for (; D == ND * W && r + kRowsPerPass <= R; r += kRowsPerPass)
-      rows_scores<ND, kRowsPerPass>(q + r * D, D, cache, slot_stride, slots, n, scale, s + r * s_stride, s_stride);
+  if constexpr (ND > 0) {
+    if (D == ND * W) {
+      for (; r + kRowsPerPass <= R; r += kRowsPerPass)
+        rows_scores<ND, kRowsPerPass>(q + r * D, D, cache, slot_stride, slots, n, scale, s + r * s_stride, s_stride);
+      switch (R - r) {
+        case 3: rows_scores<ND, 3>(q + r * D, D, cache, slot_stride, slots, n, scale, s + r * s_stride, s_stride); return;
+        case 2: rows_scores<ND, 2>(q + r * D, D, cache, slot_stride, slots, n, scale, s + r * s_stride, s_stride); return;
+        case 1: rows_scores<ND, 1>(q + r * D, D, cache, slot_stride, slots, n, scale, s + r * s_stride, s_stride); return;
+        default: return;
+      }
+    }
+  }
   for (; r < R; ++r) row_scores<ND>(q + r * D, D, cache, slot_stride, slots, n, scale, s + r * s_stride);
+}
+
+// R rows' weighted values over the same n keys, for the NDP vectors of dims at acc / cache (acc
+// rows D apart); each dim accumulated in key order, as row_values does
+template <int NDP, typename T>
+void all_rows_values_part(int64_t R, const float* p, int64_t p_stride, int64_t D, const T* cache, int64_t slot_stride,
+                          const int64_t* slots, int64_t n, float* acc) {
+  int64_t r = 0;
+  for (; r + kRowsPerPass <= R; r += kRowsPerPass)
+    rows_values<NDP, kRowsPerPass>(p + r * p_stride, p_stride, D, cache, slot_stride, slots, n, acc + r * D);
+  switch (R - r) {
+    case 3: rows_values<NDP, 3>(p + r * p_stride, p_stride, D, cache, slot_stride, slots, n, acc + r * D); break;
+    case 2: rows_values<NDP, 2>(p + r * p_stride, p_stride, D, cache, slot_stride, slots, n, acc + r * D); break;
+    case 1: rows_values<NDP, 1>(p + r * p_stride, p_stride, D, cache, slot_stride, slots, n, acc + r * D); break;
+    default: break;
+  }
 }
 
 template <int ND, typename T>
@@ -534,56 +562,219 @@ inline float softmax_numerators(float* p, int64_t L) {
   return vhsum(sv);
 }
 
+// fetch ahead: the cache rows (bytes from row) of n slots, into L2
+template <typename T>
+inline void prefetch_rows(const T* cache, int64_t slot_stride, const int64_t* slots, int64_t n, int64_t bytes) {
+  for (int64_t j = 0; j < n; ++j) {
+    const char* row = reinterpret_cast<const char*>(cache + slots[j] * slot_stride);
+    for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b, 0, 2);
+  }
+}
+
+// The work of one call: items (request group g, kv head) and their query rows t = hh * R + r (the
+// kv head's query heads hh, the group's rows r): an item's prefix K/V are read once for all of
+// them (each key block stays in L1 while every row scores it). Tasks go to the threads in even
+// shares:
+//   - fewer than two items per thread over a long prefix (one request: a decode row or a tree;
+//     K/V from memory) in three phases in one parallel region, each task sweeping the request's
+//     kv heads together (a slot's K or V row read in one go, the next key block fetched ahead):
+//     1. prefix scores in chunks of keys, 2. per query row its extras' scores and the softmax
+//     numerators, 3. weighted values over half the head dims each;
+//   - else each task a whole pass (scores, softmax, values) in its own scratch: one per query
+//     head over a short prefix (its K/V still in L2 for the next head), one per item over a long
+//     one (a batch).
+// A task computes whole values with the functions above (each score on its own, each softmax over
+// a row, each value dim in key order), so no value depends on how the work was split, how many
+// rows or requests the call has, or which thread ran it: every split gives the same bits.
+struct AttnItem {
+  int64_t g, kvh, P, R, L;  // L: the longest row's keys (score row stride)
+  int64_t q0, s0;           // first query row in qf, first score in sc
+};
+
+struct AttnTask {
+  int64_t item, off, dims, t0, t1;  // head dims [off, off + dims) of query rows [t0, t1); phase 1: keys [t0, t1)
+};
+
 template <int ND, typename T>
 void attention_impl(const T* Q, const T* Kc, const T* Vc, T* O, int64_t H, int64_t Hkv, int64_t D, float scale,
                     const int64_t* prefix_ptr, const int64_t* prefix_slots, const int64_t* row_ptr,
                     const int64_t* row_q, const int64_t* extra_ptr, const int64_t* extra_slots, int64_t G) {
   const int64_t group = H / Hkv, stride = Hkv * D;
-  constexpr int64_t kKeyBlock = 64;   // keys per pass over the group's rows (their K/V stay in L1)
-  at::parallel_for(0, G * H, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> qf, sc, acc, sums;
-    for (int64_t item = i0; item < i1; ++item) {
-      const int64_t g = item / H, h = item % H, kvh = h / group;
-      const int64_t p0 = prefix_ptr[g], P = prefix_ptr[g + 1] - p0;
-      const int64_t r0 = row_ptr[g], R = row_ptr[g + 1] - r0;
-      int64_t Lmax = 0;
-      for (int64_t r = 0; r < R; ++r) Lmax = std::max(Lmax, P + extra_ptr[r0 + r + 1] - extra_ptr[r0 + r]);
-      qf.resize(R * D);
-      sc.resize(R * Lmax);
-      acc.assign(R * D, 0.f);
-      sums.resize(R);
-      for (int64_t r = 0; r < R; ++r)
-        for (int64_t d = 0; d < D; ++d) qf[r * D + d] = load_scalar(Q + (row_q[r0 + r] * H + h) * D + d);
-      const T* Kh = Kc + kvh * D;
-      const T* Vh = Vc + kvh * D;
-      const int64_t* pre = prefix_slots + p0;
-      // scores: the shared prefix block by block (each key read once for all rows), then each row's extras
-      for (int64_t j0 = 0; j0 < P; j0 += kKeyBlock) {
-        const int64_t n = std::min(P - j0, kKeyBlock);
-        all_rows_scores<ND>(R, qf.data(), D, Kh, stride, pre + j0, n, scale, sc.data() + j0, Lmax);
+  constexpr int64_t kKeyBlock = 64;   // keys per pass over an item's rows
+  constexpr int64_t kChunk = 256;     // prefix keys per score task (at most)
+  constexpr int kParts = ND >= 2 && ND % 2 == 0 ? 2 : 1;  // value tasks over half the head dims
+  constexpr int64_t kLongPrefix = 512;  // prefix keys from which K/V come from memory (shorter ones stay in L2)
+  const bool halves = ND > 0 && D == ND * W && kParts > 1;
+  const int nt = at::in_parallel_region() ? 1 : at::get_num_threads();
+  // the call's lists and scratch live on in each calling thread: no allocation per call
+  // (thread_local objects are named through references here: inside the parallel region a
+  // thread_local name would be each worker thread's own object)
+  thread_local std::vector<AttnItem> items_tl;
+  thread_local std::vector<AttnTask> score_tl, row_tl, value_tl;
+  thread_local std::vector<float> shared_tl;
+  auto &items = items_tl;
+  auto &score_tasks = score_tl, &row_tasks = row_tl, &value_tasks = value_tl;
+  auto &shared = shared_tl;
+  items.clear();
+  score_tasks.clear();
+  row_tasks.clear();
+  value_tasks.clear();
+  int64_t nq = 0, ns = 0, longest = 0;
+  for (int64_t g = 0; g < G; ++g) {
+    const int64_t P = prefix_ptr[g + 1] - prefix_ptr[g], r0 = row_ptr[g], R = row_ptr[g + 1] - r0;
+    int64_t L = P;
+    for (int64_t r = 0; r < R; ++r) L = std::max(L, P + extra_ptr[r0 + r + 1] - extra_ptr[r0 + r]);
+    longest = std::max(longest, P);
+    for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
+      items.push_back({g, kvh, P, R, L, nq, ns});
+      nq += group * R;
+      ns += group * R * L;
+    }
+  }
+  const int64_t n_items = items.size();
+  const bool few = n_items < 2 * nt;  // too few items to share out evenly: split each
+  const bool phased = few && longest >= kLongPrefix;  // ... over a long prefix: in three phases
+  for (int64_t i = 0; i < n_items; ++i) {
+    const AttnItem& it = items[i];
+    const int64_t NQ = group * it.R;
+    if (phased) {
+      for (int64_t t = 0; t < NQ; ++t) row_tasks.push_back({i, 0, D, t, t + 1});
+      if (it.kvh) continue;  // key chunks and value parts span the group's kv heads (a slot's K/V rows in one sweep)
+      const int64_t chunks = std::max<int64_t>((it.P + kChunk - 1) / kChunk, std::min<int64_t>(2, it.P));  // near-equal
+      for (int64_t c = 0; c < chunks; ++c) score_tasks.push_back({i, 0, D, it.P * c / chunks, it.P * (c + 1) / chunks});
+      if (halves) {
+        value_tasks.push_back({i, 0, D / 2, 0, NQ});
+        value_tasks.push_back({i, D / 2, D / 2, 0, NQ});
+      } else {
+        value_tasks.push_back({i, 0, D, 0, NQ});
       }
-      for (int64_t r = 0; r < R; ++r) {
-        const int64_t e0 = extra_ptr[r0 + r], ne = extra_ptr[r0 + r + 1] - e0;
-        row_scores<ND>(qf.data() + r * D, D, Kh, stride, extra_slots + e0, ne, scale, sc.data() + r * Lmax + P);
-        sums[r] = softmax_numerators(sc.data() + r * Lmax, P + ne);
-      }
-      // weighted values in key order: the prefix (shared reads), then each row's extras
-      for (int64_t j0 = 0; j0 < P; j0 += kKeyBlock) {
-        const int64_t n = std::min(P - j0, kKeyBlock);
-        all_rows_values<ND>(R, sc.data() + j0, Lmax, D, Vh, stride, pre + j0, n, acc.data());
-      }
-      for (int64_t r = 0; r < R; ++r) {
-        const int64_t e0 = extra_ptr[r0 + r], ne = extra_ptr[r0 + r + 1] - e0;
-        float* a = acc.data() + r * D;
-        row_values<ND>(sc.data() + r * Lmax + P, D, Vh, stride, extra_slots + e0, ne, a);
-        T* o = O + (row_q[r0 + r] * H + h) * D;
-        for (int64_t d = 0; d < D; ++d) {
-          const float val = a[d] / sums[r];
-          if constexpr (std::is_same<T, float>::value) o[d] = val; else o[d] = to_bf16(val);
+    } else if (it.P < kLongPrefix) {  // one task per query head: its K/V stay in L2 for the next head
+      for (int64_t hh = 0; hh < group; ++hh) value_tasks.push_back({i, 0, D, hh * it.R, (hh + 1) * it.R});
+    } else {
+      value_tasks.push_back({i, 0, D, 0, NQ});
+    }
+  }
+  const int64_t n1 = score_tasks.size(), n2 = row_tasks.size(), n3 = value_tasks.size();
+  // query rows [t0, t1) of an item as fp32, D apart
+  auto load_q = [&](const AttnItem& it, int64_t t0, int64_t t1, float* q) {
+    for (int64_t t = t0; t < t1; ++t) {
+      const T* src = Q + (row_q[row_ptr[it.g] + t % it.R] * H + it.kvh * group + t / it.R) * D;
+      for (int64_t d = 0; d < D; ++d) q[(t - t0) * D + d] = load_scalar(src + d);
+    }
+  };
+  // query row t's extras (its own keys after the prefix): scores into s[P..), then the softmax
+  // numerators in place; returns their sum
+  auto extras_softmax = [&](const AttnItem& it, int64_t t, const float* q, float* s) {
+    const int64_t row = row_ptr[it.g] + t % it.R, e0 = extra_ptr[row], ne = extra_ptr[row + 1] - e0;
+    row_scores<ND>(q, D, Kc + it.kvh * D, stride, extra_slots + e0, ne, scale, s + it.P);
+    return softmax_numerators(s, it.P + ne);
+  };
+  // the task's query rows' weighted values over its dims, p: their score rows (it.L apart), a:
+  // their accumulators (D apart, at the task's first dim), sums: their softmax sums; then outputs
+  // the task's query rows' weighted values over its dims: p their score rows (it.L apart), a their
+  // accumulators (D apart, at the task's first dim); first the prefix keys [j0, j0 + n) ...
+  auto values_block = [&](const AttnItem& it, const AttnTask& vt, const float* p, float* a, int64_t j0, int64_t n) {
+    const int64_t NT = vt.t1 - vt.t0, *pre = prefix_slots + prefix_ptr[it.g];
+    const T* Vh = Vc + it.kvh * D + vt.off;
+    if constexpr (kParts > 1) {
+      if (vt.dims < D) return all_rows_values_part<ND / kParts>(NT, p + j0, it.L, D, Vh, stride, pre + j0, n, a);
+    }
+    all_rows_values<ND>(NT, p + j0, it.L, D, Vh, stride, pre + j0, n, a);
+  };
+  // ... then each row's extras, and its output (sums: the rows' softmax sums)
+  auto values_finish = [&](const AttnItem& it, const AttnTask& vt, const float* p, float* a, const float* sums) {
+    const T* Vh = Vc + it.kvh * D + vt.off;
+    for (int64_t t = 0; t < vt.t1 - vt.t0; ++t) {
+      const int64_t tq = vt.t0 + t, row = row_ptr[it.g] + tq % it.R, h = it.kvh * group + tq / it.R;
+      const int64_t e0 = extra_ptr[row], ne = extra_ptr[row + 1] - e0;
+      const float* pe = p + t * it.L + it.P;
+      bool done = false;
+      if constexpr (kParts > 1) {
+        if (vt.dims < D) {
+          rows_values<ND / kParts, 1>(pe, 0, D, Vh, stride, extra_slots + e0, ne, a + t * D);
+          done = true;
         }
       }
+      if (!done) row_values<ND>(pe, D, Vh, stride, extra_slots + e0, ne, a + t * D);
+      T* o = O + (row_q[row] * H + h) * D + vt.off;
+      for (int64_t d = 0; d < vt.dims; ++d) {
+        const float val = a[t * D + d] / sums[t];
+        if constexpr (std::is_same<T, float>::value) o[d] = val; else o[d] = to_bf16(val);
+      }
     }
-  });
+  };
+  auto zero = [&](const AttnTask& vt, float* a) {
+    for (int64_t t = 0; t < vt.t1 - vt.t0; ++t) std::fill(a + t * D, a + t * D + vt.dims, 0.f);
+  };
+  // phased: every item's query rows, scores, accumulators and sums in shared scratch (every value
+  // is written before it is read)
+  if (phased && int64_t(shared.size()) < nq * D * 2 + ns + nq) shared.resize(nq * D * 2 + ns + nq);
+  float *qf = shared.data(), *acc = qf + nq * D, *sc = acc + nq * D, *sums = sc + ns;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+  {
+    if (phased) {
+#pragma omp for schedule(static)
+      for (int64_t i = 0; i < n_items; ++i) load_q(items[i], 0, group * items[i].R, qf + items[i].q0 * D);
+#pragma omp for schedule(static)
+      for (int64_t k = 0; k < n1; ++k) {
+        const AttnTask& st = score_tasks[k];
+        const int64_t* pre = prefix_slots + prefix_ptr[items[st.item].g];
+        for (int64_t j0 = st.t0; j0 < st.t1; j0 += kKeyBlock) {
+          if (j0 + kKeyBlock < st.t1)
+            prefetch_rows(Kc, stride, pre + j0 + kKeyBlock, std::min(st.t1 - j0 - kKeyBlock, kKeyBlock), int64_t(sizeof(T)) * stride);
+          for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
+            const AttnItem& it = items[st.item + kvh];
+            all_rows_scores<ND>(group * it.R, qf + it.q0 * D, D, Kc + kvh * D, stride, pre + j0, std::min(st.t1 - j0, kKeyBlock), scale,
+                                sc + it.s0 + j0, it.L);
+          }
+        }
+      }
+#pragma omp for schedule(static)
+      for (int64_t k = 0; k < n2; ++k) {
+        const AttnItem& it = items[row_tasks[k].item];
+        const int64_t t = row_tasks[k].t0;
+        sums[it.q0 + t] = extras_softmax(it, t, qf + (it.q0 + t) * D, sc + it.s0 + t * it.L);
+      }
+#pragma omp for schedule(static)
+      for (int64_t k = 0; k < n3; ++k) {
+        const AttnTask& vt = value_tasks[k];
+        const int64_t P = items[vt.item].P;
+        auto p = [&](const AttnItem& it) { return sc + it.s0 + vt.t0 * it.L; };
+        auto a = [&](const AttnItem& it) { return acc + (it.q0 + vt.t0) * D + vt.off; };
+        for (int64_t kvh = 0; kvh < Hkv; ++kvh) zero(vt, a(items[vt.item + kvh]));
+        const int64_t* pre = prefix_slots + prefix_ptr[items[vt.item].g];
+        for (int64_t j0 = 0; j0 < P; j0 += kKeyBlock) {
+          if (j0 + kKeyBlock < P) prefetch_rows(Vc, stride, pre + j0 + kKeyBlock, std::min(P - j0 - kKeyBlock, kKeyBlock), int64_t(sizeof(T)) * stride);
+          for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
+            const AttnItem& it = items[vt.item + kvh];
+            values_block(it, AttnTask{vt.item + kvh, vt.off, vt.dims, vt.t0, vt.t1}, p(it), a(it), j0, std::min(P - j0, kKeyBlock));
+          }
+        }
+        for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
+          const AttnItem& it = items[vt.item + kvh];
+          values_finish(it, AttnTask{vt.item + kvh, vt.off, vt.dims, vt.t0, vt.t1}, p(it), a(it), sums + it.q0 + vt.t0);
+        }
+      }
+    } else {
+      thread_local std::vector<float> q, s, a, sum;  // this thread's query rows, score rows, accumulators, sums
+#pragma omp for schedule(static)
+      for (int64_t k = 0; k < n3; ++k) {
+        const AttnTask& vt = value_tasks[k];
+        const AttnItem& it = items[vt.item];
+        const int64_t NT = vt.t1 - vt.t0;
+        const int64_t* pre = prefix_slots + prefix_ptr[it.g];
+        if (int64_t(s.size()) < NT * it.L) s.resize(NT * it.L);
+        if (int64_t(q.size()) < NT * D) q.resize(NT * D), a.resize(NT * D), sum.resize(NT);
+        load_q(it, vt.t0, vt.t1, q.data());
+        for (int64_t j0 = 0; j0 < it.P; j0 += kKeyBlock)
+          all_rows_scores<ND>(NT, q.data(), D, Kc + it.kvh * D, stride, pre + j0, std::min(it.P - j0, kKeyBlock), scale, s.data() + j0, it.L);
+        for (int64_t t = 0; t < NT; ++t) sum[t] = extras_softmax(it, vt.t0 + t, q.data() + t * D, s.data() + t * it.L);
+        zero(vt, a.data());
+        for (int64_t j0 = 0; j0 < it.P; j0 += kKeyBlock) values_block(it, vt, s.data(), a.data(), j0, std::min(it.P - j0, kKeyBlock));
+        values_finish(it, vt, s.data(), a.data(), sum.data());
+      }
+    }
+  }
 }
 
 template <typename T, typename... A>

@@ -91,3 +91,23 @@ def test_runs_configurations_side_by_side_and_checks_outputs():
     hf = [line for line in r.stdout.splitlines() if line.startswith("hf pl ")]
     assert len(hf) == 1 and "tok/s" in hf[0] and "== plain: " in hf[0] and hf[0].rstrip().endswith("/1")
     assert "cpus, torch threads" in r.stdout  # the machine is named
+
+
+def test_long_chats_are_multi_turn_contexts_of_the_asked_length():
+    """``--dataset sharegpt-long``'s prompts: ShareGPT conversations up to a user turn, the longest
+    prefix of each within [3/4 N, N] by the given length (here characters / 4 stands in for tokens)."""
+    from specfw.datasets import long_chats, sharegpt_conversations
+
+    def length(msgs):
+        return sum(len(m["content"]) for m in msgs) // 4
+
+    chats = long_chats(length, 6, 2000)
+    assert len(chats) == 6
+    convs = sharegpt_conversations(4000)
+    for chat in chats:
+        assert 1500 <= length(chat) <= 2000 and chat[-1]["role"] == "user"
+        assert [m["role"] for m in chat] == ["user", "assistant"] * (len(chat) // 2) + ["user"]
+        whole = next(c for c in convs if c[: len(chat)] == chat)  # a prefix of a conversation ...
+        assert len(whole) <= len(chat) + 1 or length(whole[: len(chat) + 2]) > 2000  # ... the longest that fits
+    with pytest.raises(ValueError, match="only"):
+        long_chats(length, 10**6, 2000, scan=50)

@@ -248,6 +248,54 @@ def test_long_causal_runs_in_the_kernel_equal_lone_decode_rows(isa, dtype):
 
 
 @isas
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_prefixes_give_the_same_bits_however_the_work_is_split(isa, dtype):
+    """The kernel splits its work by what the call holds: a lone decode row over a long prefix in
+    three phases (key chunks, rows, halves of the head dims), a short tree or a few rows by halves
+    of their rows, a batch one task per (request, kv head), a short prefix per query head. Every
+    split, and every thread count, gives each row the bits of every other, and the float64
+    reference's values."""
+    from specfw.backends.kernel_attention import KernelAttentionPlan
+
+    ops = _ops(isa)
+    g = torch.Generator().manual_seed(11)
+    S, H, Hkv, D = 4000, 9, 3, 64
+    k_cache = torch.randn(S, Hkv, D, generator=g).to(dtype)
+    v_cache = torch.randn(S, Hkv, D, generator=g).to(dtype)
+    perm = iter(torch.randperm(S, generator=g).split(1))
+    slots = lambda n: torch.cat([next(perm) for _ in range(n)])  # noqa: E731
+    spans, start = [], 0
+    for q_len, prefix, mask in ((1, 1500, None), (2, 700, _random_tree(2, g, chain=True)), (6, 600, _random_tree(6, g)), (1, 40, None)):
+        spans.append(SeqSpan(q_start=start, q_len=q_len, kv_slots=slots(prefix + q_len), tree_mask=mask))
+        start += q_len
+    q = torch.randn(start, H, D, generator=g).to(dtype)
+    scale = D**-0.5
+    threads = torch.get_num_threads()
+    try:
+        batch = KernelAttentionPlan(ops, spans)(q, k_cache, v_cache, scale)
+        alone = []
+        for s in spans:
+            plan = KernelAttentionPlan(ops, [SeqSpan(0, s.q_len, s.kv_slots, tree_mask=s.tree_mask)])
+            alone.append(plan(q[s.q_start : s.q_start + s.q_len], k_cache, v_cache, scale))
+        torch.set_num_threads(1)
+        one_thread = KernelAttentionPlan(ops, spans)(q, k_cache, v_cache, scale)
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(batch, one_thread)
+    tol = 2e-5 if dtype == torch.float32 else 3e-2
+    for s, out in zip(spans, alone):
+        assert torch.equal(out, batch[s.q_start : s.q_start + s.q_len]), (s.q_len, s.prefix_len)
+        n = int(s.kv_slots.numel())
+        tm = s.tree_mask if s.tree_mask is not None else torch.ones(1, 1, dtype=torch.bool)
+        for i in range(s.q_len):
+            visible = torch.cat([s.kv_slots[: n - s.q_len], s.kv_slots[n - s.q_len :][tm[i]]])
+            row = s.q_start + i
+            lone = KernelAttentionPlan(ops, [SeqSpan(0, 1, visible)])(q[row : row + 1], k_cache, v_cache, scale)
+            assert torch.equal(lone[0], batch[row]), (s.q_len, i)
+            assert (batch[row].double() - _reference(q[row], k_cache, v_cache, visible, scale)).abs().max() < tol
+
+
+@isas
 def test_attention_of_a_fully_drafted_span_without_prefix(isa):
     """Edge cases: a group with an empty prefix (a draft span whose visible keys are all its own),
     and a one-key row."""
