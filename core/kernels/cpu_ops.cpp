@@ -34,6 +34,7 @@
 #include <cstring>
 #include <limits>
 #include <memory>
+#include <omp.h>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -580,9 +581,10 @@ inline void prefetch_rows(const T* cache, int64_t slot_stride, const int64_t* sl
 //     kv heads together (a slot's K or V row read in one go, the next key block fetched ahead):
 //     1. prefix scores in chunks of keys, 2. per query row its extras' scores and the softmax
 //     numerators, 3. weighted values over half the head dims each;
-//   - else each task a whole pass (scores, softmax, values) in its own scratch: one per query
-//     head over a short prefix (its K/V still in L2 for the next head), one per item over a long
-//     one (a batch).
+//   - else each task a whole pass (scores, softmax, values) in its own scratch, handed out as
+//     threads come free: one per query head over a short prefix (its K/V still in L2 for the next
+//     head) or where an item's scores would not fit L2 (a prompt's causal blocks), else one per
+//     item (a batch of decode rows or trees over long prefixes).
 // A task computes whole values with the functions above (each score on its own, each softmax over
 // a row, each value dim in key order), so no value depends on how the work was split, how many
 // rows or requests the call has, or which thread ran it: every split gives the same bits.
@@ -604,6 +606,8 @@ void attention_impl(const T* Q, const T* Kc, const T* Vc, T* O, int64_t H, int64
   constexpr int64_t kChunk = 256;     // prefix keys per score task (at most)
   constexpr int kParts = ND >= 2 && ND % 2 == 0 ? 2 : 1;  // value tasks over half the head dims
   constexpr int64_t kLongPrefix = 512;  // prefix keys from which K/V come from memory (shorter ones stay in L2)
+  constexpr int64_t kScores = 1 << 16;  // scores of a whole-item task at most (256 KB: a causal block's 3 x 32 rows
+                                        // over a long prompt split per query head, their scores in L2)
   const bool halves = ND > 0 && D == ND * W && kParts > 1;
   const int nt = at::in_parallel_region() ? 1 : at::get_num_threads();
   // the call's lists and scratch live on in each calling thread: no allocation per call
@@ -648,7 +652,7 @@ void attention_impl(const T* Q, const T* Kc, const T* Vc, T* O, int64_t H, int64
       } else {
         value_tasks.push_back({i, 0, D, 0, NQ});
       }
-    } else if (it.P < kLongPrefix) {  // one task per query head: its K/V stay in L2 for the next head
+    } else if (it.P < kLongPrefix || NQ * it.L > kScores) {  // one task per query head: its K/V stay in L2 for the next head
       for (int64_t hh = 0; hh < group; ++hh) value_tasks.push_back({i, 0, D, hh * it.R, (hh + 1) * it.R});
     } else {
       value_tasks.push_back({i, 0, D, 0, NQ});
@@ -710,6 +714,8 @@ void attention_impl(const T* Q, const T* Kc, const T* Vc, T* O, int64_t H, int64
   // is written before it is read)
   if (phased && int64_t(shared.size()) < nq * D * 2 + ns + nq) shared.resize(nq * D * 2 + ns + nq);
   float *qf = shared.data(), *acc = qf + nq * D, *sc = acc + nq * D, *sums = sc + ns;
+  if (G > 1) omp_set_schedule(omp_sched_dynamic, int(group));
+  else omp_set_schedule(omp_sched_static, 0);
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
     if (phased) {
@@ -757,7 +763,10 @@ void attention_impl(const T* Q, const T* Kc, const T* Vc, T* O, int64_t H, int64
       }
     } else {
       thread_local std::vector<float> q, s, a, sum;  // this thread's query rows, score rows, accumulators, sums
-#pragma omp for schedule(static)
+      // one request: even shares in order (a thread's next head reads its kv head's K/V from L2);
+      // several: handed out as threads come free (a causal prompt's blocks, a mixed batch), a kv
+      // head's query heads (or a request's kv heads) together
+#pragma omp for schedule(runtime)
       for (int64_t k = 0; k < n3; ++k) {
         const AttnTask& vt = value_tasks[k];
         const AttnItem& it = items[vt.item];
