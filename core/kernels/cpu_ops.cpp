@@ -34,7 +34,6 @@
 #include <cstring>
 #include <limits>
 #include <memory>
-#include <omp.h>
 #include <string>
 #include <tuple>
 #include <type_traits>
@@ -714,8 +713,6 @@ void attention_impl(const T* Q, const T* Kc, const T* Vc, T* O, int64_t H, int64
   // is written before it is read)
   if (phased && int64_t(shared.size()) < nq * D * 2 + ns + nq) shared.resize(nq * D * 2 + ns + nq);
   float *qf = shared.data(), *acc = qf + nq * D, *sc = acc + nq * D, *sums = sc + ns;
-  if (G > 1) omp_set_schedule(omp_sched_dynamic, int(group));
-  else omp_set_schedule(omp_sched_static, 0);
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
     if (phased) {
@@ -766,8 +763,7 @@ void attention_impl(const T* Q, const T* Kc, const T* Vc, T* O, int64_t H, int64
       // one request: even shares in order (a thread's next head reads its kv head's K/V from L2);
       // several: handed out as threads come free (a causal prompt's blocks, a mixed batch), a kv
       // head's query heads (or a request's kv heads) together
-#pragma omp for schedule(runtime)
-      for (int64_t k = 0; k < n3; ++k) {
+      auto whole_task = [&](int64_t k) {
         const AttnTask& vt = value_tasks[k];
         const AttnItem& it = items[vt.item];
         const int64_t NT = vt.t1 - vt.t0;
@@ -781,6 +777,14 @@ void attention_impl(const T* Q, const T* Kc, const T* Vc, T* O, int64_t H, int64
         zero(vt, a.data());
         for (int64_t j0 = 0; j0 < it.P; j0 += kKeyBlock) values_block(it, vt, s.data(), a.data(), j0, std::min(it.P - j0, kKeyBlock));
         values_finish(it, vt, s.data(), a.data(), sum.data());
+      };
+      if (G == 1) {
+#pragma omp for schedule(static) nowait
+        for (int64_t k = 0; k < n3; ++k) whole_task(k);
+      } else {
+        const int64_t chunk = group;
+#pragma omp for schedule(dynamic, chunk) nowait
+        for (int64_t k = 0; k < n3; ++k) whole_task(k);
       }
     }
   }
