@@ -575,15 +575,16 @@ inline void prefetch_rows(const T* cache, int64_t slot_stride, const int64_t* sl
 // kv head's query heads hh, the group's rows r): an item's prefix K/V are read once for all of
 // them (each key block stays in L1 while every row scores it). Tasks go to the threads in even
 // shares:
-//   - fewer than two items per thread over a long prefix (one request: a decode row or a tree;
-//     K/V from memory) in three phases in one parallel region, each task sweeping the request's
+//   - fewer than two items per thread over a long prefix (one request: a decode row over 512+
+//     keys, a tree over 2,048+; K/V from memory) in three phases in one parallel region, each task sweeping the request's
 //     kv heads together (a slot's K or V row read in one go, the next key block fetched ahead):
 //     1. prefix scores in chunks of keys, 2. per query row its extras' scores and the softmax
 //     numerators, 3. weighted values over half the head dims each;
-//   - else each task a whole pass (scores, softmax, values) in its own scratch, handed out as
-//     threads come free: one per query head over a short prefix (its K/V still in L2 for the next
-//     head) or where an item's scores would not fit L2 (a prompt's causal blocks), else one per
-//     item (a batch of decode rows or trees over long prefixes).
+//   - else each task a whole pass (scores, softmax, values) in its own scratch: one per query
+//     head (its kv head's K/V still in L2 for the next head) for one request, over a short
+//     prefix, or where an item's scores would not fit L2 (a prompt's causal blocks), else one
+//     per item (a batch over long prefixes); several requests' tasks handed out as threads come
+//     free.
 // A task computes whole values with the functions above (each score on its own, each softmax over
 // a row, each value dim in key order), so no value depends on how the work was split, how many
 // rows or requests the call has, or which thread ran it: every split gives the same bits.
@@ -605,6 +606,7 @@ void attention_impl(const T* Q, const T* Kc, const T* Vc, T* O, int64_t H, int64
   constexpr int64_t kChunk = 256;     // prefix keys per score task (at most)
   constexpr int kParts = ND >= 2 && ND % 2 == 0 ? 2 : 1;  // value tasks over half the head dims
   constexpr int64_t kLongPrefix = 512;  // prefix keys from which K/V come from memory (shorter ones stay in L2)
+  constexpr int64_t kLongTreePrefix = 2048;
   constexpr int64_t kScores = 1 << 16;  // scores of a whole-item task at most (256 KB: a causal block's 3 x 32 rows
                                         // over a long prompt split per query head, their scores in L2)
   const bool halves = ND > 0 && D == ND * W && kParts > 1;
@@ -622,12 +624,13 @@ void attention_impl(const T* Q, const T* Kc, const T* Vc, T* O, int64_t H, int64
   score_tasks.clear();
   row_tasks.clear();
   value_tasks.clear();
-  int64_t nq = 0, ns = 0, longest = 0;
+  int64_t nq = 0, ns = 0, longest = 0, most_rows = 0;
   for (int64_t g = 0; g < G; ++g) {
     const int64_t P = prefix_ptr[g + 1] - prefix_ptr[g], r0 = row_ptr[g], R = row_ptr[g + 1] - r0;
     int64_t L = P;
     for (int64_t r = 0; r < R; ++r) L = std::max(L, P + extra_ptr[r0 + r + 1] - extra_ptr[r0 + r]);
     longest = std::max(longest, P);
+    most_rows = std::max(most_rows, group * R);
     for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
       items.push_back({g, kvh, P, R, L, nq, ns});
       nq += group * R;
@@ -636,7 +639,9 @@ void attention_impl(const T* Q, const T* Kc, const T* Vc, T* O, int64_t H, int64
   }
   const int64_t n_items = items.size();
   const bool few = n_items < 2 * nt;  // too few items to share out evenly: split each
-  const bool phased = few && longest >= kLongPrefix;  // ... over a long prefix: in three phases
+  // ... over a long prefix: in three phases (a tree's rows only over a very long one: below it a
+  // pass per query head, re-reading its kv head's K/V from L2, beat sharing its scores across cores)
+  const bool phased = few && longest >= (most_rows > kRowsPerPass ? kLongTreePrefix : kLongPrefix);
   for (int64_t i = 0; i < n_items; ++i) {
     const AttnItem& it = items[i];
     const int64_t NQ = group * it.R;
@@ -651,7 +656,7 @@ void attention_impl(const T* Q, const T* Kc, const T* Vc, T* O, int64_t H, int64
       } else {
         value_tasks.push_back({i, 0, D, 0, NQ});
       }
-    } else if (it.P < kLongPrefix || NQ * it.L > kScores) {  // one task per query head: its K/V stay in L2 for the next head
+    } else if (few || it.P < kLongPrefix || NQ * it.L > kScores) {  // one task per query head: its K/V stay in L2 for the next head
       for (int64_t hh = 0; hh < group; ++hh) value_tasks.push_back({i, 0, D, hh * it.R, (hh + 1) * it.R});
     } else {
       value_tasks.push_back({i, 0, D, 0, NQ});
