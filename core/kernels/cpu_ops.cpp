@@ -575,8 +575,8 @@ inline void prefetch_rows(const T* cache, int64_t slot_stride, const int64_t* sl
 // kv head's query heads hh, the group's rows r): an item's prefix K/V are read once for all of
 // them (each key block stays in L1 while every row scores it). Tasks go to the threads in even
 // shares:
-//   - fewer than two items per thread over a long prefix (one request: a decode row over 512+
-//     keys, a tree over 2,048+; K/V from memory) in three phases in one parallel region, each task sweeping the request's
+//   - fewer than two items per thread over a long prefix (one request: one or two rows over 512+
+//     keys, a larger tree over 2,048+; K/V from memory) in three phases in one parallel region, each task sweeping the request's
 //     kv heads together (a slot's K or V row read in one go, the next key block fetched ahead):
 //     1. prefix scores in chunks of keys, 2. per query row its extras' scores and the softmax
 //     numerators, 3. weighted values over half the head dims each;
@@ -630,7 +630,7 @@ void attention_impl(const T* Q, const T* Kc, const T* Vc, T* O, int64_t H, int64
     int64_t L = P;
     for (int64_t r = 0; r < R; ++r) L = std::max(L, P + extra_ptr[r0 + r + 1] - extra_ptr[r0 + r]);
     longest = std::max(longest, P);
-    most_rows = std::max(most_rows, group * R);
+    most_rows = std::max(most_rows, R);
     for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
       items.push_back({g, kvh, P, R, L, nq, ns});
       nq += group * R;
@@ -639,9 +639,9 @@ void attention_impl(const T* Q, const T* Kc, const T* Vc, T* O, int64_t H, int64
   }
   const int64_t n_items = items.size();
   const bool few = n_items < 2 * nt;  // too few items to share out evenly: split each
-  // ... over a long prefix: in three phases (a tree's rows only over a very long one: below it a
-  // pass per query head, re-reading its kv head's K/V from L2, beat sharing its scores across cores)
-  const bool phased = few && longest >= (most_rows > kRowsPerPass ? kLongTreePrefix : kLongPrefix);
+  // ... over a long prefix: in three phases (a tree of 3+ rows only over a very long one: below it
+  // a pass per query head, re-reading its kv head's K/V from L2, beat sharing its scores across cores)
+  const bool phased = few && longest >= (most_rows > 2 ? kLongTreePrefix : kLongPrefix);
   for (int64_t i = 0; i < n_items; ++i) {
     const AttnItem& it = items[i];
     const int64_t NQ = group * it.R;

@@ -250,22 +250,23 @@ def test_long_causal_runs_in_the_kernel_equal_lone_decode_rows(isa, dtype):
 @isas
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_long_prefixes_give_the_same_bits_however_the_work_is_split(isa, dtype):
-    """The kernel splits its work by what the call holds: a lone decode row over a long prefix in
-    three phases (key chunks, rows, halves of the head dims), a short tree or a few rows by halves
-    of their rows, a batch one task per (request, kv head), a short prefix per query head. Every
-    split, and every thread count, gives each row the bits of every other, and the float64
-    reference's values."""
+    """The kernel splits its work by what the call holds: alone, one or two rows over a long prefix
+    and a larger tree over a very long one in three phases (key chunks, rows, halves of the head
+    dims), a tree over a shorter prefix per query head; in a batch one task per (request, kv head)
+    or per query head. Every split, and every thread count, gives each row the bits of every
+    other, and the float64 reference's values."""
     from specfw.backends.kernel_attention import KernelAttentionPlan
 
     ops = _ops(isa)
     g = torch.Generator().manual_seed(11)
-    S, H, Hkv, D = 4000, 9, 3, 64
+    S, H, Hkv, D = 6000, 9, 3, 64
     k_cache = torch.randn(S, Hkv, D, generator=g).to(dtype)
     v_cache = torch.randn(S, Hkv, D, generator=g).to(dtype)
     perm = iter(torch.randperm(S, generator=g).split(1))
     slots = lambda n: torch.cat([next(perm) for _ in range(n)])  # noqa: E731
     spans, start = [], 0
-    for q_len, prefix, mask in ((1, 1500, None), (2, 700, _random_tree(2, g, chain=True)), (6, 600, _random_tree(6, g)), (1, 40, None)):
+    spec = ((1, 1500, None), (2, 700, _random_tree(2, g, chain=True)), (6, 600, _random_tree(6, g)), (4, 2100, _random_tree(4, g)), (1, 40, None))
+    for q_len, prefix, mask in spec:
         spans.append(SeqSpan(q_start=start, q_len=q_len, kv_slots=slots(prefix + q_len), tree_mask=mask))
         start += q_len
     q = torch.randn(start, H, D, generator=g).to(dtype)
