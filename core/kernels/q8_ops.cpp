@@ -64,19 +64,51 @@ constexpr int64_t kAhead = 8;  // blocks of codes prefetched ahead (a prefetch p
 // nothing from this.
 constexpr int64_t kAheadL2 = 96;
 
-// one row: codes q [K], scales dx/sx [K/32]
+// one row: codes q [K], scales dx/sx [K/32]. The SIMD blocks give the scalar loop's bits: max is
+// exact in any order, vcvtps2dq rounds half to even as nearbyint does (the default MXCSR mode),
+// |codes| <= 127 pack without saturating, and integer sums are exact.
 void quantize_row(const float* x, int64_t K, int8_t* q, float* dx, float* sx, int32_t* qs) {
   for (int64_t b = 0; b < K / kQ; ++b) {
     const float* v = x + b * kQ;
+    int8_t* out = q + b * kQ;
     float amax = 0.f;
+    int32_t sum = 0;
+#if defined(__AVX512F__)
+    const __m512 a = _mm512_loadu_ps(v), c = _mm512_loadu_ps(v + 16);
+    amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(a), _mm512_abs_ps(c)));
+    const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+    const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(a, _mm512_set1_ps(id))), i1 = _mm512_cvtps_epi32(_mm512_mul_ps(c, _mm512_set1_ps(id)));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out), _mm512_cvtepi32_epi8(i0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(out + 16), _mm512_cvtepi32_epi8(i1));
+    sum = _mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+#elif defined(SPECFW_Q8_SIMD)
+    const __m256 sign = _mm256_set1_ps(-0.f);
+    __m256 p[4];
+    for (int j = 0; j < 4; ++j) p[j] = _mm256_loadu_ps(v + 8 * j);
+    __m256 m = _mm256_max_ps(_mm256_max_ps(_mm256_andnot_ps(sign, p[0]), _mm256_andnot_ps(sign, p[1])),
+                             _mm256_max_ps(_mm256_andnot_ps(sign, p[2]), _mm256_andnot_ps(sign, p[3])));
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+    const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
+    __m256i c[4];
+    for (int j = 0; j < 4; ++j) c[j] = _mm256_cvtps_epi32(_mm256_mul_ps(p[j], _mm256_set1_ps(id)));
+    // packs per 128-bit lane: bytes of c0[0..3] c1[0..3] c2[0..3] c3[0..3] | c0[4..7] ...; dwords back in order
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(c[0], c[1]), _mm256_packs_epi32(c[2], c[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out), _mm256_permutevar8x32_epi32(bytes, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
+    const __m256i s8 = _mm256_add_epi32(_mm256_add_epi32(c[0], c[1]), _mm256_add_epi32(c[2], c[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    sum = _mm_cvtsi128_si32(_mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1)));
+#else
     for (int j = 0; j < kQ; ++j) amax = std::max(amax, std::fabs(v[j]));
     const float d = amax / 127.f, id = d != 0.f ? 1.f / d : 0.f;
-    int32_t sum = 0;
     for (int j = 0; j < kQ; ++j) {
       const int32_t c = int32_t(std::nearbyint(v[j] * id));
-      q[b * kQ + j] = int8_t(c);
+      out[j] = int8_t(c);
       sum += c;
     }
+#endif
     dx[b] = d;
     sx[b] = d * float(sum);
     qs[b] = sum;
@@ -303,28 +335,44 @@ inline void tile_rows(int R, const Span& sp, const Rows& x, int64_t r0, float* o
   }
 }
 
+// the activation codes and scales of a call's rows, in buffers the caller keeps (thread_local in
+// linear(): four tensor allocations per call cost ~2-4 us, on every one of a forward's linears)
 struct Quantized {
-  torch::Tensor q, dx, sx, qs;
-};
+  std::vector<int8_t> q;
+  std::vector<float> dx, sx;
+  std::vector<int32_t> qs;
 
-Quantized quantize_all(const torch::Tensor& x) {
-  auto xf = x.to(torch::kFloat32).contiguous();
-  const int64_t M = xf.size(0), K = xf.size(1), KB = K / kQ;
-  Quantized r{torch::empty({M, K}, torch::kInt8), torch::empty({M, KB}, torch::kFloat32), torch::empty({M, KB}, torch::kFloat32),
-              torch::empty({M, KB}, torch::kInt32)};
-  for (int64_t i = 0; i < M; ++i)
-    quantize_row(xf.data_ptr<float>() + i * K, K, r.q.data_ptr<int8_t>() + i * K, r.dx.data_ptr<float>() + i * KB, r.sx.data_ptr<float>() + i * KB,
-                 r.qs.data_ptr<int32_t>() + i * KB);
-  return r;
-}
+  Rows of(const float* X, int64_t M, int64_t K) {
+    const int64_t KB = K / kQ;
+    q.resize(M * K);
+    dx.resize(M * KB);
+    sx.resize(M * KB);
+    qs.resize(M * KB);
+    int8_t* Q = q.data();
+    float *DX = dx.data(), *SX = sx.data();
+    int32_t* QS = qs.data();
+    at::parallel_for(0, M, 16, [&](int64_t r0, int64_t r1) {  // a prompt's rows on every core; up to 16 on the caller
+      for (int64_t i = r0; i < r1; ++i) quantize_row(X + i * K, K, Q + i * K, DX + i * KB, SX + i * KB, QS + i * KB);
+    });
+    return Rows{Q, DX, SX, QS, K, KB};
+  }
+};
 
 }  // namespace
 
 // x [M, K] -> (q int8 [M, K], dx fp32 [M, K/32], sx fp32 [M, K/32])
 std::tuple<torch::Tensor, torch::Tensor, torch::Tensor> quantize_rows(torch::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.size(1) % kQ == 0, "quantize_rows: x [M, K] with K a multiple of 32");
-  auto r = quantize_all(x);
-  return {r.q, r.dx, r.sx};
+  auto xf = x.to(torch::kFloat32).contiguous();
+  const int64_t M = xf.size(0), K = xf.size(1), KB = K / kQ;
+  Quantized buf;
+  const Rows r = buf.of(xf.data_ptr<float>(), M, K);
+  auto q = torch::empty({M, K}, torch::kInt8);
+  auto dx = torch::empty({M, KB}, torch::kFloat32), sx = torch::empty({M, KB}, torch::kFloat32);
+  std::memcpy(q.data_ptr<int8_t>(), r.q, M * K);
+  std::memcpy(dx.data_ptr<float>(), r.dx, M * KB * sizeof(float));
+  std::memcpy(sx.data_ptr<float>(), r.sx, M * KB * sizeof(float));
+  return {q, dx, sx};
 }
 
 // x [M, K] fp32/bf16; codes/d/m as above (m may be empty); bias fp32 [N] or empty -> y [M, N] fp32
@@ -340,14 +388,15 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torc
   TORCH_CHECK(!bias.numel() || bias.numel() == N, "q8 linear: bias [N]");
   auto y = torch::empty({M, N}, torch::kFloat32);
   if (M == 0) return y;
-  const auto xq = quantize_all(x);
+  const auto xf = x.to(torch::kFloat32).contiguous();
+  thread_local Quantized buf;  // the caller's buffers: taken here, before any parallel region
+  const Rows rows = buf.of(xf.data_ptr<float>(), M, K);
   const uint8_t* C = reinterpret_cast<const uint8_t*>(codes.data_ptr());
   const bool half = d.scalar_type() == torch::kHalf;
   const Scales D{reinterpret_cast<const uint8_t*>(d.data_ptr()), half};
   const Scales Mn{m.numel() ? reinterpret_cast<const uint8_t*>(m.data_ptr()) : nullptr, half};
   const float* B = bias.numel() ? bias.data_ptr<float>() : nullptr;
   float* Y = y.data_ptr<float>();
-  const Rows rows{xq.q.data_ptr<int8_t>(), xq.dx.data_ptr<float>(), xq.sx.data_ptr<float>(), xq.qs.data_ptr<int32_t>(), K, KB};
   const int64_t per_group = KB * (bits == 4 ? 128 : 256), NS = (NG + kSpan - 1) / kSpan;
   const int64_t tiles = (M + kTile - 1) / kTile, base = M / tiles, extra = M % tiles;
   at::parallel_for(0, NS, 1, [&](int64_t s0, int64_t s1) {
