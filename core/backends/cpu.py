@@ -22,6 +22,8 @@ flags; forcing ``avx2`` on an AVX-512 CPU tests and times that path there too).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
@@ -35,6 +37,7 @@ from .kernel_layers import KernelDraftLayer, KernelLayers
 from .kernel_linear import KernelLinear
 from .torch_ops import sdpa_plan
 from .q8_linear import Q8Linear, supports as q8_supports
+from .w8a8_linear import W8A8Linear, supports as w8a8_supports
 from .quant_linear import QuantLinear, quantize, supports
 
 
@@ -60,7 +63,12 @@ class CpuBackend(Backend):
         # draft modules: null = the target's scheme, unquant = none, w8a8_int8 = int8 with int8 activations
         draft = quantization if draft_quantization is None else draft_quantization.replace("unquant", "none")
         self.draft_quantization = "int8" if draft == "w8a8_int8" else draft
-        self.draft_int8_activations = draft == "w8a8_int8" or activation_quantization == "int8"
+        # the drafts' activations: a per-token target's int8 drafts take its per-token kernels too
+        if draft_quantization is None and activation_quantization == "int8_per_token":
+            self.draft_activations = "int8_per_token"
+        else:
+            self.draft_activations = "int8" if draft == "w8a8_int8" or activation_quantization == "int8" else "none"
+        self.draft_int8_activations = self.draft_activations == "int8"
         self.qops = None
         if "none" != self.quantization or "none" != self.draft_quantization:
             from ..kernels import quant_ops
@@ -80,15 +88,21 @@ class CpuBackend(Backend):
             self.q8ops = q8_ops(isa)
             if self.q8ops is None:
                 raise RuntimeError("model.activation_quantization: the int8-activation CPU kernels (kernels/q8_ops.cpp) could not be built")
+        self.w8a8ops = None
+        if "int8_per_token" in (activation_quantization, self.draft_activations):
+            from ..kernels import w8a8_isa, w8a8_ops
+
+            self.w8a8ops = w8a8_ops(w8a8_isa(isa))
+            if self.w8a8ops is None:
+                raise RuntimeError("model.activation_quantization: the per-token int8 CPU kernels (kernels/w8a8_ops.cpp) could not be built")
 
     def linear_for(
-        self, linear: nn.Linear, batch_invariant: bool, scheme: str = "none", fallback: str | None = None, int8_activations: bool | None = None
+        self, linear: nn.Linear, batch_invariant: bool, scheme: str = "none", fallback: str | None = None, activations: str | None = None
     ) -> nn.Module | None:
         """``fallback``: the scheme of a ``gguf`` linear that has no GGUF blocks (else unquantized);
-        ``int8_activations``: a quantized linear takes int8 activations (default: as
-        ``model.activation_quantization``)."""
-        if int8_activations is None:
-            int8_activations = self.activation_quantization == "int8"
+        ``activations``: what a quantized linear's activations become, ``none``, ``int8`` (per block
+        of 32) or ``int8_per_token`` (default: ``model.activation_quantization``)."""
+        activations = self.activation_quantization if activations is None else activations
         w = linear.weight
         if type(linear) is not nn.Linear or w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16):
             return None
@@ -100,21 +114,21 @@ class CpuBackend(Backend):
         elif scheme in ("int8", "int4") and supports(linear, scheme):
             qw = quantize(linear.weight, scheme)
         if qw is not None:
-            if int8_activations and self.q8ops is not None and q8_supports(qw.in_features):
+            if activations == "int8_per_token" and self.w8a8ops is not None and w8a8_supports(qw):
+                return W8A8Linear.from_quant_weight(qw, linear.bias, self.w8a8ops, scheme)
+            if activations == "int8" and self.q8ops is not None and q8_supports(qw.in_features):
                 return Q8Linear.from_quant_weight(qw, linear.bias, self.q8ops, scheme)
             return QuantLinear(qw, linear.bias, self.qops, scheme)
         if w.dtype == torch.bfloat16 and self.bf16_kernel and not self._dot_in_ops():
             return DotBF16Linear(linear, batch_invariant)
         return KernelLinear(linear, self.ops, self.isa, batch_invariant, bf16_dot=self.bf16_kernel)
 
-    def _swap(
-        self, module: nn.Module, batch_invariant: bool, scheme: str = "none", fallback: str | None = None, int8_activations: bool | None = None
-    ) -> nn.Module:
+    def _swap(self, module: nn.Module, batch_invariant: bool, scheme: str = "none", fallback: str | None = None, activations: str | None = None) -> nn.Module:
         if type(module) is nn.Linear:  # a bare layer (e.g. an FR-Spec lm_head)
-            return self.linear_for(module, batch_invariant, scheme, fallback, int8_activations) or module
+            return self.linear_for(module, batch_invariant, scheme, fallback, activations) or module
         for parent in list(module.modules()):
             for name, child in list(parent.named_children()):
-                fast = self.linear_for(child, batch_invariant, scheme, fallback, int8_activations) if type(child) is nn.Linear else None
+                fast = self.linear_for(child, batch_invariant, scheme, fallback, activations) if type(child) is nn.Linear else None
                 if fast is not None:
                     setattr(parent, name, fast)
         return module
@@ -126,7 +140,7 @@ class CpuBackend(Backend):
 
     def prepare_module(self, module: nn.Module) -> nn.Module:
         self._hand_backend(module, self.for_draft_modules())
-        module = self._swap(module, False, self.draft_quantization, self.draft_fallback, self.draft_int8_activations)
+        module = self._swap(module, False, self.draft_quantization, self.draft_fallback, self.draft_activations)
         _onto_huge_pages(module)
         return module
 
@@ -134,7 +148,7 @@ class CpuBackend(Backend):
         """Also a draft model's own runner: its target is quantized with the draft scheme."""
         other = super().for_drafting()
         other.quantization, other.target_fallback = self.draft_quantization, self.draft_fallback
-        other.activation_quantization = "int8" if self.draft_int8_activations else "none"
+        other.activation_quantization = self.draft_activations
         return other
 
     def fused_ops(self, dtype, intermediate: int):
@@ -205,7 +219,8 @@ class CpuBackend(Backend):
 
             bf16 = ", bf16 linears on AMX tiles" if bf16_amx() is not None else ", bf16 linears on vdpbf16ps (AVX512-BF16)"
         quant = f", weights {self.quantization}" if self.quantization != "none" else ""
-        quant += ", int8 activations" if self.q8ops is not None else ""
+        quant += ", int8 activations" if self.activation_quantization == "int8" else ""
+        quant += f", int8 activations per token ({self.w8a8ops.isa()})" if self.activation_quantization == "int8_per_token" else ""
         draft = f", draft weights {self.draft_quantization}" if self.draft_quantization != self.quantization else ""
         draft += ", int8 draft activations" if self.draft_int8_activations and self.activation_quantization != "int8" else ""
         draft += f", draft weights without GGUF blocks {self.draft_fallback}" if self.draft_fallback else ""
@@ -213,7 +228,20 @@ class CpuBackend(Backend):
 
 
 def _onto_huge_pages(module: nn.Module) -> None:
-    """Every ``KernelLinear``'s packed weight moved into one huge-page buffer (``huge_pages``)."""
-    layers = [m for m in module.modules() if isinstance(m, KernelLinear)]
-    for layer, packed in zip(layers, huge_pages.relocate([m.packed for m in layers])):
-        layer.packed = packed
+    """Every streamed weight moved into one huge-page buffer (``huge_pages``): ``KernelLinear``'s
+    packed weight, ``Q8Linear``'s (and ``W8A8Linear``'s) codes and scales, ``QuantLinear``'s. On
+    the AMX Xeon (THP ``madvise``) 4 KB pages cost the demo's gguf + int8-activation linears 1.32x
+    at one row (session 32)."""
+    kernel = [m for m in module.modules() if isinstance(m, KernelLinear)]
+    codes = [m for m in module.modules() if isinstance(m, Q8Linear)]
+    quant = [m for m in module.modules() if isinstance(m, QuantLinear)]
+    tensors = [m.packed for m in kernel]
+    tensors += [t for m in codes for t in (m.q8.codes, m.q8.d, m.q8.m)]
+    tensors += [t for m in quant for t in (m.qw.codes, m.qw.scale, m.qw.minv)]
+    moved = iter(huge_pages.relocate(tensors))
+    for m in kernel:
+        m.packed = next(moved)
+    for m in codes:
+        m.q8 = replace(m.q8, codes=next(moved), d=next(moved), m=next(moved))
+    for m in quant:
+        m.qw = replace(m.qw, codes=next(moved), scale=next(moved), minv=next(moved))

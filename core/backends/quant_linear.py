@@ -32,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 SCHEMES = ("none", "int8", "int4", "gguf")
 DRAFT_SCHEMES = (*SCHEMES, "unquant", "w8a8_int8")  # w8a8_int8 (SGLang's name): int8 weights and int8 activations, draft linears only
-ACTIVATION_SCHEMES = ("none", "int8")  # model.activation_quantization (q8_linear.py)
+ACTIVATION_SCHEMES = ("none", "int8", "int8_per_token")  # model.activation_quantization (q8_linear.py; w8a8_linear.py: per token)
 INT4_GROUP = 32
 BLOCK = 16  # outputs per packed block (as cpu_ops' linear)
 

@@ -27,6 +27,7 @@ _OPS_SOURCE = Path(__file__).with_name("cpu_ops.cpp")
 _QUANT_SOURCE = Path(__file__).with_name("quant_ops.cpp")
 _AMX_SOURCE = Path(__file__).with_name("bf16_amx.cpp")
 _Q8_SOURCE = Path(__file__).with_name("q8_ops.cpp")
+_W8A8_SOURCE = Path(__file__).with_name("w8a8_ops.cpp")
 _cache: dict[str, object] = {}
 
 
@@ -96,6 +97,43 @@ def q8_ops(isa: str | None = None):
         vnni = ["-mavx512vnni"] if isa == "avx512" and "avx512_vnni" in _cpu_flags() else []
         flags = [*_ISA_FLAGS[isa], *f16c, *vnni, "-ffp-contract=off"]
         _cache[key] = _load(_Q8_SOURCE, f"specfw_q8_ops_{isa}", flags, "int8-activation kernels " + isa + ("+vnni" if vnni else ""))
+    return _cache[key]
+
+
+W8A8_ISAS = ("amx", "avx512", "avx2", "portable")  # w8a8_ops' builds: AMX-INT8 tiles, AVX512-VNNI, AVX2, none
+
+
+def w8a8_isa_supported(isa: str) -> bool:
+    """Whether this CPU runs ``w8a8_ops``' ``isa`` build (``avx512`` means AVX512-VNNI here)."""
+    flags = _cpu_flags()
+    if isa == "amx":
+        return isa_supported("avx512") and {"amx_tile", "amx_int8"} <= flags
+    if isa == "avx512":
+        return isa_supported("avx512") and "avx512_vnni" in flags
+    return isa_supported(isa)
+
+
+def w8a8_isa(isa: str | None = None) -> str:
+    """``w8a8_ops``' build for the CPU kernels' ``isa`` (default ``cpu_isa()``): on an avx512 CPU
+    its AMX-INT8 tiles where it has them, else AVX512-VNNI, else the AVX2 build."""
+    isa = isa or cpu_isa()
+    if isa == "avx512":
+        return next(i for i in ("amx", "avx512", "avx2") if w8a8_isa_supported(i))
+    return isa
+
+
+def w8a8_ops(isa: str | None = None):
+    """``w8a8_ops.cpp`` (int8 activations with one scale per row x int8 weights with one per
+    output channel) built for ``isa`` (one of ``W8A8_ISAS``; default ``w8a8_isa()``), or None.
+    ``-ffp-contract=off``: its builds must round alike (bit-equal)."""
+    isa = isa or w8a8_isa()
+    key = f"w8a8_ops_{isa}"
+    if key not in _cache:
+        flags = {
+            "amx": [*_ISA_FLAGS["avx512"], "-mavx512vnni", "-mamx-tile", "-mamx-int8", "-DSPECFW_W8A8_AMX"],
+            "avx512": [*_ISA_FLAGS["avx512"], "-mavx512vnni"],
+        }.get(isa, _ISA_FLAGS.get(isa, []))
+        _cache[key] = _load(_W8A8_SOURCE, f"specfw_w8a8_ops_{isa}", [*flags, "-ffp-contract=off"], "w8a8 kernels " + isa)
     return _cache[key]
 
 
@@ -214,6 +252,9 @@ def build_all(every_isa: bool = False, workers: int | None = None) -> dict[str, 
         jobs[isa] = lambda isa=isa: cpu_ops(isa)
         jobs[f"quant_{isa}"] = lambda isa=isa: quant_ops(isa)
         jobs[f"q8_{isa}"] = lambda isa=isa: q8_ops(isa)
+    w8a8 = [i for i in W8A8_ISAS if w8a8_isa_supported(i)] if every_isa else list(dict.fromkeys([w8a8_isa(), "portable"]))
+    for isa in w8a8:
+        jobs[f"w8a8_{isa}"] = lambda isa=isa: w8a8_ops(isa)
     if cpu_has_avx512_bf16():
         jobs["bf16_dot"] = bf16_dot
     if cpu_has_amx_bf16():

@@ -130,7 +130,7 @@ def test_int8_per_channel_and_int4_from_fp32_weights():
 
 
 def test_config_checks_name_the_key():
-    with pytest.raises(ConfigError, match=r"model.activation_quantization.*\['none', 'int8'\]"):
+    with pytest.raises(ConfigError, match=r"model.activation_quantization.*\['none', 'int8', 'int8_per_token'\]"):
         validate(make_cfg(model_quantization="int4", model_activation_quantization="int4"))
     with pytest.raises(ConfigError, match="model.activation_quantization.*model.quantization"):
         validate(make_cfg(model_activation_quantization="int8"))

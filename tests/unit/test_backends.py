@@ -116,3 +116,33 @@ def test_cpu_backend_puts_packed_weights_on_one_buffer():
     assert len(layers) == 2
     assert layers[0].packed.untyped_storage().data_ptr() == layers[1].packed.untyped_storage().data_ptr()
     torch.testing.assert_close(model(x), ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("activations", ["none", "int8", "int8_per_token"])
+def test_cpu_backend_puts_quantized_codes_on_one_buffer(activations):
+    """Weight-only codes (``QuantLinear``), int8-activation codes (``Q8Linear``) and per-token ones
+    (``W8A8Linear``) with their scales move to the huge-page buffer; outputs keep their bits."""
+    import copy
+
+    from specfw.backends import huge_pages
+    from specfw.backends.q8_linear import Q8Linear
+    from specfw.backends.quant_linear import QuantLinear
+    from specfw.kernels import cpu_ops
+
+    ops = cpu_ops("portable")
+    if ops is None or not huge_pages.huge_pages_available():
+        pytest.skip("no kernels or no transparent huge pages here")
+    from specfw.backends.cpu import CpuBackend
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 2048), torch.nn.Linear(2048, 1024))
+    backend = CpuBackend(ops, "portable", quantization="int8", activation_quantization=activations)
+    kept = backend._swap(copy.deepcopy(model), False, "int8", None, activations)  # the same linears, left where torch put them
+    backend.prepare_module(model)
+    kind = QuantLinear if activations == "none" else Q8Linear
+    layers = [m for m in model.modules() if isinstance(m, kind)]
+    assert len(layers) == 2
+    storages = {t.untyped_storage().data_ptr() for m in layers for t in ((m.qw.codes, m.qw.scale) if kind is QuantLinear else (m.q8.codes, m.q8.d))}
+    assert len(storages) == 1
+    x = torch.randn(3, 1024)
+    assert torch.equal(model(x), kept(x))

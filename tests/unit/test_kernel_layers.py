@@ -9,7 +9,7 @@ import torch
 from specfw.backends import make_backend
 from specfw.backends.cpu import CpuBackend
 from specfw.backends.kernel_layers import KernelLayers
-from specfw.kernels import ISAS, cpu_ops, isa_supported, q8_ops
+from specfw.kernels import ISAS, bf16_amx, cpu_ops, isa_supported, q8_ops, w8a8_isa, w8a8_ops
 from specfw.model_loader import load_model
 from specfw.model_runner import ModelRunner, build_forward_batch
 
@@ -29,14 +29,17 @@ def _tree_mask(parents):
     return mask
 
 
-def _runner(model_dir, isa, dtype, bf16_dot=False, codes=None):
-    """``codes``: int8 / int4 weights with int8 activations (``Q8Linear``: q8_ops' linears)."""
-    if cpu_ops(isa) is None or (codes and q8_ops(isa) is None):
+def _runner(model_dir, isa, dtype, bf16_dot=False, codes=None, activations="int8"):
+    """``codes``: int8 / int4 weights with int8 activations (``Q8Linear``: q8_ops' linears; with
+    ``activations="int8_per_token"``, ``W8A8Linear``: w8a8_ops' linears)."""
+    if cpu_ops(isa) is None or (codes and q8_ops(isa) is None) or (activations == "int8_per_token" and w8a8_ops(w8a8_isa(isa)) is None):
         pytest.skip("the CPU kernels cannot be built here")
     if bf16_dot and not cpu_ops(isa).has_bf16_dot():
         pytest.skip(f"the {isa} build has no vdpbf16ps path on this CPU")
+    if bf16_dot and bf16_amx() is not None:
+        pytest.skip("on an AMX CPU bf16 linears take AMX tiles (DotBF16Linear, per layer), not the build's vdpbf16ps path")
     lm = load_model(str(model_dir), dtype=str(dtype).removeprefix("torch."))
-    quant = dict(quantization=codes, activation_quantization="int8") if codes else {}
+    quant = dict(quantization=codes, activation_quantization=activations) if codes else {}
     backend = make_backend("cpu", batch_invariant=True, cpu_isa=isa, cpu_bf16_kernel=bf16_dot, **quant)
     return ModelRunner(lm.model, lm.hf_config, 512, dtype, backend=backend)
 
@@ -52,17 +55,23 @@ def _both_paths(runner, chunks, capture=()):
     return outs
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "bf16 vdpbf16ps", "int8 codes", "int4 codes"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "bf16 vdpbf16ps", "int8 codes", "int4 codes", "int8 per token"])
 @pytest.mark.parametrize("isa", _isas())
 def test_one_call_layers_equal_the_per_layer_path(tiny_model_dir, isa, dtype, monkeypatch):
-    """Also with int8 activations x int8 / int4 codes (``cpu_ops`` calling q8_ops' linear)."""
+    """Also with int8 activations x int8 / int4 codes (``cpu_ops`` calling q8_ops' linear) and
+    with int8 activations per token (w8a8_ops' linear: AMX tiles in the avx512 build where the CPU
+    has AMX-INT8)."""
     from specfw.backends.q8_linear import Q8Linear
+    from specfw.backends.w8a8_linear import W8A8Linear
 
     dot = dtype == "bf16 vdpbf16ps"  # bf16 weights in bf16_dot's layout (AVX512-BF16 in the avx512 build)
-    codes = dtype.split()[0] if isinstance(dtype, str) and dtype.endswith("codes") else None
-    r = _runner(tiny_model_dir, isa, torch.bfloat16 if dot else torch.float32 if codes else dtype, bf16_dot=dot, codes=codes)
+    per_token = dtype == "int8 per token"
+    codes = dtype.split()[0] if isinstance(dtype, str) and (dtype.endswith("codes") or per_token) else None
+    acts = "int8_per_token" if per_token else "int8"
+    r = _runner(tiny_model_dir, isa, torch.bfloat16 if dot else torch.float32 if codes else dtype, bf16_dot=dot, codes=codes, activations=acts)
     if codes:
-        assert all(isinstance(getattr(layer, n), Q8Linear) for layer in r.model.layers for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
+        kind = W8A8Linear if per_token else Q8Linear
+        assert all(type(getattr(layer, n)) is kind for layer in r.model.layers for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
         assert {layer.qkv_proj.q8.bits for layer in r.model.layers} == {8 if codes == "int8" else 4}
     else:
         assert all(layer.qkv_proj.packed.shape[-1] == (32 if dot else 16) for layer in r.model.layers)
