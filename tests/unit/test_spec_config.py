@@ -196,6 +196,24 @@ def test_auto_measures_the_verify_cost_and_decides(tiny_model_dir, caplog):
     eng.close()
 
 
+def test_auto_does_not_time_triton_interpreted_attention(tiny_model_dir, monkeypatch):
+    """Under TRITON_INTERPRET=1 the Triton attention backend runs in Python: the probe would time
+    the interpreter, so it keeps the policy on without a forward."""
+    from conftest import make_cfg
+    from specfw.engine import Engine
+    from specfw.speculative import verify_cost
+
+    eng = Engine(make_cfg(model_path=str(tiny_model_dir), model_attention_backend="triton", max_total_tokens=4096))
+    forwards = []
+    monkeypatch.setattr(eng.runner, "forward", lambda fb: forwards.append(fb))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert verify_cost.verify_cost_ratio(eng.runner, 8) == float("inf") and verify_cost.resolve_adaptive("auto", eng.runner, 8)
+    assert forwards == []
+    monkeypatch.setenv("TRITON_INTERPRET", "0")  # compiled kernels (CUDA): timed as any other backend
+    assert verify_cost.verify_cost_ratio(eng.runner, 8) < float("inf") and len(forwards) == 12  # warm-up and 5 alternated pairs
+    eng.close()
+
+
 @pytest.mark.parametrize("running, probed", [(1, 1), (3, 3), (16, 8)])
 def test_auto_probes_at_the_engines_concurrency(tiny_model_dir, monkeypatch, running, probed):
     """The probe verifies min(engine.max_running_requests, PROBE_BATCH) requests at once: with one
