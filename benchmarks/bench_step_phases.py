@@ -205,7 +205,7 @@ def main():
         name, *shape = head.split(":")
         spec = SpeculativeConfig()
         if name != "plain":
-            kw = dict(algorithm=name, adaptive_draft=a.adaptive, **dict(_key_value(e) for e in extra))
+            kw = {"algorithm": name, "adaptive_draft": a.adaptive, **dict(_key_value(e) for e in extra)}  # a row's own keys win over --adaptive
             if len(shape) == 4:
                 kw["draft_model_quantization"] = shape.pop()
             if shape:
