@@ -154,3 +154,27 @@ def test_speculative_equals_plain_per_token(tiny_model_dir, tiny_draft_dir):
         if spec.algorithm == "standalone" and spec.draft_model_quantization is None:
             draft = eng.worker.runtime.draft.model
             assert len([m for m in draft.modules() if isinstance(m, W8A8Linear)]) == 4 * len(draft.layers) + 1
+
+
+@pytest.mark.parametrize("isa", W8A8_ISAS)
+def test_any_width_through_the_kernel_directly(isa):
+    """Widths the linear module never passes (not multiples of 16 or 32) run the SIMD loops' scalar
+    tails and the chunk padding: the reference's bits still, rows alone or together."""
+    ops = _ops(isa)
+    g = torch.Generator().manual_seed(7)
+    n, k = 21, 100
+    c = torch.randint(-127, 128, (n, k), generator=g, dtype=torch.int8)
+    d = torch.rand(n, generator=g) * 0.01
+    codes = ops.pack(c)
+    scale = torch.zeros(codes.shape[0] * 16)
+    scale[:n] = d
+    x = torch.randn(5, k, generator=g)
+    y = ops.linear(x, codes, scale, torch.empty(0), 8, n, torch.empty(0))
+    v = x.numpy()
+    dx = (np.abs(v).max(1) / np.float32(127)).astype(np.float32)
+    q = np.rint(v * (np.float32(1) / dx)[:, None]).astype(np.int64)
+    want = ((q @ c.numpy().astype(np.int64).T).astype(np.float32).astype(np.float64) * (dx[:, None] * d.numpy()[None]).astype(np.float64)).astype(np.float32)
+    assert torch.equal(y, torch.from_numpy(want))
+    assert torch.equal(torch.cat([ops.linear(x[i : i + 1], codes, scale, torch.empty(0), 8, n, torch.empty(0)) for i in range(5)]), y)
+    qq, dd = ops.quantize_rows(x)
+    assert torch.equal(qq, torch.from_numpy(q.astype(np.int8))) and torch.equal(dd, torch.from_numpy(dx))
