@@ -18,9 +18,8 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
 
+#include "amx_tiles.h"
 #include <cstring>
 #include <vector>
 
@@ -30,19 +29,8 @@ constexpr int64_t kLanes = 16;      // outputs per block (C tile columns)
 constexpr int64_t kTilePairs = 16;  // k pairs per tile (32 bf16)
 constexpr int kBlocksPerItem = 4;   // C tiles tmm0..tmm3; A in tmm4, B in tmm5..tmm6
 
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-bool request_amx() {
-  // Linux: a process must ask for the AMX tile state before its first tile instruction
-  constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-}
+using specfw_amx::TileConfig;
+using specfw_amx::request_amx;
 
 void configure(int rows) {   // every tile of 16 rows; A and C rows = rows
   TileConfig cfg;

@@ -32,8 +32,7 @@
 #include <immintrin.h>
 #endif
 #if defined(SPECFW_W8A8_AMX)
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx_tiles.h"
 #endif
 
 namespace {
@@ -77,19 +76,8 @@ inline void finish(const int32_t* P, int64_t m, int64_t n0, const Rows& x, const
 #if defined(SPECFW_W8A8_AMX)
 constexpr int kBlocksPerItem = 4;  // C tiles tmm0..tmm3; A in tmm4, B in tmm5..tmm6
 
-struct alignas(64) TileConfig {
-  uint8_t palette_id;
-  uint8_t start_row;
-  uint8_t reserved[14];
-  uint16_t colsb[16];
-  uint8_t rows[16];
-};
-
-bool request_amx() {
-  // Linux: a process must ask for the AMX tile state before its first tile instruction
-  constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
-}
+using specfw_amx::TileConfig;
+using specfw_amx::request_amx;
 
 void configure() {  // every tile 16 rows x 64 bytes: C 16 x 16 int32, A 16 rows x 64 codes, B 16 quads x 16 x 4
   TileConfig cfg;
