@@ -42,19 +42,23 @@ def test_build_all_builds_every_isa_the_cpu_runs_side_by_side(monkeypatch):
 
     monkeypatch.delenv("SPECFW_CPU_ISA", raising=False)
     built = {}
-    for fam in ("cpu_ops", "quant_ops", "q8_ops"):
+    for fam in ("cpu_ops", "quant_ops", "q8_ops", "w8a8_ops"):
         monkeypatch.setattr(kernels, fam, lambda isa, fam=fam: built.setdefault((fam, isa), threading.current_thread().name))
     monkeypatch.setattr(kernels, "bf16_dot", lambda: built.setdefault(("bf16_dot", None), threading.current_thread().name))
     monkeypatch.setattr(kernels, "bf16_amx", lambda: None)  # a failed / impossible build reports False
     runs = [i for i in ISAS if isa_supported(i)]
+    w8a8 = [i for i in kernels.W8A8_ISAS if kernels.w8a8_isa_supported(i)]  # its amx build where the CPU has AMX-INT8
     every = kernels.build_all(every_isa=True, workers=2)
-    assert {k for k in every if not k.startswith("bf16")} == {p + i for i in runs for p in ("", "quant_", "q8_")}
-    assert {(f, i) for f, i in built if f != "bf16_dot"} == {(f, i) for i in runs for f in ("cpu_ops", "quant_ops", "q8_ops")}
+    want = {p + i for i in runs for p in ("", "quant_", "q8_")} | {"w8a8_" + i for i in w8a8}
+    assert {k for k in every if not k.startswith("bf16")} == want
+    want_built = {(f, i) for i in runs for f in ("cpu_ops", "quant_ops", "q8_ops")} | {("w8a8_ops", i) for i in w8a8}
+    assert {(f, i) for f, i in built if f != "bf16_dot"} == want_built
     assert all(every[k] for k in every if k != "bf16_amx") and every.get("bf16_amx", False) is False
     assert ("bf16_dot" in every) == kernels.cpu_has_avx512_bf16()
     assert threading.main_thread().name not in built.values()  # on the pool's threads
     default = kernels.build_all()
-    assert {k for k in default if not k.startswith("bf16")} == {p + i for i in dict.fromkeys([cpu_isa(), "portable"]) for p in ("", "quant_", "q8_")}
+    want = {p + i for i in dict.fromkeys([cpu_isa(), "portable"]) for p in ("", "quant_", "q8_")}
+    assert {k for k in default if not k.startswith("bf16")} == want | {"w8a8_" + i for i in dict.fromkeys([kernels.w8a8_isa(), "portable"])}
 
 
 def test_a_killed_builds_lock_file_does_not_hang_the_next_load(tmp_path, monkeypatch):
