@@ -68,7 +68,6 @@ class CpuBackend(Backend):
             self.draft_activations = "int8_per_token"
         else:
             self.draft_activations = "int8" if draft == "w8a8_int8" or activation_quantization == "int8" else "none"
-        self.draft_int8_activations = self.draft_activations == "int8"
         self.qops = None
         if "none" != self.quantization or "none" != self.draft_quantization:
             from ..kernels import quant_ops
@@ -82,7 +81,7 @@ class CpuBackend(Backend):
         self.draft_fallback = "int8" if draft_quantization is None and quantization == "gguf" and activation_quantization == "int8" else None
         self.target_fallback: str | None = None  # the target's own linears without blocks stay unquantized
         self.activation_quantization, self.q8ops = activation_quantization, None
-        if activation_quantization == "int8" or self.draft_int8_activations:
+        if "int8" in (activation_quantization, self.draft_activations):
             from ..kernels import q8_ops
 
             self.q8ops = q8_ops(isa)
@@ -222,7 +221,7 @@ class CpuBackend(Backend):
         quant += ", int8 activations" if self.activation_quantization == "int8" else ""
         quant += f", int8 activations per token ({self.w8a8ops.isa()})" if self.activation_quantization == "int8_per_token" else ""
         draft = f", draft weights {self.draft_quantization}" if self.draft_quantization != self.quantization else ""
-        draft += ", int8 draft activations" if self.draft_int8_activations and self.activation_quantization != "int8" else ""
+        draft += ", int8 draft activations" if self.draft_activations == "int8" and self.activation_quantization != "int8" else ""
         draft += f", draft weights without GGUF blocks {self.draft_fallback}" if self.draft_fallback else ""
         return f"specfw CPU kernels ({self.isa}{bf16}{quant}{draft}{self.attention_note()})"
 

@@ -43,7 +43,7 @@ constexpr int64_t kUnit = kOut * kChunk;
 constexpr int64_t kAhead = 8 * kUnit;  // bytes of codes fetched ahead by a tile that streams them (past the end: harmless)
 
 struct Rows {
-  const int8_t* q;    // [M, KP], zero padded to KP = KC * 64
+  const int8_t* q;    // [ceil(M / 16) * 16, KP], zero padded to KP = KC * 64 and to whole row groups of 16
   const float* dx;    // [M]
   const int32_t* qs;  // [M]: sum of the row's codes
   int64_t KP;
@@ -113,12 +113,7 @@ void group(const int8_t* w, int64_t KC, const int8_t* x, int64_t xs, int32_t* ou
 void run(const int8_t* W, int64_t NB, int64_t KC, const Rows& x, int64_t M, const Out& o) {
   static const bool permitted = request_amx();
   TORCH_CHECK(permitted, "w8a8 linear: the kernel did not get the AMX tile state (arch_prctl)");
-  // rows staged in whole A tiles of 16 (zero rows: rows are independent, the padding changes no row)
-  const int64_t Mp = (M + 15) / 16 * 16;
-  thread_local std::vector<int8_t> staged;
-  staged.assign(Mp * x.KP, 0);
-  std::memcpy(staged.data(), x.q, M * x.KP);
-  const int8_t* X = staged.data();
+  const int8_t* X = x.q;  // whole A tiles: linear() zero-pads the rows to a multiple of 16
   const int64_t items = (NB + kBlocksPerItem - 1) / kBlocksPerItem;
   at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
     alignas(64) int32_t acc[16 * 64];
@@ -355,7 +350,11 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torc
   thread_local std::vector<int8_t> q;
   thread_local std::vector<float> dx;
   thread_local std::vector<int32_t> qs;
-  q.resize(M * KP);
+  // whole A tiles of 16 rows for the amx build: the rows past M stay zero codes (rows are
+  // independent, the padding changes no row), so its tiles load straight from this buffer
+  const int64_t Mp = (M + 15) / 16 * 16;
+  q.resize(Mp * KP);
+  std::memset(q.data() + M * KP, 0, (Mp - M) * KP);
   dx.resize(M);
   qs.resize(M);
   // pointers, not the thread_local names: inside the parallel region those name each worker's own vectors
