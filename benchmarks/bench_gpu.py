@@ -28,6 +28,9 @@ ALGOS = {
     "eagle3-3-1-4": dict(algorithm="eagle3", num_steps=3, topk=1, num_draft_tokens=4),  # a chain: the draft loop in one graph
     "eagle3-5-1-6": dict(algorithm="eagle3", num_steps=5, topk=1, num_draft_tokens=6),
     "eagle3-auto-adaptive": dict(algorithm="eagle3", adaptive_draft=True),  # the draft budget on (off on GPUs by default)
+    # adaptive_draft=false: every step drafts the whole chain (the default on CUDA since session 33)
+    "eagle3-3-1-4-fixed": dict(algorithm="eagle3", num_steps=3, topk=1, num_draft_tokens=4, adaptive_draft=False),
+    "eagle3-5-1-6-fixed": dict(algorithm="eagle3", num_steps=5, topk=1, num_draft_tokens=6, adaptive_draft=False),
     "ngram": dict(algorithm="ngram"),
 }
 
@@ -65,7 +68,11 @@ def main():
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--model", default="demo", help="demo, tiny (a random 2-layer model: smoke runs), or a model directory")
     ap.add_argument("--backends", default="torch,triton,flashinfer")
-    ap.add_argument("--algos", default="plain,eagle3-auto,eagle3-5-8-32,eagle3-3-1-4,ngram", help=f"of {', '.join(ALGOS)}")
+    ap.add_argument(
+        "--algos",
+        default="plain,eagle3-auto,eagle3-5-8-32,eagle3-3-1-4,ngram",
+        help=f"of {', '.join(ALGOS)}; one may repeat (runs of one configuration side by side)",
+    )
     ap.add_argument("--no-eager", action="store_true", help="the CUDA-graph rows only")
     ap.add_argument("--no-prefix-cache", action="store_true", help="engine.disable_radix_cache=true (the chat prompts share their template's first tokens)")
     ap.add_argument("--batch-sizes", default="1,16")
@@ -93,7 +100,7 @@ def main():
 
         model = str(tiny_model())
     bss = [int(b) for b in a.batch_sizes.split(",")]
-    algos = {k: ALGOS[k] for k in a.algos.split(",")}
+    algos = [(k, ALGOS[k]) for k in a.algos.split(",")]
     warm_n = max(max(bss), a.warmup_prompts)
     questions = datasets.mtbench_first_turns(a.prompts + warm_n)  # the last warm_n warm the engines up
     params = SamplingParams(max_new_tokens=a.new_tokens, temperature=0, ignore_eos=True)
@@ -108,7 +115,7 @@ def main():
     t_start = time.perf_counter()
     for label, attention, graphs in settings(a.backends.split(","), a.device, not a.no_eager):
         plain = {}
-        for name, algo in algos.items():
+        for name, algo in algos:
             if a.deadline_s and time.perf_counter() - t_start > a.deadline_s:
                 print(f"{label} {name}: not run (past --deadline-s {a.deadline_s:.0f})", flush=True)
                 rows.append((label, name, "-", "-", "-", "-", "-", "not run: past the deadline"))

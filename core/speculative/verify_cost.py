@@ -4,7 +4,9 @@ device, measured once at startup with as many requests as the engine runs togeth
 
 Where verifying ``num_draft_tokens`` rows costs about what one row does (GPUs, or an AMX CPU with
 small trees), drafting every step at the full tree is what pays, as SGLang does: the adaptive
-draft policy is off and the tree flags mean what they say. Where it grows (CPUs), the policy is on:
+draft policy is off and the tree flags mean what they say. On a CUDA device ``auto`` is off without
+a probe: the probe times eager forwards (the graphed ones serve), it came out above the threshold
+on an H200 (session 33), and there the policy lost to the fixed tree in every side-by-side run. Where it grows (CPUs), the policy is on:
 it decides per step whether to draft and how large a tree to verify, from measured tokens/s, and
 the tree flags are upper bounds.
 """
@@ -92,6 +94,12 @@ def resolve_adaptive(value, runner, num_draft_tokens: int, batch: int = 1) -> bo
     mode = adaptive_mode(value)
     if mode != "auto":
         return mode == "true"
+    if runner.device.type == "cuda":
+        logger.info(
+            "speculative.adaptive_draft=auto: off on a CUDA device -- every step drafts and verifies the configured tree, "
+            "as SGLang (docs/gpu.md: on an H200 the policy lost to the fixed tree in every A/B); speculative.adaptive_draft=true turns it on"
+        )
+        return False
     ratio = verify_cost_ratio(runner, num_draft_tokens, batch=batch)
     on = ratio > GROWS_ABOVE
     if on:

@@ -1,6 +1,7 @@
 """Every speculative option composes; each validation rule produces its message."""
 
 import pytest
+import torch
 from hydra import compose, initialize_config_module
 
 from specfw.config import ConfigError, validate
@@ -229,3 +230,17 @@ def test_auto_probes_at_the_engines_concurrency(tiny_model_dir, monkeypatch, run
     with Engine(make_cfg(model_path=str(tiny_model_dir), max_total_tokens=4096, max_running_requests=running, speculative=spec)) as eng:
         assert eng.worker.policy.adaptive
     assert seen == [(eng.tree_shape.num_draft_tokens, probed)]
+
+
+def test_auto_is_off_on_cuda_without_a_probe(caplog):
+    """On a CUDA device auto means SGLang's fixed tree: no forward is timed (the probe's eager
+    forwards are not the graphed ones that serve); explicit true still turns the policy on."""
+    from types import SimpleNamespace
+
+    from specfw.speculative import verify_cost
+
+    runner = SimpleNamespace(device=torch.device("cuda"), forward=lambda fb: pytest.fail("the probe ran a forward"))
+    with caplog.at_level("INFO"):
+        assert verify_cost.resolve_adaptive("auto", runner, 8, batch=8) is False
+    assert "off on a CUDA device" in caplog.text
+    assert verify_cost.resolve_adaptive("true", runner, 8) is True
