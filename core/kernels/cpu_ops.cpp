@@ -526,14 +526,14 @@ void all_rows_values_part(int64_t R, const float* p, int64_t p_stride, int64_t D
   }
 }
 
+// ... over all D dims: in passes of rows where D is ND vectors, else row by row (the same bits)
 template <int ND, typename T>
 void all_rows_values(int64_t R, const float* p, int64_t p_stride, int64_t D, const T* cache, int64_t slot_stride, const int64_t* slots,
                      int64_t n, float* acc) {
-  int64_t r = 0;
-  if constexpr (ND > 0)
-    for (; D == ND * W && r + kRowsPerPass <= R; r += kRowsPerPass)
-      rows_values<ND, kRowsPerPass>(p + r * p_stride, p_stride, D, cache, slot_stride, slots, n, acc + r * D);
-  for (; r < R; ++r) row_values<ND>(p + r * p_stride, D, cache, slot_stride, slots, n, acc + r * D);
+  if constexpr (ND > 0) {
+    if (D == ND * W) return all_rows_values_part<ND>(R, p, p_stride, D, cache, slot_stride, slots, n, acc);
+  }
+  for (int64_t r = 0; r < R; ++r) row_values<ND>(p + r * p_stride, D, cache, slot_stride, slots, n, acc + r * D);
 }
 
 // p[0..L) <- exp(p - max), returns their sum (lanes j mod W, then vhsum)
@@ -593,8 +593,12 @@ struct AttnItem {
   int64_t q0, s0;           // first query row in qf, first score in sc
 };
 
+// head dims [off, off + dims) of an item's query rows [t0, t1), except in phase 1 (score tasks),
+// where the same two fields are prefix keys: key0() / key1() name that reading
 struct AttnTask {
-  int64_t item, off, dims, t0, t1;  // head dims [off, off + dims) of query rows [t0, t1); phase 1: keys [t0, t1)
+  int64_t item, off, dims, t0, t1;
+  int64_t key0() const { return t0; }
+  int64_t key1() const { return t1; }
 };
 
 template <int ND, typename T>
@@ -677,8 +681,6 @@ void attention_impl(const T* Q, const T* Kc, const T* Vc, T* O, int64_t H, int64
     row_scores<ND>(q, D, Kc + it.kvh * D, stride, extra_slots + e0, ne, scale, s + it.P);
     return softmax_numerators(s, it.P + ne);
   };
-  // the task's query rows' weighted values over its dims, p: their score rows (it.L apart), a:
-  // their accumulators (D apart, at the task's first dim), sums: their softmax sums; then outputs
   // the task's query rows' weighted values over its dims: p their score rows (it.L apart), a their
   // accumulators (D apart, at the task's first dim); first the prefix keys [j0, j0 + n) ...
   auto values_block = [&](const AttnItem& it, const AttnTask& vt, const float* p, float* a, int64_t j0, int64_t n) {
@@ -727,12 +729,12 @@ void attention_impl(const T* Q, const T* Kc, const T* Vc, T* O, int64_t H, int64
       for (int64_t k = 0; k < n1; ++k) {
         const AttnTask& st = score_tasks[k];
         const int64_t* pre = prefix_slots + prefix_ptr[items[st.item].g];
-        for (int64_t j0 = st.t0; j0 < st.t1; j0 += kKeyBlock) {
-          if (j0 + kKeyBlock < st.t1)
-            prefetch_rows(Kc, stride, pre + j0 + kKeyBlock, std::min(st.t1 - j0 - kKeyBlock, kKeyBlock), int64_t(sizeof(T)) * stride);
+        for (int64_t j0 = st.key0(); j0 < st.key1(); j0 += kKeyBlock) {
+          if (j0 + kKeyBlock < st.key1())
+            prefetch_rows(Kc, stride, pre + j0 + kKeyBlock, std::min(st.key1() - j0 - kKeyBlock, kKeyBlock), int64_t(sizeof(T)) * stride);
           for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
             const AttnItem& it = items[st.item + kvh];
-            all_rows_scores<ND>(group * it.R, qf + it.q0 * D, D, Kc + kvh * D, stride, pre + j0, std::min(st.t1 - j0, kKeyBlock), scale,
+            all_rows_scores<ND>(group * it.R, qf + it.q0 * D, D, Kc + kvh * D, stride, pre + j0, std::min(st.key1() - j0, kKeyBlock), scale,
                                 sc + it.s0 + j0, it.L);
           }
         }
