@@ -146,11 +146,14 @@ def specfw_build_tree(ctx: "SpecContext", req: "Request", candidates: "DraftCand
 
 # ---- verification -----------------------------------------------------------------------
 @hookspec(firstresult=True)
-def specfw_verify(ctx: "SpecContext", req: "Request", tree: "DraftTree", logits: "torch.Tensor") -> "VerifyResult":
+def specfw_verify(ctx: "SpecContext", req: "Request", tree: "DraftTree", logits: "torch.Tensor", argmax: "list[int] | None") -> "VerifyResult":
     """Choose the accepted path and the bonus token for one request.
 
     ``logits`` are the target's logits at every tree node ``[num_nodes, vocab]`` (row i
-    predicts the token after node i). The core's default (trylast) does greedy tree
+    predicts the token after node i). ``argmax``: each of those rows' argmax (first index on
+    ties), read for the whole batch at once where every request in it is greedy without
+    penalties or logprobs (one device read a step, not one a request), else None; an
+    implementation may leave the argument out of its signature. The core's default (trylast) does greedy tree
     verification for greedy requests, stochastic tree verification with
     ``accept_threshold_single`` / ``accept_threshold_acc`` otherwise, and chain rejection
     sampling when the tree is a chain carrying draft probabilities.

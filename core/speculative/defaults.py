@@ -14,6 +14,6 @@ def specfw_build_tree(ctx, req, candidates, plan):
 
 
 @hookimpl(trylast=True)
-def specfw_verify(ctx, req, tree, logits):
+def specfw_verify(ctx, req, tree, logits, argmax):
     cfg = ctx.config
-    return verify(req, tree, logits, cfg.accept_threshold_single, cfg.accept_threshold_acc, ctx.force_greedy)
+    return verify(req, tree, logits, cfg.accept_threshold_single, cfg.accept_threshold_acc, ctx.force_greedy, argmax)

@@ -30,17 +30,18 @@ def processed_logits(req: Request, tree: DraftTree, logits: torch.Tensor) -> tor
 DEVICE_WALK_MIN_NODES = 65  # smaller trees are walked on the host (see verify_greedy)
 
 
-def verify_greedy(tree: DraftTree, logits: torch.Tensor) -> VerifyResult:
+def verify_greedy(tree: DraftTree, logits: torch.Tensor, argmax: list[int] | None = None) -> VerifyResult:
     """Follow the child whose token equals the target's argmax; the argmax where it stops is the
     bonus. The argmax of every node comes back in one copy and the walk runs on the host; on
     CUDA with Triton installed, trees of ``DEVICE_WALK_MIN_NODES`` nodes or more are walked on the
     device (``triton/tree_ops.py``). Measured on an H200 (bf16 demo model, trees of 8): the verify
     hook with the device walk (its launch, the tree's copies in, three reads back) cost 0.30 ms a
     step; the host walk reads back once, as a plain step's argmax does, and walks 8 nodes in
-    microseconds (its time on the H200 is not measured yet)."""
-    if logits.is_cuda and len(tree) >= DEVICE_WALK_MIN_NODES and _device_walk_available():
+    microseconds (its time on the H200 is not measured yet). ``argmax``: the rows' argmaxes,
+    already read (the worker reads a whole batch's at once): the walk runs on the host."""
+    if argmax is None and logits.is_cuda and len(tree) >= DEVICE_WALK_MIN_NODES and _device_walk_available():
         return _verify_greedy_on_device(tree, logits)
-    best = greedy_tokens(logits)
+    best = argmax if argmax is not None else greedy_tokens(logits)
     toks = tree.tokens.tolist()
     node, path = 0, [0]
     while True:
@@ -141,15 +142,22 @@ def verify_chain_rejection(req: Request, tree: DraftTree, logits: torch.Tensor) 
 
 
 def verify(
-    req: Request, tree: DraftTree, logits: torch.Tensor, threshold_single: float = 1.0, threshold_acc: float = 1.0, force_greedy: bool = False
+    req: Request,
+    tree: DraftTree,
+    logits: torch.Tensor,
+    threshold_single: float = 1.0,
+    threshold_acc: float = 1.0,
+    force_greedy: bool = False,
+    argmax: list[int] | None = None,
 ) -> VerifyResult:
-    """``logits`` [len(tree), V] on any device: greedy walks read one argmax per node from it;
-    penalties and sampling run on a host copy (the request's generator is a host generator)."""
+    """``logits`` [len(tree), V] on any device: greedy walks read one argmax per node from it
+    (or take ``argmax``, read already, where no penalty changes the logits); penalties and
+    sampling run on a host copy (the request's generator is a host generator)."""
     if req.params.has_penalties or not (req.params.greedy or force_greedy):
         logits = logits.cpu()
     logits = processed_logits(req, tree, logits)
     if req.params.greedy or force_greedy:
-        return verify_greedy(tree, logits)
+        return verify_greedy(tree, logits, None if req.params.has_penalties else argmax)
     if tree.draft_probs is not None and len(tree) > 1 and tree.is_chain:
         return verify_chain_rejection(req, tree, logits)
     return verify_tree_sampling(req, tree, logits, threshold_single, threshold_acc)

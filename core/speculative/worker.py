@@ -199,12 +199,15 @@ class SpeculativeWorker:
                 raise RuntimeError(f"algorithm '{self.algorithm}': a tree of {len(t)} nodes exceeds num_draft_tokens={slots.numel()}")
             chunks.append((t.tokens, r.seq_len - 1 + t.depth, slots[: len(t)], r.slots.slots(), t.mask if len(t) > 1 else None))
         # the core's greedy walk reads argmaxes only
-        out = self.runner.forward(build_forward_batch(chunks, capture_layers=self.ctx.capture_layers, greedy_only=self.default_verify and argmax_only(reqs)))
+        greedy = argmax_only(reqs)
+        out = self.runner.forward(build_forward_batch(chunks, capture_layers=self.ctx.capture_layers, greedy_only=self.default_verify and greedy))
+        best = greedy_tokens(out.logits) if greedy else None  # every node's argmax in one read (one sync on a GPU)
         results, offset = [], 0
         for r, t in zip(reqs, trees):
             n = len(t)
             logits = out.logits[offset : offset + n]
-            res: VerifyResult = self.hook.specfw_verify(ctx=self.ctx, req=r, tree=t, logits=logits)
+            argmax = best[offset : offset + n] if best is not None else None
+            res: VerifyResult = self.hook.specfw_verify(ctx=self.ctx, req=r, tree=t, logits=logits, argmax=argmax)
             keep = torch.tensor(res.accepted_nodes, dtype=torch.long)
             res.node_rows = offset + keep
             if r.params.logprobs:

@@ -91,3 +91,43 @@ def test_force_greedy_and_penalties():
     # repetition penalty on token 3 (in the prompt) makes 5 the greedy choice at the root
     pen = Request(prompt_ids=[3], params=SamplingParams(temperature=0, repetition_penalty=2.0))
     assert verify(pen, _tree(), logits).tokens[0] == 5
+
+
+def test_greedy_walk_takes_argmaxes_read_already():
+    """The worker reads every node's argmax of a greedy batch at once and hands each request its
+    slice: the walk from those equals the walk from the logits."""
+    logits = torch.full((4, 8), -5.0)
+    logits[0, 3], logits[1, 4], logits[3, 6] = 5, 5, 5
+    r = verify_greedy(_tree(), logits, argmax=logits.argmax(-1).tolist())
+    assert (r.accepted_nodes, r.tokens) == ([0, 1, 3], [3, 4, 6])
+    # the argmaxes are what is walked (the logits are not read again)
+    r = verify_greedy(_tree(), logits, argmax=[5, 0, 7, 0])
+    assert (r.accepted_nodes, r.tokens) == ([0, 2], [5, 7])
+
+
+def test_worker_reads_a_greedy_batchs_argmaxes_once(tiny_model_dir, monkeypatch):
+    """All-greedy batch: the verify hook gets each node's argmax (read once for the step); a batch
+    with a sampled request: None, and the walk reads its own logits. Outputs stay plain's."""
+    from conftest import make_cfg
+    from specfw.engine import Engine
+    from specfw.plugins import plugin_manager
+    from specfw.speculative import defaults, verify as verify_mod
+
+    seen = []
+
+    def spy(req, tree, logits, *args):
+        seen.append((args[-1], logits.argmax(-1).tolist()))
+        return verify_mod.verify(req, tree, logits, *args)
+
+    monkeypatch.setattr(defaults, "verify", spy)
+    ngram = plugin_manager().algorithms["ngram"].config_class(algorithm="ngram", adaptive_draft="false")
+    prompts = [[5, 6, 7, 8] * 6, [9, 10, 11] * 8]
+    greedy = SamplingParams(max_new_tokens=24, temperature=0)
+    plain = Engine(make_cfg(model_path=str(tiny_model_dir), max_total_tokens=4096)).generate(prompts, greedy)
+    eng = Engine(make_cfg(model_path=str(tiny_model_dir), max_total_tokens=4096, max_running_requests=2, speculative=ngram))
+    assert [o.token_ids for o in eng.generate(prompts, greedy)] == [o.token_ids for o in plain]
+    assert seen and all(a is not None and a == best for a, best in seen)
+    seen.clear()
+    out = eng.generate(prompts, [greedy, SamplingParams(max_new_tokens=24, temperature=0.8, seed=1)])
+    assert out[0].token_ids == plain[0].token_ids
+    assert seen and all(a is None for a, _ in seen)

@@ -59,7 +59,7 @@ def test_kit_catches_a_lossy_verifier(new_plugin):
         def specfw_verify(self, ctx, req, tree, logits):
             from specfw.speculative import defaults
 
-            res = defaults.specfw_verify(ctx, req, tree, logits)
+            res = defaults.specfw_verify(ctx, req, tree, logits, None)
             res.tokens[-1] = (res.tokens[-1] + 1) % 1000  # a wrong bonus token
             return res
 
