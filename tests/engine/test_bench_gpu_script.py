@@ -21,3 +21,12 @@ def test_bench_gpu_smoke_run_on_a_cpu(tmp_path):
     records = [json.loads(line) for line in (tmp_path / "results.jsonl").read_text().splitlines()]
     assert [(x["algo"], x["batch_size"]) for x in records] == [("plain", 1), ("plain", 2)] + [("ngram", 1), ("ngram", 2)] * 2  # a repeated row runs again
     assert all(x["same"] == "2/2" for x in records if x["algo"] == "ngram") and all(x["tok_s"] > 0 for x in records)
+
+
+def test_gpu_lease_call_script_parses_and_names_its_calls():
+    """scripts/gpu_lease_call.sh (a GPU lease's two device calls, docs/gpu.md) is valid bash and
+    answers a call it does not know with its usage, exit 2, before touching anything."""
+    script = ROOT / "scripts" / "gpu_lease_call.sh"
+    assert subprocess.run(["bash", "-n", str(script)], capture_output=True).returncode == 0
+    r = subprocess.run(["bash", str(script), "3"], capture_output=True, text=True, cwd=ROOT, timeout=30)
+    assert r.returncode == 2 and "usage" in r.stderr and "1|2" in r.stderr
