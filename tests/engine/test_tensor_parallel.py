@@ -45,9 +45,12 @@ def test_two_ranks_compute_the_one_rank_model(tiny_model_dir):
     assert all(p.poll() is not None for p in procs)
 
 
-def test_bf16_and_int4_shards_run(tiny_model_dir):
-    """bf16 weights (bf16 kernels on the shards) and int4 groups cut at shard boundaries."""
-    for kw in ({"model_dtype": "bfloat16"}, {"model_quantization": "int4"}):
+def test_bf16_int4_and_w8a8_shards_run(tiny_model_dir):
+    """bf16 weights (bf16 kernels on the shards), int4 groups cut at shard boundaries, and int8
+    weights with int8 activations per token (each rank scales its own slice of a row-parallel
+    linear's input: documented numerics of their own)."""
+    w8a8 = {"model_quantization": "int8", "model_activation_quantization": "int8_per_token"}
+    for kw in ({"model_dtype": "bfloat16"}, {"model_quantization": "int4"}, w8a8):
         one, _ = _run(tiny_model_dir, 1, **kw)
         two, _ = _run(tiny_model_dir, 2, **kw)
         agree = sum(a[0] == b[0] for a, b in zip(one, two))
@@ -101,3 +104,20 @@ def test_demo_model_gguf_int8_activations_eagle3_over_two_ranks():
     with Engine(make_cfg(**kw, speculative=spec)) as eng:
         assert [eng.generate([p], params)[0].token_ids for p in prompts] == plain
         assert eng.stats.accepted_draft_tokens > 0
+
+
+def test_w8a8_ngram_over_two_ranks_equals_plain_over_two_ranks(tiny_model_dir):
+    """int8 activations per token under TP=2: greedy ngram speculation gives TP=2 plain decoding's
+    tokens (the speculative contract within this setup's own numerics)."""
+    from specfw.plugins import plugin_manager
+
+    kw = {"model_quantization": "int8", "model_activation_quantization": "int8_per_token"}
+    from specfw.engine import Engine
+
+    plain, _ = _run(tiny_model_dir, 2, **kw)
+    ngram = plugin_manager().algorithms["ngram"].config_class(algorithm="ngram", adaptive_draft="false")
+    params = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
+    with Engine(make_cfg(model_path=str(tiny_model_dir), model_tp_size=2, max_total_tokens=4096, max_running_requests=4, speculative=ngram, **kw)) as eng:
+        spec = [o.token_ids for o in eng.generate(PROMPTS, params)]
+        assert eng.stats.accepted_draft_tokens > 0  # the repeating prompts' n-grams were drafted and taken
+    assert spec == [t for t, _ in plain]
