@@ -42,13 +42,15 @@ def verify_greedy(tree: DraftTree, logits: torch.Tensor, argmax: list[int] | Non
     if argmax is None and logits.is_cuda and len(tree) >= DEVICE_WALK_MIN_NODES and _device_walk_available():
         return _verify_greedy_on_device(tree, logits)
     best = argmax if argmax is not None else greedy_tokens(logits)
-    toks = tree.tokens.tolist()
+    toks, first_child, next_sibling = tree.tokens.tolist(), tree.retrieve_next_token.tolist(), tree.retrieve_next_sibling.tolist()
     node, path = 0, [0]
     while True:
-        nxt = next((c for c in tree.children(node) if toks[c] == best[node]), None)
-        if nxt is None:
+        c = first_child[node]  # the children in candidate order (DraftTree.children, on lists)
+        while c >= 0 and toks[c] != best[node]:
+            c = next_sibling[c]
+        if c < 0:
             break
-        node = nxt
+        node = c
         path.append(node)
     return VerifyResult(path, [toks[n] for n in path[1:]] + [best[node]], len(tree) - 1)
 
