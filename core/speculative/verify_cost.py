@@ -4,11 +4,13 @@ device, measured once at startup with as many requests as the engine runs togeth
 
 Where verifying ``num_draft_tokens`` rows costs about what one row does (GPUs, or an AMX CPU with
 small trees), drafting every step at the full tree is what pays, as SGLang does: the adaptive
-draft policy is off and the tree flags mean what they say. On a CUDA device ``auto`` is off without
-a probe: the probe times eager forwards (the graphed ones serve), it came out above the threshold
-on an H200 (session 33), and there the policy lost to the fixed tree in every side-by-side run. Where it grows (CPUs), the policy is on:
-it decides per step whether to draft and how large a tree to verify, from measured tokens/s, and
-the tree flags are upper bounds.
+draft policy is off and the tree flags mean what they say. Where it grows (CPUs), the policy is
+on: it decides per step whether to draft and how large a tree to verify, from measured tokens/s,
+and the tree flags are upper bounds.
+
+On a CUDA device ``auto`` is off without a probe: the probe times eager forwards (the graphed ones
+serve), it came out above the threshold on an H200 (session 33), and there the policy lost to the
+fixed tree in every side-by-side run.
 """
 
 from __future__ import annotations

@@ -94,6 +94,11 @@ class SpeculativeWorker:
         self.hook = self.pm.hook
         # the core's verification alone (no plugin's specfw_verify): greedy requests' tree rows are read for argmaxes only
         self.default_verify = all(impl.plugin_name == "specfw.defaults" for impl in self.hook.specfw_verify.get_hookimpls())
+        # a greedy batch's argmaxes are read for specfw_verify where the core verifies alone or a
+        # plugin's implementation takes them (one that does not gets the core's walk reading its own)
+        self.verify_takes_argmax = self.default_verify or any(
+            "argmax" in impl.argnames for impl in self.hook.specfw_verify.get_hookimpls() if impl.plugin_name != "specfw.defaults"
+        )
         self.algorithm = algorithm.name
         self.slots_per_decode = shape.num_draft_tokens
         probe_batch = min(int(engine_config.engine.max_running_requests), PROBE_BATCH)  # validated >= 1 at startup
@@ -201,7 +206,7 @@ class SpeculativeWorker:
         # the core's greedy walk reads argmaxes only
         greedy = argmax_only(reqs)
         out = self.runner.forward(build_forward_batch(chunks, capture_layers=self.ctx.capture_layers, greedy_only=self.default_verify and greedy))
-        best = greedy_tokens(out.logits) if greedy else None  # every node's argmax in one read (one sync on a GPU)
+        best = greedy_tokens(out.logits) if greedy and self.verify_takes_argmax else None  # every node's argmax in one read (one sync on a GPU)
         results, offset = [], 0
         for r, t in zip(reqs, trees):
             n = len(t)
