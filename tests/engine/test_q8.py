@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import make_cfg
+from quant_spec_helpers import GREEDY, RAW, assert_speculation_equals_plain, plain_reference
 from specfw.backends.q8_linear import Q8Linear, dequantize, pack, unblock
 from specfw.backends.quant_linear import QuantLinear, dequantize_reference, quantize
 from specfw.backends.quant_linear import pack as pack_blocked
@@ -137,32 +138,17 @@ def test_config_checks_name_the_key():
     validate(make_cfg(model_quantization="gguf", model_activation_quantization="int8"))
 
 
-GREEDY = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
-RAW = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [1000, 20, 1000, 20, 1000], [9, 99, 999, 9999], [3, 4, 3, 4, 3, 4]]
-
-
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_speculative_equals_plain_with_int8_activations(scheme, tiny_model_dir, tiny_draft_dir):
     """ngram and standalone (its draft on int8 activations too, and unquant), batch 1 and 4."""
     from specfw.engine import Engine
-    from specfw_plugins.ngram.config import NgramConfig
-    from specfw_plugins.standalone.config import StandaloneConfig
 
     kw = dict(model_path=str(tiny_model_dir), model_quantization=scheme, model_activation_quantization="int8", max_total_tokens=4096, max_running_requests=4)
     plain = Engine(make_cfg(**kw))
     layers = [m for m in plain.runner.model.modules() if isinstance(m, Q8Linear)]
     assert len(layers) == 4 * len(plain.runner.model.layers) + 1
-    ref = [plain.generate([p], GREEDY)[0].token_ids for p in RAW]
-    assert [o.token_ids for o in plain.generate(RAW, GREEDY)] == ref
-    for spec in [
-        NgramConfig(algorithm="ngram", num_draft_tokens=4),
-        StandaloneConfig(algorithm="standalone", draft_model_path=str(tiny_draft_dir), num_steps=2, topk=2, num_draft_tokens=5),
-        StandaloneConfig(algorithm="standalone", draft_model_path=str(tiny_draft_dir), num_steps=3, topk=1, draft_model_quantization="unquant"),
-    ]:
-        eng = Engine(make_cfg(**kw, speculative=spec))
-        assert [eng.generate([p], GREEDY)[0].token_ids for p in RAW] == ref, spec
-        assert [o.token_ids for o in eng.generate(RAW, GREEDY)] == ref, spec
-        assert eng.stats.verify_forwards > 0
+    ref = plain_reference(plain)
+    assert_speculation_equals_plain(kw, str(tiny_draft_dir), ref)
 
 
 def test_w8a8_int8_draft_on_an_unquantized_target_equals_plain(tiny_model_dir, tiny_draft_dir):

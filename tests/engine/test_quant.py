@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import make_cfg
+from quant_spec_helpers import assert_speculation_equals_plain, plain_reference
 from specfw.backends.quant_linear import INT4_GROUP, QuantLinear, dequantize_reference, gguf_blocks, pack
 from specfw.config import ConfigError, validate
 from specfw.kernels import ISAS, cpu_ops, isa_supported, quant_ops
@@ -171,31 +172,16 @@ def test_gguf_needs_a_gguf_source(tiny_model_dir):
         Engine(make_cfg(model_path=str(tiny_model_dir), model_quantization="gguf", max_total_tokens=1024))
 
 
-GREEDY = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
-RAW = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [1000, 20, 1000, 20, 1000], [9, 99, 999, 9999], [3, 4, 3, 4, 3, 4]]
-
-
 @pytest.mark.parametrize("scheme", ["int8", "int4"])
 def test_speculative_equals_plain_within_scheme(scheme, tiny_model_dir, tiny_draft_dir):
     """ngram and standalone (its draft quantized too, and unquant), batch 1 and 4."""
     from specfw.engine import Engine
-    from specfw_plugins.ngram.config import NgramConfig
-    from specfw_plugins.standalone.config import StandaloneConfig
 
     kw = dict(model_path=str(tiny_model_dir), model_quantization=scheme, max_total_tokens=4096, max_running_requests=4)
     plain = Engine(make_cfg(**kw))
     assert any(isinstance(m, QuantLinear) for m in plain.runner.model.modules())
-    ref = [plain.generate([p], GREEDY)[0].token_ids for p in RAW]
-    assert [o.token_ids for o in plain.generate(RAW, GREEDY)] == ref
-    for spec in [
-        NgramConfig(algorithm="ngram", num_draft_tokens=4),
-        StandaloneConfig(algorithm="standalone", draft_model_path=str(tiny_draft_dir), num_steps=2, topk=2, num_draft_tokens=5),
-        StandaloneConfig(algorithm="standalone", draft_model_path=str(tiny_draft_dir), num_steps=3, topk=1, draft_model_quantization="unquant"),
-    ]:
-        eng = Engine(make_cfg(**kw, speculative=spec))
-        assert [eng.generate([p], GREEDY)[0].token_ids for p in RAW] == ref, spec
-        assert [o.token_ids for o in eng.generate(RAW, GREEDY)] == ref, spec
-        assert eng.stats.verify_forwards > 0
+    ref = plain_reference(plain)
+    assert_speculation_equals_plain(kw, str(tiny_draft_dir), ref)
 
 
 @pytest.mark.model

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 from conftest import make_cfg
+from quant_spec_helpers import assert_speculation_equals_plain, plain_reference
 from specfw.backends.quant_linear import QuantLinear, quantize
 from specfw.backends.w8a8_linear import W8A8Linear, from_quant_weight
 from specfw.config import ConfigError, validate
 from specfw.kernels import W8A8_ISAS, quant_ops, w8a8_isa, w8a8_isa_supported, w8a8_ops
-from specfw.sampling import SamplingParams
 
 
 def _ops(isa):
@@ -121,16 +121,10 @@ def test_config_checks_name_the_key():
     validate(make_cfg(model_quantization="int8", model_activation_quantization="int8_per_token"))
 
 
-GREEDY = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
-RAW = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [1000, 20, 1000, 20, 1000], [9, 99, 999, 9999], [3, 4, 3, 4, 3, 4]]
-
-
 def test_speculative_equals_plain_per_token(tiny_model_dir, tiny_draft_dir):
     """Every linear of the target on w8a8_ops (the decoder layers in one kernel call); ngram and
     standalone (its draft on the per-token kernels too, and unquant) batch 1 and 4 == plain greedy."""
     from specfw.engine import Engine
-    from specfw_plugins.ngram.config import NgramConfig
-    from specfw_plugins.standalone.config import StandaloneConfig
 
     kw = dict(
         model_path=str(tiny_model_dir), model_quantization="int8", model_activation_quantization="int8_per_token", max_total_tokens=4096, max_running_requests=4
@@ -140,20 +134,17 @@ def test_speculative_equals_plain_per_token(tiny_model_dir, tiny_draft_dir):
     assert len([m for m in model.modules() if isinstance(m, W8A8Linear)]) == 4 * len(model.layers) + 1
     assert plain.backend.decoder_stack(model) is not None  # the one call takes these linears
     assert "int8 activations per token" in plain.backend.describe()
-    ref = [plain.generate([p], GREEDY)[0].token_ids for p in RAW]
-    assert [o.token_ids for o in plain.generate(RAW, GREEDY)] == ref
-    for spec in [
-        NgramConfig(algorithm="ngram", num_draft_tokens=4),
-        StandaloneConfig(algorithm="standalone", draft_model_path=str(tiny_draft_dir), num_steps=2, topk=2, num_draft_tokens=5),
-        StandaloneConfig(algorithm="standalone", draft_model_path=str(tiny_draft_dir), num_steps=3, topk=1, draft_model_quantization="unquant"),
-    ]:
-        eng = Engine(make_cfg(**kw, speculative=spec))
-        assert [eng.generate([p], GREEDY)[0].token_ids for p in RAW] == ref, spec
-        assert [o.token_ids for o in eng.generate(RAW, GREEDY)] == ref, spec
-        assert eng.stats.verify_forwards > 0
+    ref = plain_reference(plain)
+    drafts_checked = []
+
+    def draft_on_the_per_token_kernels(spec, eng):
         if spec.algorithm == "standalone" and spec.draft_model_quantization is None:
             draft = eng.worker.runtime.draft.model
             assert len([m for m in draft.modules() if isinstance(m, W8A8Linear)]) == 4 * len(draft.layers) + 1
+            drafts_checked.append(spec)
+
+    assert_speculation_equals_plain(kw, str(tiny_draft_dir), ref, check=draft_on_the_per_token_kernels)
+    assert len(drafts_checked) == 1
 
 
 @pytest.mark.parametrize("isa", W8A8_ISAS)
