@@ -87,6 +87,8 @@ def backend_from_config(engine_cfg, device: torch.device, cfg=None) -> Backend:
         act,
     )
     backend.set_attention(attention, None if draft_attention is None else str(draft_attention))
+    if hasattr(backend, "set_linear_prefetch"):
+        backend.set_linear_prefetch(str(getattr(engine_cfg, "cpu_linear_prefetch", "auto")))
     if hasattr(backend, "greedy_heads"):
         backend.greedy_heads = bool(getattr(engine_cfg, "cpu_greedy_head", True))
     backend.cache_exact_prefills = bool(engine_cfg.batch_invariant) and not getattr(engine_cfg, "disable_radix_cache", False)

@@ -150,6 +150,18 @@ class CpuBackend(Backend):
         other.activation_quantization = self.draft_activations
         return other
 
+    def set_linear_prefetch(self, choice: str = "auto") -> bool:
+        """``engine.cpu_linear_prefetch``: which row tiles of a multi-tile fp32/bf16-weight linear
+        prefetch the next weight blocks (``cpu_ops.set_spread_prefetch``; one setting per kernel
+        build, so per process). ``auto``: the first tile alone on an Intel CPU, every tile in turn
+        elsewhere (docs/benchmarks.md, session 34). Returns whether they spread (AVX-512 builds
+        only; AVX2 builds never do)."""
+        from ..kernels import cpu_vendor
+
+        spread = choice == "spread" or (choice == "auto" and cpu_vendor() != "GenuineIntel")
+        self.ops.set_spread_prefetch(spread)
+        return bool(self.ops.spread_prefetch())
+
     def fused_ops(self, dtype, intermediate: int):
         return self.ops if dtype in (torch.float32, torch.bfloat16) and intermediate % 16 == 0 else None
 

@@ -218,10 +218,18 @@ constexpr int kTileRows = 8;   // 16 accumulators of two blocks
 #else
 constexpr int kTileRows = 6;   // 12 accumulators of one block
 #endif
-// AVX-512: every row tile of a chunk takes its turn prefetching (16 rows 1.33x a row instead of
-// 1.46x, 24 rows 1.41x instead of 1.71x); AVX2, compute-bound from ~12 rows, gains nothing from it and
-// lost 8% at 24 rows: there the first tile prefetches alone (AMD EPYC family 26 model 2, session 22)
-constexpr bool kSpreadPrefetch = W == 16;
+// Which row tiles of a chunk prefetch the next blocks, for more than one tile (9+ rows on AVX-512).
+// Spread: every tile takes its turn. On an AMD EPYC (family 26 model 2, session 22) that made 16 rows
+// 1.33x a row instead of 1.46x with the first tile alone, 24 rows 1.41x instead of 1.71x; on an Intel
+// Xeon with AMX (family 6 model 167, session 34) it is the other way round: the demo's fp32 linears
+// from DRAM took 43.0 ms at 16 rows spread against 35.6 with the first tile alone (12 rows 38.0 / 33.6,
+// 32 rows 55.5 / 51.3). So it is set at run time (set_spread_prefetch: engine.cpu_linear_prefetch, by
+// default from the CPU's vendor). AVX2, compute-bound from ~12 rows, gained nothing from spreading and
+// lost 8% at 24 rows: its first tile prefetches alone on every CPU. Prefetching never changes a bit.
+bool g_spread_prefetch = W == 16;
+
+void set_spread_prefetch(bool on) { g_spread_prefetch = on && W == 16; }
+bool spread_prefetch() { return g_spread_prefetch; }
 constexpr int64_t kChunk = 64;   // k per pass: 4-8 KB of weight stay in L1 for every row tile (-7% at 8-12 rows)
 
 // the tile with its prefetch loop compiled in only where it prefetches (one or two rows never do)
@@ -253,12 +261,13 @@ void block_rows(int64_t M, const WT* w, int64_t K, const float* x, const float* 
                 int64_t n_valid, const WT* pf, float* part) {
   constexpr int64_t PW = NT * kBlock;
   const int64_t tiles = (M + kTileRows - 1) / kTileRows, base = M / tiles, extra = M % tiles;
+  const bool spread = g_spread_prefetch;
   for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
     const int64_t k1 = std::min(K, k0 + kChunk);
     int64_t m = 0;
     for (int64_t t = 0; t < tiles; ++t) {
       const int mr = int(base + (t < extra));
-      if (kSpreadPrefetch)
+      if (spread)
         tile_rows<NT>(mr, w, K, k0, k1, x + m * K, part + m * PW, pf, int(tiles), int(t));
       else
         tile_rows<NT>(mr, w, K, k0, k1, x + m * K, part + m * PW, t == 0 ? pf : nullptr, 1, 0);
@@ -1324,6 +1333,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("isa", &isa, "the instruction set this build was compiled for");
   m.def("pack", &pack, "pack a [N, K] fp32/bf16 weight for linear()");
+  m.def("set_spread_prefetch", &set_spread_prefetch, "multi-tile linears: every row tile prefetches in turn (true) or the first alone (false); AVX-512 builds only");
+  m.def("spread_prefetch", &spread_prefetch, "whether multi-tile linears spread their prefetches over the row tiles");
   m.def("linear", &linear, "batch-invariant linear over a packed weight (pack or pack_dot)", nogil);
   m.def("pack_dot", &pack_dot, "pack a [N, K] bf16 weight in bf16_dot's pair layout (AVX512-BF16 builds)");
   m.def("has_bf16_dot", &has_bf16_dot, "whether this build has the vdpbf16ps path (pack_dot)");

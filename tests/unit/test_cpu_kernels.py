@@ -151,6 +151,54 @@ def test_linear_rows_do_not_depend_on_the_thread_count(isa):
     assert torch.equal(one, two)
 
 
+@isas
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_prefetch_setting_changes_no_bit(isa, dtype):
+    """``set_spread_prefetch`` (``engine.cpu_linear_prefetch``) only moves prefetches between row
+    tiles: the same bits at every row count, one and several tiles; AVX-512 builds take it, the
+    others always prefetch from the first tile."""
+    ops = _ops(isa)
+    g = torch.Generator().manual_seed(7)
+    w = torch.randn(100, 576, generator=g).to(dtype)
+    packed, was = ops.pack(w), ops.spread_prefetch()
+    try:
+        for rows in (5, 9, 16, 24, 33):
+            x = torch.randn(rows, 576, generator=g).to(dtype)
+            ops.set_spread_prefetch(True)
+            assert ops.spread_prefetch() == (isa == "avx512")
+            spread = ops.linear(x, packed, 100, torch.empty(0))
+            ops.set_spread_prefetch(False)
+            assert not ops.spread_prefetch()
+            assert torch.equal(spread, ops.linear(x, packed, 100, torch.empty(0)))
+    finally:
+        ops.set_spread_prefetch(was)
+
+
+def test_linear_prefetch_follows_the_config_and_the_cpu_vendor(monkeypatch):
+    """``auto``: the first tile alone on an Intel CPU, every tile in turn elsewhere; a value not
+    allowed names the key and the allowed values."""
+    from conftest import make_cfg
+    from specfw import kernels
+    from specfw.backends.cpu import CpuBackend
+    from specfw.config import ConfigError, validate
+
+    ops = _ops("avx512")
+    backend = CpuBackend(ops, "avx512")
+    was = ops.spread_prefetch()
+    try:
+        monkeypatch.setattr(kernels, "cpu_vendor", lambda: "GenuineIntel")
+        assert backend.set_linear_prefetch("auto") is False and backend.set_linear_prefetch("spread") is True
+        monkeypatch.setattr(kernels, "cpu_vendor", lambda: "AuthenticAMD")
+        assert backend.set_linear_prefetch("auto") is True and backend.set_linear_prefetch("first_tile") is False
+    finally:
+        ops.set_spread_prefetch(was)
+    monkeypatch.undo()
+    assert kernels.cpu_vendor() in ("GenuineIntel", "AuthenticAMD", "")
+    with pytest.raises(ConfigError) as e:
+        validate(make_cfg(cpu_linear_prefetch="every"))
+    assert e.value.key == "engine.cpu_linear_prefetch" and "first_tile" in str(e.value)
+
+
 def test_avx2_and_avx512_linears_round_alike():
     """Both accumulate with FMA in k order: the same bits, so a machine's results do not depend on
     which of the two it runs."""
