@@ -139,6 +139,8 @@ class DraftBudget:
         self.cost: dict[int, dict[int, _Decayed]] = {}  # batch size → {tree size: seconds per step}
         self.yields: dict[int, dict[int, _Decayed]] = {}  # batch size → {tree size: tokens per step}
         self.played: dict[int, dict[int, int]] = {}  # batch size → {tree size: steps measured}
+        self.timed: dict[int, dict[int, int]] = {}  # batch size → {tree size: steps whose time was counted}
+        self.inherited: dict[int, dict[int, int]] = {}  # batch size → {tree size: plays of the warm neighbour it was seeded from}
         self.chosen: dict[int, int] = {s: 0 for s in self.sizes}  # how often each size was played
         self._rng = random.Random(seed)
 
@@ -209,13 +211,18 @@ class DraftBudget:
                 cost[s] = _Decayed(d.mean * cost_scale, 1.0)
                 yields[s] = _Decayed(self.yields[near][s].mean * yield_scale, 1.0)
                 self.played[batch][s] = max(self.played[batch][s], self.warmup)
+                self.inherited.setdefault(batch, {})[s] = self.played[near][s] + self.inherited.get(near, {}).get(s, 0)
 
     def explore_weight(self, batch: int, best: int, size: int) -> float:
         """The share of the base exploration rate a larger ``size`` gets: ``exp(-gap / T)`` (gap =
         how much slower it measured than ``best``), floored; 1 until it has been played
-        ``explore_confident_after`` times (a yield of 0 or 6 tokens a step needs a few plays)."""
+        ``explore_confident_after`` times (a yield of 0 or 6 tokens a step needs a few plays),
+        counting the plays of the neighbour a new batch size was seeded from (its verdict carried
+        over with its tables: at 8 requests in flight the batch sizes of a wave's tail, each met
+        for a few steps, explored at the full rate until 8 plays each)."""
         rates = self.rates(batch)
-        if size not in rates or not rates.get(best) or self.played.get(batch, {}).get(size, 0) < self.explore_confident_after:
+        plays = self.played.get(batch, {}).get(size, 0) + self.inherited.get(batch, {}).get(size, 0)
+        if size not in rates or not rates.get(best) or plays < self.explore_confident_after:
             return 1.0
         gap = max(0.0, 1.0 - rates[size] / rates[best])
         return max(self.explore_floor, math.exp(-gap / self.explore_temperature))
@@ -235,10 +242,17 @@ class DraftBudget:
             return
         if seconds is not None:
             self.cost.setdefault(batch, {}).setdefault(size, _Decayed()).add(seconds, self.cost_decay)
+            timed = self.timed.setdefault(batch, {})
+            timed[size] = timed.get(size, 0) + 1
         table = self.yields.setdefault(batch, {})
         for s, tokens in yields.items():
             table.setdefault(s, _Decayed()).add(tokens, self.decay)
         self.played.setdefault(batch, {s: 0 for s in self.sizes})[size] += 1
+
+    def times_known(self, batch: int, size: int, steps: int) -> bool:
+        """Whether ``size``'s cost at ``batch`` rests on at least ``steps`` timed steps of its own
+        (a neighbour's seeded table does not count)."""
+        return self.timed.get(batch, {}).get(size, 0) >= steps
 
     def summary(self) -> dict[int, int]:
         """How often each tree size was played (sizes never played are left out)."""

@@ -18,11 +18,17 @@ yielded. Greedy output never depends on any of this: any tree verifies to the sa
 
 Timing rule: a drafted step right after plain steps also pays for the drafter catching up on
 the tokens those steps produced (a switching cost, not what a drafted step costs), so it is not
-timed, and the next step replays its size to be timed; otherwise a budget that left drafting
-would never see its cost again.
+timed (its yields still count), and the next step replays its size to be timed; otherwise a
+budget that left drafting would never see its cost again. Once that size's cost at this batch
+size rests on ``RETIME_KNOWN`` timed steps, the replay happens on a ``RETIME_SHARE`` of such
+steps only: a step's cost is steady (hardware, context length) while its yield is what
+exploring is for, and where plain steps win (8 requests in flight on a 2-core CPU, a drafted
+step 2.7x a plain one) every replay was a second slow step per exploration.
 """
 
 from __future__ import annotations
+
+import random
 
 from .budget import DraftBudget, counterfactual_yields
 from .confidence import ConfidencePruning, Cut
@@ -30,8 +36,12 @@ from .config import TreeShape
 from .types import DraftCandidates, StepPlan
 
 
+RETIME_KNOWN = 4  # timed steps of a (batch size, tree size) after which a switching step is replayed only sometimes
+RETIME_SHARE = 0.25  # the share of switching steps replayed then, to keep the cost fresh
+
+
 class DraftPolicy:
-    def __init__(self, shape: TreeShape, adaptive: bool = True, confidence_pruning: bool = True):
+    def __init__(self, shape: TreeShape, adaptive: bool = True, confidence_pruning: bool = True, retime_share: float = RETIME_SHARE, seed: int = 0):
         self.shape = shape
         self.pruning = ConfidencePruning(enabled=adaptive and confidence_pruning)
         # with pruning, the tree size is decided per step from the draft's confidence; the budget
@@ -41,6 +51,8 @@ class DraftPolicy:
             shape.num_draft_tokens, adaptive=adaptive, **(dict(sizes=[1, shape.num_draft_tokens], cost_decay=0.95) if self.pruning.enabled else {})
         )
         self._retime = 0  # size the next step must play (to time it), 0 = the budget's choice
+        self.retime_share = retime_share
+        self._rng = random.Random(seed)
         self._plain_before = False  # the last decode step did not draft
         self.accepted_mean = None  # accepted draft tokens per drafted request-step (moving average)
 
@@ -56,6 +68,10 @@ class DraftPolicy:
         cut = self.pruning.plan(batch, self.budget.rates(batch).get(size), size - 1)
         depth = max(1, min(self.shape.num_steps, size - 1))
         return StepPlan(size=size, depth=depth, score_floor=self.pruning.score_floor(cut), cut=cut)
+
+    def _replay(self, batch: int, size: int) -> bool:
+        """Whether the step after an untimed switching step replays ``size`` to time it."""
+        return not self.budget.times_known(batch, size, RETIME_KNOWN) or self._rng.random() < self.retime_share
 
     def assist_suffices(self, proposal: DraftCandidates) -> bool:
         """Whether a draft assist's proposal alone is expected to yield at least what a drafted
@@ -83,7 +99,7 @@ class DraftPolicy:
             self.accepted_mean = mean if self.accepted_mean is None else 0.9 * self.accepted_mean + 0.1 * mean
         if self.budget.adaptive and drafted:
             timed = None if self._plain_before else seconds
-            self._retime = plan.size if self._plain_before else 0
+            self._retime = plan.size if self._plain_before and self._replay(batch, plan.size) else 0
             self.budget.observe(batch, plan.size, timed, counterfactual_yields(self.budget.sizes, plan.size, verified, accepted))
             self.pruning.observe(batch, verified, accepted, timed)
         elif self.budget.adaptive and plan.size == 1:

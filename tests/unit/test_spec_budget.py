@@ -184,3 +184,61 @@ def test_a_new_batch_size_starts_from_its_nearest_warm_neighbour():
     cold = DraftBudget(8, explore=0.0, seed_new_batch_sizes=False)
     _play(cold, cost, plain_pays, 30, batch=8)
     assert cold.choose(7) == 8
+
+
+def test_a_new_batch_size_inherits_its_neighbours_exploring_verdict():
+    """A seeded batch size counts its neighbour's plays towards being confident, so where drafting
+    measured far slower it explores at the floor rate from its first steps, not at the full rate
+    for 8 plays of its own (batch sizes of a wave's tail are met for a few steps each)."""
+    cost, plain_pays = {1: 1.0, 8: 2.7}, {1: 8, 8: 9.5}
+    seeded = DraftBudget(8, sizes=[1, 8], explore=0.5, seed=2)
+    _play(seeded, cost, plain_pays, 60, batch=8)
+    seeded.explore = 0.0
+    assert seeded.played[8][8] >= seeded.explore_confident_after and seeded.explore_weight(8, 1, 8) == seeded.explore_floor
+    for _ in range(3):  # plain steps first, then the neighbour's tables
+        s = seeded.choose(7)
+        seeded.observe(7, s, 0.9 * cost[s], {k: plain_pays[k] * 7 / 8 for k in seeded.sizes if k <= s})
+    assert seeded.played[7][8] < seeded.explore_confident_after  # its own plays alone would not be enough
+    assert seeded.explore_weight(7, 1, 8) == seeded.explore_floor
+    cold = DraftBudget(8, sizes=[1, 8], explore=0.5, seed=2, seed_new_batch_sizes=False)
+    _play(cold, cost, plain_pays, 60, batch=8)
+    cold.explore = 0.0
+    _play(cold, cost, plain_pays, 4, batch=7)  # its own warm-up: two plays of each size
+    assert cold.explore_weight(7, 1, 8) == 1.0
+
+
+def _switch(policy, batch: int, size: int) -> int:
+    """A plain step, then a drafted step of ``size`` (its time not counted: the drafter caught up);
+    returns the size the policy then replays (0: none)."""
+    from specfw.speculative.types import StepPlan
+
+    empty = [DraftCandidates.empty()] * batch
+    policy.observe(batch, StepPlan(size=1, depth=0), False, empty, [[]] * batch, 0.010)
+    cands = [DraftCandidates(torch.tensor([5]), torch.tensor([-1]), torch.tensor([-0.1]))] * batch
+    policy.observe(batch, StepPlan(size=size, depth=1), True, cands, [[5]] * batch, 0.030)
+    return policy._retime
+
+
+def test_a_switching_step_is_replayed_to_be_timed_until_its_cost_is_known():
+    """The step after plain steps is not timed (it paid for catching up); the next replays its size
+    to time it while fewer than ``RETIME_KNOWN`` of its steps were timed at this batch size, then
+    only on ``retime_share`` of such switches."""
+    from specfw.speculative.config import TreeShape
+    from specfw.speculative.policy import RETIME_KNOWN, DraftPolicy
+    from specfw.speculative.types import StepPlan
+
+    never = DraftPolicy(TreeShape(3, 1, 4), confidence_pruning=False, retime_share=0.0)
+    always = DraftPolicy(TreeShape(3, 1, 4), confidence_pruning=False, retime_share=1.0)
+    for policy in (never, always):
+        assert _switch(policy, 2, 4) == 4  # nothing timed yet: replay
+        assert not policy.budget.times_known(2, 4, 1)
+        for _ in range(RETIME_KNOWN):
+            policy._retime = 0
+            policy.observe(2, StepPlan(size=4, depth=3), True, [DraftCandidates.empty()] * 2, [[]] * 2, 0.020)  # timed
+        assert policy.budget.times_known(2, 4, RETIME_KNOWN)
+    assert _switch(never, 2, 4) == 0 and _switch(always, 2, 4) == 4
+    assert _switch(never, 3, 4) == 4  # another batch size: its own count
+    half = DraftPolicy(TreeShape(3, 1, 4), confidence_pruning=False, retime_share=0.25, seed=3)
+    half.budget.timed[2] = {4: RETIME_KNOWN}
+    replays = sum(_switch(half, 2, 4) == 4 for _ in range(400))
+    assert 60 < replays < 140
