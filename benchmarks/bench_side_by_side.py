@@ -10,7 +10,8 @@ greedy output equals the plain engine's.
         plain= eagle=algorithm=eagle "eagle full=algorithm=eagle,token_map=full"
 
 A configuration is ``name=key=value,key=value`` over the speculative keys (``algorithm`` first;
-nothing after the name = plain decoding), ``engine.*`` keys (e.g. ``engine.cpu_greedy_head=False``) and ``model.*``
+nothing after the name = plain decoding), ``engine.*`` keys (e.g. ``engine.cpu_greedy_head=False``; ``engine.cpu_linear_prefetch``,
+one setting of the kernel build per process, is applied again before each of its row's runs, so rows can compare its values) and ``model.*``
 keys (e.g. ``model.quantization=gguf``: the GGUF blocks in place, the fp32 model's bits; ``model.dtype=bfloat16``: a row in
 another dtype, whose output is checked against the first row of that dtype and whose ratio to that row is printed too).
 ``--dtype``, ``--batch`` (requests in flight) and ``--max-new-tokens`` apply to all.
@@ -252,6 +253,9 @@ def main():
             others: dict[str, list] = {}  # HF and llama.cpp rows' outputs this round
             for name, eng in engines.items():
                 eng.flush_cache()  # the n-gram trie must not remember the last round's outputs of these prompts
+                backend = getattr(getattr(eng, "runner", None), "backend", None)
+                if hasattr(backend, "set_linear_prefetch"):  # process-wide: this row's value (auto unless it sets one)
+                    backend.set_linear_prefetch(str(configs[name].get("engine.cpu_linear_prefetch", "auto")))
                 t0 = time.perf_counter()
                 tokens = run(eng, ids)
                 if args.turns == 2:

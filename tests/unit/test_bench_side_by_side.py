@@ -59,8 +59,9 @@ def test_bad_backend_and_reference_rows_are_refused():
 
 @pytest.mark.model
 def test_runs_configurations_side_by_side_and_checks_outputs():
-    """Two specfw engines, two more in bf16 (``model.dtype``: checked against the first bf16 row)
-    and one HF transformers row (``backend=hf``) in one run."""
+    """Three specfw engines (one with its own ``engine.cpu_linear_prefetch``), two more in bf16
+    (``model.dtype``: checked against the first bf16 row) and one HF transformers row
+    (``backend=hf``) in one run."""
     r = subprocess.run(
         [
             sys.executable,
@@ -73,6 +74,7 @@ def test_runs_configurations_side_by_side_and_checks_outputs():
             "1",
             "plain=",
             "ngram=algorithm=ngram",
+            "ngram spread=algorithm=ngram,engine.cpu_linear_prefetch=spread",
             "plain bf16=model.dtype=bfloat16",
             "ngram bf16=algorithm=ngram,model.dtype=bfloat16",
             "hf pl=backend=hf,prompt_lookup_num_tokens=4",
@@ -83,7 +85,7 @@ def test_runs_configurations_side_by_side_and_checks_outputs():
     )
     assert r.returncode == 0, r.stderr[-2000:]
     lines = [line for line in r.stdout.splitlines() if line.startswith(("plain ", "ngram ")) and " bf16 " not in line[:11]]
-    assert len(lines) == 2 and all("== plain: yes" in line for line in lines)
+    assert len(lines) == 3 and all("== plain: yes" in line for line in lines)  # a prefetch setting changes no token
     bf16 = [line for line in r.stdout.splitlines() if line.startswith(("plain bf16 ", "ngram bf16 "))]
     assert len(bf16) == 2 and all("== plain bf16: yes" in line for line in bf16)
     assert "x plain bf16 (rounds: " in bf16[1]  # its ratio to the first row of its dtype
