@@ -24,7 +24,8 @@ A batch size seen for the first time, with a warm batch size within a factor of 
 finishing one by one make batch sizes that last a few steps each), plays plain steps first (cheap)
 and then starts from the neighbour's tables: its costs times this batch size's plain step over the
 neighbour's (what drafting costs relative to a plain step carries over), its yields times the
-ratio of the batch sizes, each weighted as one step, so its own steps soon outweigh them. Without
+ratio of the batch sizes, each weighted as one step, so its own steps soon outweigh them; the
+neighbour's plays count towards the 8 after which a slower size is explored less. Without
 that, every new batch size warmed up on the largest tree: at 8 requests in flight on a 2-core CPU
 such a step cost 3-4x a plain one, and batch sizes met for a few steps per burst never left their
 warm-up.
