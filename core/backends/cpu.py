@@ -153,12 +153,12 @@ class CpuBackend(Backend):
     def set_linear_prefetch(self, choice: str = "auto") -> bool:
         """``engine.cpu_linear_prefetch``: which row tiles of a multi-tile fp32/bf16-weight linear
         prefetch the next weight blocks (``cpu_ops.set_spread_prefetch``; one setting per kernel
-        build, so per process). ``auto``: the first tile alone on an Intel CPU, every tile in turn
-        elsewhere (docs/benchmarks.md, session 34). Returns whether they spread (AVX-512 builds
-        only; AVX2 builds never do)."""
-        from ..kernels import cpu_vendor
+        build, so per process). ``auto``: the build's default on this CPU (``default_spread_prefetch``:
+        the first tile alone on Intel, every tile in turn elsewhere). Returns whether they spread
+        (AVX-512 builds only; AVX2 builds never do)."""
+        from ..kernels import default_spread_prefetch
 
-        spread = choice == "spread" or (choice == "auto" and cpu_vendor() != "GenuineIntel")
+        spread = choice == "spread" or (choice == "auto" and default_spread_prefetch())
         self.ops.set_spread_prefetch(spread)
         return bool(self.ops.spread_prefetch())
 

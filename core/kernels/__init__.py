@@ -50,6 +50,13 @@ def cpu_vendor() -> str:
     return line.split(":", 1)[-1].strip()
 
 
+def default_spread_prefetch() -> bool:
+    """Whether a multi-tile linear of ``cpu_ops`` spreads its prefetches over the row tiles on this
+    CPU (``engine.cpu_linear_prefetch=auto``): not on Intel, where the first tile alone was faster,
+    elsewhere yes (docs/benchmarks.md, session 34)."""
+    return cpu_vendor() != "GenuineIntel"
+
+
 ISAS = ("avx512", "avx2", "portable")
 _ISA_FLAGS = {"avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"], "avx2": ["-mavx2", "-mfma"], "portable": []}
 _ISA_NEEDS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"}, "avx2": {"avx2", "fma", "f16c"}, "portable": set()}
@@ -81,7 +88,10 @@ def cpu_ops(isa: str | None = None):
         # AVX512-BF16 where the CPU has it: bf16 models' linears on vdpbf16ps (bf16_dot_tiles.h);
         # the build's has_bf16_dot() then says True
         dot = ["-mavx512bf16"] if isa == "avx512" and "avx512_bf16" in _cpu_flags() else []
-        _cache[key] = _load(_OPS_SOURCE, f"specfw_cpu_ops_{isa}", [*_ISA_FLAGS[isa], *dot], "cpu kernels " + isa + ("+bf16 dot" if dot else ""))
+        ops = _load(_OPS_SOURCE, f"specfw_cpu_ops_{isa}", [*_ISA_FLAGS[isa], *dot], "cpu kernels " + isa + ("+bf16 dot" if dot else ""))
+        if ops is not None:  # this CPU's default for every user of the build (engine.cpu_linear_prefetch overrides it)
+            ops.set_spread_prefetch(default_spread_prefetch())
+        _cache[key] = ops
     return _cache[key]
 
 

@@ -175,14 +175,18 @@ def test_the_prefetch_setting_changes_no_bit(isa, dtype):
 
 
 def test_linear_prefetch_follows_the_config_and_the_cpu_vendor(monkeypatch):
-    """``auto``: the first tile alone on an Intel CPU, every tile in turn elsewhere; a value not
-    allowed names the key and the allowed values."""
+    """``auto``: the first tile alone on an Intel CPU, every tile in turn elsewhere (also the
+    build's own setting when it loads, for users without a config); a value not allowed names the
+    key and the allowed values."""
     from conftest import make_cfg
     from specfw import kernels
     from specfw.backends.cpu import CpuBackend
     from specfw.config import ConfigError, validate
 
-    ops = _ops("avx512")
+    with pytest.raises(ConfigError) as e:
+        validate(make_cfg(cpu_linear_prefetch="every"))
+    assert e.value.key == "engine.cpu_linear_prefetch" and "first_tile" in str(e.value)
+    ops = _ops("avx512")  # only AVX-512 builds spread
     backend = CpuBackend(ops, "avx512")
     was = ops.spread_prefetch()
     try:
@@ -194,9 +198,8 @@ def test_linear_prefetch_follows_the_config_and_the_cpu_vendor(monkeypatch):
         ops.set_spread_prefetch(was)
     monkeypatch.undo()
     assert kernels.cpu_vendor() in ("GenuineIntel", "AuthenticAMD", "")
-    with pytest.raises(ConfigError) as e:
-        validate(make_cfg(cpu_linear_prefetch="every"))
-    assert e.value.key == "engine.cpu_linear_prefetch" and "first_tile" in str(e.value)
+    kernels._cache.pop("cpu_ops_avx512")  # loaded again (the build is cached on disk): the CPU's default
+    assert kernels.cpu_ops("avx512").spread_prefetch() == kernels.default_spread_prefetch()
 
 
 def test_avx2_and_avx512_linears_round_alike():
