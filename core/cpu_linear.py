@@ -156,6 +156,19 @@ class DotBF16Linear(nn.Module):
         self.bias = torch.empty(0) if linear.bias is None else linear.bias.detach().float()
 
     @property
+    def packed(self) -> torch.Tensor:
+        return self._packed
+
+    @packed.setter
+    def packed(self, value: torch.Tensor) -> None:
+        # the one-call decoder layers (backends.kernel_layers) hold packed weights: one counter
+        # tells them a weight was replaced (moved onto huge pages, repacked)
+        from .backends.kernel_linear import KernelLinear
+
+        self._packed = value
+        KernelLinear.generation += 1
+
+    @property
     def weight(self) -> torch.Tensor:
         """The ``[N, K]`` weight in plain layout (a copy unpacked from the kernel's layout)."""
         nb, kp, _ = self.packed.shape

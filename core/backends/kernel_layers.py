@@ -13,12 +13,17 @@ same kernel functions in the same order inside C++, so its outputs have the per-
 captured hidden states).
 
 It applies only where the layers run their own forward (not ``engine.torch_compile``'s) and
-every layer's four linears are ``KernelLinear`` on the same ``cpu_ops`` build (fp32/bf16 weights)
-or, in an fp32 model, all ``Q8Linear`` of one ``q8_ops`` build (int8 activations x 4/8-bit
-codes: ``model.activation_quantization=int8``, a ``w8a8_int8`` draft), which ``cpu_ops`` calls
-through the address ``q8_ops.linear_address()`` hands out; weight-only quantized and AMX/bf16_dot
-linears keep the per-op path. It checks that again before each forward (a relocated or
-re-planned weight is picked up, never a stale one read).
+every layer's four linears are ``KernelLinear`` on the same ``cpu_ops`` build (fp32/bf16 weights),
+or all ``DotBF16Linear`` on ``bf16_amx``'s AMX tiles (a bf16 model on an AMX CPU), or, in an fp32
+model, all ``Q8Linear`` of one ``q8_ops`` build (int8 activations x 4/8-bit codes:
+``model.activation_quantization=int8``, a ``w8a8_int8`` draft). ``cpu_ops`` calls another build's
+linear through the address its ``linear_address()`` hands out. Weight-only quantized linears keep
+the per-op path. It checks that again before each forward (a relocated or re-planned weight is
+picked up, never a stale one read).
+
+On the AMX Xeon (family 6 model 167, session 35) the bf16 demo's per-op path spent ~3.6 ms of a
+15.8 ms one-row forward outside its linears and attention: every ``DotBF16Linear`` call's row
+plan, reshapes and module call (~15 us each, 121 a forward) and ~13 Python-side ops a layer.
 """
 
 from __future__ import annotations
@@ -60,8 +65,42 @@ def _code_weights(linears) -> list[torch.Tensor]:
     return out + [torch.tensor([lin.out_features for lin in linears] + [lin.q8.bits for lin in linears], dtype=torch.long)]
 
 
+def _amx_linears(linears) -> bool:
+    """Every linear is a ``DotBF16Linear`` on ``bf16_amx``'s tiles (one build), without a bias
+    beyond the first's (qkv), run unpadded: its row plan (measured here if not yet) never pads, as
+    it never does for a kernel invariant by construction, so one call over all rows gives each row
+    the per-op path's bits."""
+    from ..cpu_linear import DotBF16Linear
+    from ..kernels import bf16_amx
+
+    amx = bf16_amx()
+    if amx is None or not all(type(lin) is DotBF16Linear and lin.kernel is amx for lin in linears):
+        return False
+    if any(lin.bias.numel() for lin in linears[1:]):
+        return False
+    return all(not lin.batch_invariant or not lin.row_plan().pad for lin in linears)
+
+
+def _packed_weights(linears) -> list[torch.Tensor]:
+    """qkv packed, qkv bias, o packed, gate_up packed, down packed, widths [4] (``PackedLinears``
+    without the norm between o and gate_up)."""
+    qkv, o, gate_up, down = linears
+    widths = torch.tensor([lin.out_features for lin in linears], dtype=torch.long)
+    return [qkv.packed, qkv.bias, o.packed, gate_up.packed, down.packed, widths]
+
+
 def _one_call_linears(ops, linears, norm: torch.Tensor) -> bool:
-    return _kernel_linears(ops, linears) or _code_linears(linears, norm)
+    return _kernel_linears(ops, linears) or _code_linears(linears, norm) or _amx_linears(linears)
+
+
+def _linear_addresses(linears, norm: torch.Tensor) -> tuple[int, int]:
+    """(q8 linear address, packed linear address) the one call runs ``linears`` through; (0, 0):
+    ``cpu_ops``' own packed linears."""
+    if _code_linears(linears, norm):
+        return linears[0].ops.linear_address(), 0
+    if _amx_linears(linears):
+        return 0, linears[0].kernel.linear_address()
+    return 0, 0
 
 
 class KernelLayers:
@@ -71,24 +110,23 @@ class KernelLayers:
         self.eps = first.input_layernorm.eps
         self.n_heads, self.n_kv, self.scale = first.n_heads, first.n_kv, first.scale
         self.generation = KernelLinear.generation
-        codes = _code_linears([getattr(first, name) for name in _LINEARS], first.input_layernorm.weight)
-        self.q8_linear = first.qkv_proj.ops.linear_address() if codes else 0  # 0: this build's packed linears
+        self.q8_linear, self.packed_linear = _linear_addresses([getattr(first, name) for name in _LINEARS], first.input_layernorm.weight)
         self.weights: list[torch.Tensor] = []
         for layer in self.layers:
-            four = qkv, o, gate_up, down = [getattr(layer, name) for name in _LINEARS]
+            four = [getattr(layer, name) for name in _LINEARS]
             ln1, ln2 = layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()
-            if codes:
+            if self.q8_linear:
                 self.weights += [ln1, ln2, *_code_weights(four)]
             else:
-                widths = torch.tensor([lin.out_features for lin in four], dtype=torch.long)
-                self.weights += [ln1, qkv.packed, qkv.bias, o.packed, ln2, gate_up.packed, down.packed, widths]
+                qkv, qkv_bias, o, gate_up, down, widths = _packed_weights(four)
+                self.weights += [ln1, qkv, qkv_bias, o, ln2, gate_up, down, widths]
 
     @staticmethod
     def eligible(ops, layers) -> bool:
         """Every layer runs its class's forward (not one replaced per instance, as
         ``engine.torch_compile`` does), has the four projections on ``ops``' ``KernelLinear``,
-        unpadded, without a bias beyond qkv's (or all on one ``q8_ops`` build's ``Q8Linear``, fp32),
-        and one norm epsilon throughout."""
+        unpadded, without a bias beyond qkv's (or all on one ``q8_ops`` build's ``Q8Linear``, fp32;
+        or all ``DotBF16Linear`` on AMX tiles), and one norm epsilon throughout."""
         if any("forward" in layer.__dict__ for layer in layers):
             return False
         eps = {layer.input_layernorm.eps for layer in layers} | {layer.post_attention_layernorm.eps for layer in layers}
@@ -97,6 +135,8 @@ class KernelLayers:
         lins = [[getattr(layer, name, None) for name in _LINEARS] for layer in layers]
         if all(_code_linears(four, layer.input_layernorm.weight) for four, layer in zip(lins, layers)):
             return len({id(four[0].ops) for four in lins}) == 1  # one q8 build throughout: the call takes one address
+        if all(_amx_linears(four) for four in lins):
+            return True
         return all(_kernel_linears(ops, four) for four in lins)
 
     def current(self) -> bool:
@@ -119,6 +159,7 @@ class KernelLayers:
         out = self.ops.decoder_layers(
             x, self.weights, kv.k[:L], kv.v[:L], cos, sin, fb.out_slots, self.eps, self.scale, self.n_heads, self.n_kv,
             plan.prefix_ptr, plan.prefix_slots, plan.row_ptr, plan.row_q, plan.extra_ptr, plan.extra_slots, wanted, self.q8_linear,
+            self.packed_linear,
         )  # fmt: skip
         return out[0], dict(zip(wanted, out[1:]))
 
@@ -131,15 +172,14 @@ class KernelDraftLayer:
         self.ops, self.layer = ops, layer
         self.eps, self.scale = layer.post_attention_layernorm.eps, layer.scale
         self.generation = KernelLinear.generation
-        four = qkv, o, gate_up, down = self._linears(layer)
+        four = self._linears(layer)
         norm = layer.post_attention_layernorm.weight.detach()
-        codes = _code_linears(four, norm)
-        self.q8_linear = qkv.ops.linear_address() if codes else 0  # 0: this build's packed linears
-        if codes:
+        self.q8_linear, self.packed_linear = _linear_addresses(four, norm)
+        if self.q8_linear:
             self.weights = [norm, *_code_weights(four)]
         else:
-            widths = torch.tensor([lin.out_features for lin in four], dtype=torch.long)
-            self.weights = [qkv.packed, qkv.bias, o.packed, norm, gate_up.packed, down.packed, widths]
+            qkv, qkv_bias, o, gate_up, down, widths = _packed_weights(four)
+            self.weights = [qkv, qkv_bias, o, norm, gate_up, down, widths]
 
     @staticmethod
     def _linears(layer) -> list:
@@ -148,8 +188,8 @@ class KernelDraftLayer:
     @staticmethod
     def eligible(ops, layer) -> bool:
         """Fused projections (``fuse_projections``) on ``ops``' unpadded ``KernelLinear`` (or one
-        ``q8_ops`` build's ``Q8Linear``, fp32), and the layer's own forward (not one replaced per
-        instance)."""
+        ``q8_ops`` build's ``Q8Linear``, fp32; or ``DotBF16Linear`` on AMX tiles), and the layer's
+        own forward (not one replaced per instance)."""
         if layer.qkv_fused is None or "forward" in layer.__dict__:
             return False
         return _one_call_linears(ops, KernelDraftLayer._linears(layer), layer.post_attention_layernorm.weight)
@@ -165,5 +205,5 @@ class KernelDraftLayer:
         return self.ops.draft_layer(
             attn_in, residual, self.weights, kv.k[0], kv.v[0], rotary.cos, rotary.sin, fb.positions, fb.out_slots, self.eps, self.scale,
             self.layer.n_heads, self.layer.n_kv, plan.prefix_ptr, plan.prefix_slots, plan.row_ptr, plan.row_q, plan.extra_ptr, plan.extra_slots,
-            self.q8_linear,
+            self.q8_linear, self.packed_linear,
         )  # fmt: skip

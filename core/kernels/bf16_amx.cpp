@@ -134,6 +134,12 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, torch::Te
   return y;
 }
 
+// linear()'s address, for cpu_ops' one-call decoder layers (another extension in this process, on
+// the same libtorch): they call it for each of a layer's four linears
+int64_t linear_address() {
+  return reinterpret_cast<int64_t>(&linear);
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -143,4 +149,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("pack", &pack, "pack a [N, K] bf16 weight for linear() (bf16_dot's layout, k padded to 32)");
   m.def("linear", &linear, "batch-invariant bf16 linear on AMX tiles", nogil);
+  m.def("linear_address", &linear_address, "linear()'s address, for cpu_ops' one-call decoder layers");
 }

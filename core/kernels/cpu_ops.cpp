@@ -178,6 +178,38 @@ inline float from_bf16(uint16_t h) {
   return f;
 }
 
+// Every lane rounded to bf16 as to_bf16 rounds it (nearest even, NaN kept quiet), as fp32 bits whose
+// low half is zero (vround_bf16), or stored as W bf16 values (vstore_bf16). Not vcvtneps2bf16:
+// it treats denormal inputs as zero, to_bf16 does not.
+#if defined(__AVX512F__)
+inline __m512i round_bits_bf16(V a) {
+  const __m512i b = _mm512_castps_si512(a);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  const __m512i up = _mm512_add_epi32(b, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), lsb));
+  const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(b, _mm512_set1_epi32(0x7fffffff)), _mm512_set1_epi32(0x7f800000));
+  return _mm512_srli_epi32(_mm512_mask_mov_epi32(up, nan, _mm512_or_si512(b, _mm512_set1_epi32(0x400000))), 16);
+}
+inline V vround_bf16(V a) { return _mm512_castsi512_ps(_mm512_slli_epi32(round_bits_bf16(a), 16)); }
+inline void vstore_bf16(uint16_t* p, V a) { _mm256_storeu_si256((__m256i*)p, _mm512_cvtepi32_epi16(round_bits_bf16(a))); }
+#elif defined(__AVX2__)
+inline __m256i round_bits_bf16(V a) {
+  const __m256i b = _mm256_castps_si256(a);
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(b, 16), _mm256_set1_epi32(1));
+  const __m256i up = _mm256_add_epi32(b, _mm256_add_epi32(_mm256_set1_epi32(0x7fff), lsb));
+  // |b| as a signed int is >= 0, so the signed compare is the unsigned one
+  const __m256i nan = _mm256_cmpgt_epi32(_mm256_and_si256(b, _mm256_set1_epi32(0x7fffffff)), _mm256_set1_epi32(0x7f800000));
+  return _mm256_srli_epi32(_mm256_blendv_epi8(up, _mm256_or_si256(b, _mm256_set1_epi32(0x400000)), nan), 16);
+}
+inline V vround_bf16(V a) { return _mm256_castsi256_ps(_mm256_slli_epi32(round_bits_bf16(a), 16)); }
+inline void vstore_bf16(uint16_t* p, V a) {
+  const __m256i packed = _mm256_packus_epi32(round_bits_bf16(a), _mm256_setzero_si256());   // per 128-bit lane: 4 values, 4 zeros
+  _mm_storeu_si128((__m128i*)p, _mm256_castsi256_si128(_mm256_permute4x64_epi64(packed, 0x08)));
+}
+#else
+inline V vround_bf16(V a) { V r; for (int i = 0; i < W; ++i) r.l[i] = from_bf16(to_bf16(a.l[i])); return r; }
+inline void vstore_bf16(uint16_t* p, V a) { for (int i = 0; i < W; ++i) p[i] = to_bf16(a.l[i]); }
+#endif
+
 // ---------------------------------------------------------------- linear
 
 // MR rows x NT weight blocks over k in [k0, k1); w points at the first block ([K][16] each,
@@ -860,19 +892,25 @@ template <typename T> inline float rnd(float v) {   // round to T and back (bf16
   if constexpr (std::is_same<T, float>::value) return v; else return from_bf16(to_bf16(v));
 }
 
+// whole vectors of T: rounded to T after each op as rnd<T> rounds a lane, stored as st stores it
+template <typename T> inline V vrnd(V a) {
+  if constexpr (std::is_same<T, float>::value) return a; else return vround_bf16(a);
+}
+inline void vst(float* p, V a) { vstore(p, a); }
+inline void vst(uint16_t* p, V a) { vstore_bf16(p, a); }
+
 template <typename T>
 void add_rms_norm_impl(const T* x, const T* res, T* sum, const T* w, T* y, int64_t rows, int64_t D, float eps) {
   at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
     std::vector<float> f(D);
-    constexpr bool fp32 = std::is_same<T, float>::value;   // fp32: whole vectors, the same operations lane by lane
+    // whole vectors, the scalar tail's operations lane by lane (bf16: rounded where it rounds)
     for (int64_t r = r0; r < r1; ++r) {
       int64_t d = 0;
-      if constexpr (fp32)
-        for (; d + W <= D; d += W) {
-          V v = vload(x + r * D + d);
-          if (res) { v = vadd(v, vload(res + r * D + d)); vstore(sum + r * D + d, v); }
-          vstore(f.data() + d, v);
-        }
+      for (; d + W <= D; d += W) {
+        V v = vload(x + r * D + d);
+        if (res) { v = vrnd<T>(vadd(v, vload(res + r * D + d))); vst(sum + r * D + d, v); }
+        vstore(f.data() + d, v);
+      }
       for (; d < D; ++d) {
         float v = ld(x + r * D, d);
         if (res) { v = rnd<T>(v + ld(res + r * D, d)); st(sum + r * D, d, v); }
@@ -884,8 +922,7 @@ void add_rms_norm_impl(const T* x, const T* res, T* sum, const T* w, T* y, int64
       for (; d < D; ++d) ss += f[d] * f[d];
       const float inv = 1.f / std::sqrt(ss / float(D) + eps);
       d = 0;
-      if constexpr (fp32)
-        for (; d + W <= D; d += W) vstore(y + r * D + d, vmul(vmul(vload(f.data() + d), vset1(inv)), vload(w + d)));
+      for (; d + W <= D; d += W) vst(y + r * D + d, vmul(vrnd<T>(vmul(vload(f.data() + d), vset1(inv))), vload(w + d)));
       for (; d < D; ++d) st(y + r * D, d, rnd<T>(rnd<T>(f[d] * inv) * ld(w, d)));
     }
   });
@@ -963,17 +1000,10 @@ template <typename T>
 void silu_mul_impl(const T* gu, T* y, int64_t rows, int64_t I) {
   at::parallel_for(0, rows * I / W, 4096, [&]   // below ~32k outputs: one thread (no barrier)
       (int64_t c0, int64_t c1) {
-    float g[W], u[W], e[W];
-    for (int64_t c = c0; c < c1; ++c) {
+    for (int64_t c = c0; c < c1; ++c) {   // y = rnd(rnd(g / (1 + exp(-g))) * u) lane by lane (fp32: no rounding)
       const int64_t r = c * W / I, i = c * W % I;
-      if constexpr (std::is_same<T, float>::value) {   // whole vectors: the scalar loop's operations, lane by lane
-        const V gv = vload(gu + r * 2 * I + i), uv = vload(gu + r * 2 * I + I + i);
-        vstore(y + r * I + i, vmul(vdiv(gv, vadd(vset1(1.f), vexp(vmul(gv, vset1(-1.f))))), uv));
-        continue;
-      }
-      for (int t = 0; t < W; ++t) { g[t] = ld(gu + r * 2 * I, i + t); u[t] = ld(gu + r * 2 * I + I, i + t); e[t] = -g[t]; }
-      vstore(e, vexp(vload(e)));
-      for (int t = 0; t < W; ++t) st(y + r * I, i + t, rnd<T>(rnd<T>(g[t] / (1.f + e[t])) * u[t]));
+      const V gv = vload(gu + r * 2 * I + i), uv = vload(gu + r * 2 * I + I + i);
+      vst(y + r * I + i, vmul(vrnd<T>(vdiv(gv, vadd(vset1(1.f), vexp(vmul(gv, vset1(-1.f)))))), uv));
     }
   });
 }
@@ -1056,15 +1086,24 @@ torch::Tensor layer_body(const Lin& lin, const torch::Tensor& h, const torch::Te
   return sum_normed[0] + lin(3, silu_mul(lin(2, sum_normed[1])));
 }
 
-// A layer's linears on this build's packed fp32/bf16 weights. w: qkv packed, qkv bias (or empty),
-// o packed, (the post-attention norm), gate_up packed, down packed, widths [4] (int64).
+// A packed linear of another extension with this build's signature (x, packed, N, fp32 bias or
+// empty): bf16_amx.cpp's AMX tiles, called through the address its build hands out
+// (bf16_amx.linear_address(); the extensions are separate libraries in one process, on one libtorch).
+using PackedLinear = torch::Tensor (*)(torch::Tensor, torch::Tensor, int64_t, torch::Tensor);
+
+// A layer's linears on packed weights: this build's fp32/bf16 ones, or ``fn``'s (not null). w: qkv
+// packed, qkv bias (or empty), o packed, (the post-attention norm), gate_up packed, down packed,
+// widths [4] (int64).
 struct PackedLinears {
   const torch::Tensor* w;
   torch::Tensor no_bias;
-  PackedLinears(const torch::Tensor* w_, const torch::Tensor& like) : w(w_), no_bias(torch::empty({0}, like.options().dtype(torch::kFloat32))) {}
+  PackedLinear fn;
+  PackedLinears(const torch::Tensor* w_, const torch::Tensor& like, PackedLinear fn_ = nullptr)
+      : w(w_), no_bias(torch::empty({0}, like.options().dtype(torch::kFloat32))), fn(fn_) {}
   torch::Tensor operator()(int i, const torch::Tensor& a) const {
     static constexpr int packed[4] = {0, 2, 4, 5};
-    return linear(a, w[packed[i]], w[6].data_ptr<int64_t>()[i], i == 0 ? w[1] : no_bias);
+    const auto& b = i == 0 ? w[1] : no_bias;
+    return fn ? fn(a, w[packed[i]], w[6].data_ptr<int64_t>()[i], b) : linear(a, w[packed[i]], w[6].data_ptr<int64_t>()[i], b);
   }
 };
 
@@ -1088,6 +1127,10 @@ Q8Linear q8_linear_at(int64_t address) {
   return reinterpret_cast<Q8Linear>(address);
 }
 
+PackedLinear packed_linear_at(int64_t address) {   // 0: this build's own linear
+  return address ? reinterpret_cast<PackedLinear>(address) : nullptr;
+}
+
 // Every layer of a Llama-style decoder over decode / tree / extend rows (no prompt prefill), in
 // one call instead of ~13 Python-side ops per layer (0.5-0.8 ms of a 9-17 ms fp32 forward of the
 // 30-layer demo model at 1-16 rows): the same functions in the same order as the model's per-op path
@@ -1095,14 +1138,15 @@ Q8Linear q8_linear_at(int64_t address) {
 // 8 tensors: input norm weight, qkv packed, qkv bias (or empty), o packed, post-attention norm
 // weight, gate_up packed, down packed, a [4] int64 of the four linears' output widths; with
 // ``q8_linear`` (an address, not 0) instead 19: input norm weight, post-attention norm weight,
-// the CodeLinears' 16 tensors and meta. Returns the hidden state after the last layer, then the
-// hidden state entering each layer in ``capture``.
+// the CodeLinears' 16 tensors and meta. ``packed_linear`` (an address, not 0): the packed weights
+// are another build's, run by the function at that address (bf16_amx's AMX tiles). Returns the
+// hidden state after the last layer, then the hidden state entering each layer in ``capture``.
 std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<torch::Tensor> weights, std::vector<torch::Tensor> k_caches,
                                           std::vector<torch::Tensor> v_caches, torch::Tensor cos, torch::Tensor sin,
                                           torch::Tensor out_slots, double eps, double scale, int64_t H, int64_t Hkv,
                                           torch::Tensor prefix_ptr, torch::Tensor prefix_slots, torch::Tensor row_ptr,
                                           torch::Tensor row_q, torch::Tensor extra_ptr, torch::Tensor extra_slots,
-                                          std::vector<int64_t> capture, int64_t q8_linear) {
+                                          std::vector<int64_t> capture, int64_t q8_linear, int64_t packed_linear) {
   const int64_t L = int64_t(k_caches.size()), T = x.size(0), D = k_caches.empty() ? 0 : k_caches[0].size(2);
   const int64_t per = q8_linear ? 19 : 8;
   TORCH_CHECK(int64_t(weights.size()) == per * L && int64_t(v_caches.size()) == L, "decoder_layers: 8 (19 with q8 linears) weights and 2 caches per layer");
@@ -1118,7 +1162,7 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<torch::Te
       x = layer_body(CodeLinears{w + 2, w[18], q8_linear_at(q8_linear)}, h, x, w[1], k_caches[l], v_caches[l], cos, sin, out_slots, eps, scale,
                      H, Hkv, D, prefix_ptr, prefix_slots, row_ptr, row_q, extra_ptr, extra_slots);
     else
-      x = layer_body(PackedLinears(w + 1, x), h, x, w[4], k_caches[l], v_caches[l], cos, sin, out_slots, eps, scale, H, Hkv, D, prefix_ptr,
+      x = layer_body(PackedLinears(w + 1, x, packed_linear_at(packed_linear)), h, x, w[4], k_caches[l], v_caches[l], cos, sin, out_slots, eps, scale, H, Hkv, D, prefix_ptr,
                      prefix_slots, row_ptr, row_q, extra_ptr, extra_slots);
   }
   captured.insert(captured.begin(), x);
@@ -1129,13 +1173,13 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<torch::Te
 // not the residual stream, e.g. EAGLE-3's cat(norm(embed), norm(hidden)) of width 2H) in one call:
 // the per-op path's kernel functions in its order, so the same bits. weights: qkv, qkv bias (or
 // empty), o, post-attention norm, gate_up, down, widths [4]; with ``q8_linear`` (an address, not
-// 0) instead the post-attention norm, the CodeLinears' 16 tensors and meta. cos / sin: the full
-// tables, indexed by positions here.
+// 0) instead the post-attention norm, the CodeLinears' 16 tensors and meta; ``packed_linear`` as in
+// decoder_layers. cos / sin: the full tables, indexed by positions here.
 torch::Tensor draft_layer(torch::Tensor attn_in, torch::Tensor residual, std::vector<torch::Tensor> weights, torch::Tensor k_cache,
                           torch::Tensor v_cache, torch::Tensor cos_table, torch::Tensor sin_table, torch::Tensor positions,
                           torch::Tensor out_slots, double eps, double scale, int64_t H, int64_t Hkv, torch::Tensor prefix_ptr,
                           torch::Tensor prefix_slots, torch::Tensor row_ptr, torch::Tensor row_q, torch::Tensor extra_ptr,
-                          torch::Tensor extra_slots, int64_t q8_linear) {
+                          torch::Tensor extra_slots, int64_t q8_linear, int64_t packed_linear) {
   TORCH_CHECK(weights.size() == (q8_linear ? 18 : 7), "draft_layer: qkv, qkv bias, o, norm, gate_up, down, widths (q8: norm, 16 code tensors, meta)");
   const auto cos = cos_table.index_select(0, positions).unsqueeze(1), sin = sin_table.index_select(0, positions).unsqueeze(1);
   const auto h = attn_in.contiguous(), x = residual.contiguous();
@@ -1143,7 +1187,7 @@ torch::Tensor draft_layer(torch::Tensor attn_in, torch::Tensor residual, std::ve
   if (q8_linear)
     return layer_body(CodeLinears{weights.data() + 1, weights[17], q8_linear_at(q8_linear)}, h, x, weights[0], k_cache, v_cache, cos, sin,
                       out_slots, eps, scale, H, Hkv, D, prefix_ptr, prefix_slots, row_ptr, row_q, extra_ptr, extra_slots);
-  return layer_body(PackedLinears(weights.data(), x), h, x, weights[3], k_cache, v_cache, cos, sin, out_slots, eps, scale, H, Hkv, D,
+  return layer_body(PackedLinears(weights.data(), x, packed_linear_at(packed_linear)), h, x, weights[3], k_cache, v_cache, cos, sin, out_slots, eps, scale, H, Hkv, D,
                     prefix_ptr, prefix_slots, row_ptr, row_q, extra_ptr, extra_slots);
 }
 

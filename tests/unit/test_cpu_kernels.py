@@ -412,6 +412,32 @@ def test_fused_layer_glue_matches_torch_and_is_per_row(isa, dtype):
 
 
 @isas
+def test_bf16_glue_rounds_each_op_as_the_scalar_path_does(isa):
+    """The bf16 glue runs whole vectors and rounds each op to nearest even as ``to_bf16`` does:
+    a residual sum has torch's bits (denormals kept, not flushed as vcvtneps2bf16 would), a lane in
+    the vector part and one in the scalar tail with the same inputs give the same output, and a
+    denormal silu survives."""
+    ops = _ops(isa)
+    g = torch.Generator().manual_seed(5)
+    rows, D = 3, 3 * 16 + 5  # a scalar tail after the vectors on every ISA (8 or 16 lanes)
+    x, res = (torch.randn(rows, D, generator=g).bfloat16() for _ in range(2))
+    x[:, :4] = torch.tensor([1e-39, -3e-39, 2.0**-133, 5.0]).bfloat16()  # denormal sums
+    res[:, :4] = torch.tensor([2e-39, 1e-39, 2.0**-133, -5.0]).bfloat16()
+    x[:, -1], res[:, -1] = x[:, 5], res[:, 5]  # lane 5 (vector part) and lane D-1 (tail): the same inputs
+    w = (torch.rand(D, generator=g) + 0.5).bfloat16()
+    w[-1] = w[5]
+    summed, y = ops.add_rms_norm(x, res, w, 1e-5)
+    assert torch.equal(summed.view(torch.int16), (x + res).view(torch.int16))
+    assert summed[0, 0] != 0 and summed[0, 2] != 0
+    assert torch.equal(y[:, 5].view(torch.int16), y[:, -1].view(torch.int16))
+    # silu(g) * u with g a bf16 denormal and u = 1: exp(-g) rounds to 1, so g / 2, still a denormal
+    gate = torch.full((2, 16), 2.0**-130).bfloat16()
+    gate[1] = -(2.0**-128)
+    out = ops.silu_mul(torch.cat([gate, torch.ones_like(gate)], dim=1))
+    assert torch.equal(out, (gate.float() / 2).bfloat16()) and bool((out != 0).all())
+
+
+@isas
 @pytest.mark.parametrize("vocab,k", [(8192, 4), (1000, 8), (37, 1), (5, 5)])
 def test_top_logprobs_matches_log_softmax_topk(isa, vocab, k):
     """The draft loop's per-depth read-back: each row's k best log-probabilities, best first, ids

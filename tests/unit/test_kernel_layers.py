@@ -29,15 +29,19 @@ def _tree_mask(parents):
     return mask
 
 
-def _runner(model_dir, isa, dtype, bf16_dot=False, codes=None, activations="int8"):
+def _runner(model_dir, isa, dtype, bf16_dot=False, codes=None, activations="int8", amx=False):
     """``codes``: int8 / int4 weights with int8 activations (``Q8Linear``: q8_ops' linears; with
-    ``activations="int8_per_token"``, ``W8A8Linear``: w8a8_ops' linears)."""
+    ``activations="int8_per_token"``, ``W8A8Linear``: w8a8_ops' linears). ``amx``: bf16 weights on
+    AMX tiles (``DotBF16Linear`` on bf16_amx, whose linear cpu_ops calls by address)."""
     if cpu_ops(isa) is None or (codes and q8_ops(isa) is None) or (activations == "int8_per_token" and w8a8_ops(w8a8_isa(isa)) is None):
         pytest.skip("the CPU kernels cannot be built here")
     if bf16_dot and not cpu_ops(isa).has_bf16_dot():
         pytest.skip(f"the {isa} build has no vdpbf16ps path on this CPU")
     if bf16_dot and bf16_amx() is not None:
-        pytest.skip("on an AMX CPU bf16 linears take AMX tiles (DotBF16Linear, per layer), not the build's vdpbf16ps path")
+        pytest.skip("on an AMX CPU bf16 linears take AMX tiles (DotBF16Linear), not the build's vdpbf16ps path")
+    if amx and bf16_amx() is None:
+        pytest.skip("this CPU has no AMX-BF16 (or the AMX kernel cannot be built)")
+    bf16_dot = bf16_dot or amx  # engine.cpu_bf16_kernel: AMX tiles where the CPU has them
     lm = load_model(str(model_dir), dtype=str(dtype).removeprefix("torch."))
     quant = dict(quantization=codes, activation_quantization=activations) if codes else {}
     backend = make_backend("cpu", batch_invariant=True, cpu_isa=isa, cpu_bf16_kernel=bf16_dot, **quant)
@@ -55,24 +59,29 @@ def _both_paths(runner, chunks, capture=()):
     return outs
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "bf16 vdpbf16ps", "int8 codes", "int4 codes", "int8 per token"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "bf16 vdpbf16ps", "bf16 amx", "int8 codes", "int4 codes", "int8 per token"])
 @pytest.mark.parametrize("isa", _isas())
 def test_one_call_layers_equal_the_per_layer_path(tiny_model_dir, isa, dtype, monkeypatch):
-    """Also with int8 activations x int8 / int4 codes (``cpu_ops`` calling q8_ops' linear) and
-    with int8 activations per token (w8a8_ops' linear: AMX tiles in the avx512 build where the CPU
-    has AMX-INT8)."""
+    """Also with int8 activations x int8 / int4 codes (``cpu_ops`` calling q8_ops' linear), with
+    int8 activations per token (w8a8_ops' linear: AMX tiles in the avx512 build where the CPU
+    has AMX-INT8) and with bf16 weights on AMX tiles (bf16_amx's linear, where the CPU has AMX-BF16)."""
     from specfw.backends.q8_linear import Q8Linear
     from specfw.backends.w8a8_linear import W8A8Linear
+    from specfw.cpu_linear import DotBF16Linear
 
     dot = dtype == "bf16 vdpbf16ps"  # bf16 weights in bf16_dot's layout (AVX512-BF16 in the avx512 build)
+    amx = dtype == "bf16 amx"
     per_token = dtype == "int8 per token"
     codes = dtype.split()[0] if isinstance(dtype, str) and (dtype.endswith("codes") or per_token) else None
     acts = "int8_per_token" if per_token else "int8"
-    r = _runner(tiny_model_dir, isa, torch.bfloat16 if dot else torch.float32 if codes else dtype, bf16_dot=dot, codes=codes, activations=acts)
+    r = _runner(tiny_model_dir, isa, torch.bfloat16 if dot or amx else torch.float32 if codes else dtype, bf16_dot=dot, codes=codes, activations=acts, amx=amx)
     if codes:
         kind = W8A8Linear if per_token else Q8Linear
         assert all(type(getattr(layer, n)) is kind for layer in r.model.layers for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
         assert {layer.qkv_proj.q8.bits for layer in r.model.layers} == {8 if codes == "int8" else 4}
+    elif amx:
+        assert all(type(getattr(layer, n)) is DotBF16Linear for layer in r.model.layers for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
+        assert r.backend.decoder_stack(r.model).packed_linear == bf16_amx().linear_address() != 0
     else:
         assert all(layer.qkv_proj.packed.shape[-1] == (32 if dot else 16) for layer in r.model.layers)
     calls = []
@@ -141,13 +150,13 @@ def test_layers_with_other_linears_keep_the_per_layer_path(tiny_model_dir):
     assert rebuilt is not stack and rebuilt.current()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "w8a8_int8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "w8a8_int8", "bf16 amx"])
 @pytest.mark.parametrize("isa", _isas())
 def test_one_call_draft_layer_equals_the_per_op_path(isa, dtype, monkeypatch):
     """``KernelDraftLayer`` (``cpu_ops.draft_layer``): an EAGLE-3-shaped draft layer (attention
     input 2H, residual H) gives the per-op path's bits for extend rows, beam-step rows whose tree
     mask covers earlier drafted nodes, and two sequences at once; a prompt prefill keeps the per-op
-    path."""
+    path. Also with int8 weights and activations and with bf16 weights on AMX tiles."""
     from transformers import LlamaConfig
     from specfw.backends.kernel_layers import KernelDraftLayer
     from specfw.kv_cache import KVPool
@@ -155,9 +164,12 @@ def test_one_call_draft_layer_equals_the_per_op_path(isa, dtype, monkeypatch):
     from specfw.models.llama import Rotary
 
     codes = dtype == "w8a8_int8"  # int8 weights and activations (q8_ops' linear, called from cpu_ops)
+    amx = dtype == "bf16 amx"  # bf16 weights on AMX tiles (bf16_amx's linear, called from cpu_ops)
     if cpu_ops(isa) is None or (codes and q8_ops(isa) is None):
         pytest.skip("the CPU kernels cannot be built here")
-    dtype = torch.float32 if codes else dtype
+    if amx and bf16_amx() is None:
+        pytest.skip("this CPU has no AMX-BF16 (or the AMX kernel cannot be built)")
+    dtype = torch.float32 if codes else torch.bfloat16 if amx else dtype
     cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, rms_norm_eps=1e-5)
     torch.manual_seed(0)
     layer = DraftDecoderLayer(cfg, in_dim=128)
@@ -165,9 +177,10 @@ def test_one_call_draft_layer_equals_the_per_op_path(isa, dtype, monkeypatch):
         for p in layer.parameters():
             p.copy_(torch.randn_like(p) * 0.2)
     layer = layer.to(dtype).eval()
-    backend = make_backend("cpu", batch_invariant=True, cpu_isa=isa, cpu_bf16_kernel=False, draft_quantization="w8a8_int8" if codes else None)
+    backend = make_backend("cpu", batch_invariant=True, cpu_isa=isa, cpu_bf16_kernel=amx, draft_quantization="w8a8_int8" if codes else None)
     layer = backend.prepare_module(layer)
     assert (type(layer.qkv_fused).__name__ == "Q8Linear") == codes
+    assert (type(layer.qkv_fused).__name__ == "DotBF16Linear") == amx
     kv = KVPool(1, 2, 16, 256, dtype=dtype)
     rotary = Rotary(cfg, 256, dtype)
     calls = []
