@@ -14,8 +14,7 @@ captured hidden states).
 
 It applies only where the layers run their own forward (not ``engine.torch_compile``'s) and
 every layer's four linears are ``KernelLinear`` on the same ``cpu_ops`` build (fp32/bf16 weights),
-or all ``DotBF16Linear`` on ``bf16_amx``'s AMX tiles (a bf16 model on an AMX CPU), or, in an fp32
-model, all ``Q8Linear`` of one ``q8_ops`` build (int8 activations x 4/8-bit codes:
+or all ``DotBF16Linear`` on ``bf16_amx``'s AMX tiles (a bf16 model on an AMX CPU), or all ``Q8Linear`` of one ``q8_ops`` build (int8 activations x 4/8-bit codes:
 ``model.activation_quantization=int8``, a ``w8a8_int8`` draft). ``cpu_ops`` calls another build's
 linear through the address its ``linear_address()`` hands out. Weight-only quantized linears keep
 the per-op path. It checks that again before each forward (a relocated or re-planned weight is
@@ -47,11 +46,11 @@ def _kernel_linears(ops, linears) -> bool:
 
 
 def _code_linears(linears, norm: torch.Tensor) -> bool:
-    """Every linear is a ``Q8Linear`` of one ``q8_ops`` build, in an fp32 layer (``Q8Linear``
-    rounds a bf16 model's outputs back to bf16; the one call does not)."""
+    """Every linear is a ``Q8Linear`` of one ``q8_ops`` build (fp32 or bf16 layer: the one call
+    rounds each linear's fp32 sums to the layer's dtype, as ``Q8Linear.forward`` does)."""
     from .q8_linear import Q8Linear
 
-    if norm.dtype != torch.float32 or not all(isinstance(lin, Q8Linear) for lin in linears):
+    if norm.dtype not in (torch.float32, torch.bfloat16) or not all(isinstance(lin, Q8Linear) for lin in linears):
         return False
     return len({id(lin.ops) for lin in linears}) == 1
 
@@ -125,7 +124,7 @@ class KernelLayers:
     def eligible(ops, layers) -> bool:
         """Every layer runs its class's forward (not one replaced per instance, as
         ``engine.torch_compile`` does), has the four projections on ``ops``' ``KernelLinear``,
-        unpadded, without a bias beyond qkv's (or all on one ``q8_ops`` build's ``Q8Linear``, fp32;
+        unpadded, without a bias beyond qkv's (or all on one ``q8_ops`` build's ``Q8Linear``;
         or all ``DotBF16Linear`` on AMX tiles), and one norm epsilon throughout."""
         if any("forward" in layer.__dict__ for layer in layers):
             return False
@@ -188,7 +187,7 @@ class KernelDraftLayer:
     @staticmethod
     def eligible(ops, layer) -> bool:
         """Fused projections (``fuse_projections``) on ``ops``' unpadded ``KernelLinear`` (or one
-        ``q8_ops`` build's ``Q8Linear``, fp32; or ``DotBF16Linear`` on AMX tiles), and the layer's
+        ``q8_ops`` build's ``Q8Linear``; or ``DotBF16Linear`` on AMX tiles), and the layer's
         own forward (not one replaced per instance)."""
         if layer.qkv_fused is None or "forward" in layer.__dict__:
             return False

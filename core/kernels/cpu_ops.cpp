@@ -1174,7 +1174,8 @@ struct CodeLinears {
   Q8Linear fn;
   torch::Tensor operator()(int i, const torch::Tensor& a) const {
     const int64_t* n = meta.data_ptr<int64_t>();
-    return fn(a, w[4 * i], w[4 * i + 1], w[4 * i + 2], n[4 + i], n[i], w[4 * i + 3]);
+    auto y = fn(a, w[4 * i], w[4 * i + 1], w[4 * i + 2], n[4 + i], n[i], w[4 * i + 3]);   // fp32 sums
+    return y.scalar_type() == a.scalar_type() ? y : y.to(a.scalar_type());   // a bf16 layer: rounded as Q8Linear rounds
   }
 };
 

@@ -59,7 +59,9 @@ def _both_paths(runner, chunks, capture=()):
     return outs
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "bf16 vdpbf16ps", "bf16 amx", "int8 codes", "int4 codes", "int8 per token"])
+@pytest.mark.parametrize(
+    "dtype", [torch.float32, torch.bfloat16, "bf16 vdpbf16ps", "bf16 amx", "int8 codes", "int4 codes", "int8 codes bf16", "int8 per token"]
+)
 @pytest.mark.parametrize("isa", _isas())
 def test_one_call_layers_equal_the_per_layer_path(tiny_model_dir, isa, dtype, monkeypatch):
     """Also with int8 activations x int8 / int4 codes (``cpu_ops`` calling q8_ops' linear), with
@@ -72,9 +74,10 @@ def test_one_call_layers_equal_the_per_layer_path(tiny_model_dir, isa, dtype, mo
     dot = dtype == "bf16 vdpbf16ps"  # bf16 weights in bf16_dot's layout (AVX512-BF16 in the avx512 build)
     amx = dtype == "bf16 amx"
     per_token = dtype == "int8 per token"
-    codes = dtype.split()[0] if isinstance(dtype, str) and (dtype.endswith("codes") or per_token) else None
+    codes = dtype.split()[0] if isinstance(dtype, str) and ("codes" in dtype or per_token) else None
     acts = "int8_per_token" if per_token else "int8"
-    r = _runner(tiny_model_dir, isa, torch.bfloat16 if dot or amx else torch.float32 if codes else dtype, bf16_dot=dot, codes=codes, activations=acts, amx=amx)
+    bf16 = dot or amx or dtype == "int8 codes bf16"  # a bf16 model (codes: each linear's sums rounded to bf16)
+    r = _runner(tiny_model_dir, isa, torch.bfloat16 if bf16 else torch.float32 if codes else dtype, bf16_dot=dot, codes=codes, activations=acts, amx=amx)
     if codes:
         kind = W8A8Linear if per_token else Q8Linear
         assert all(type(getattr(layer, n)) is kind for layer in r.model.layers for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
@@ -150,7 +153,7 @@ def test_layers_with_other_linears_keep_the_per_layer_path(tiny_model_dir):
     assert rebuilt is not stack and rebuilt.current()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "w8a8_int8", "bf16 amx"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, "w8a8_int8", "w8a8_int8 bf16", "bf16 amx"])
 @pytest.mark.parametrize("isa", _isas())
 def test_one_call_draft_layer_equals_the_per_op_path(isa, dtype, monkeypatch):
     """``KernelDraftLayer`` (``cpu_ops.draft_layer``): an EAGLE-3-shaped draft layer (attention
@@ -163,13 +166,14 @@ def test_one_call_draft_layer_equals_the_per_op_path(isa, dtype, monkeypatch):
     from specfw.models.draft_layer import DraftDecoderLayer
     from specfw.models.llama import Rotary
 
-    codes = dtype == "w8a8_int8"  # int8 weights and activations (q8_ops' linear, called from cpu_ops)
+    codes = isinstance(dtype, str) and dtype.startswith("w8a8_int8")  # int8 weights and activations (q8_ops' linear, called from cpu_ops)
+    code_dtype = torch.bfloat16 if dtype == "w8a8_int8 bf16" else torch.float32  # a bf16 head: each linear's sums rounded to bf16
     amx = dtype == "bf16 amx"  # bf16 weights on AMX tiles (bf16_amx's linear, called from cpu_ops)
     if cpu_ops(isa) is None or (codes and q8_ops(isa) is None):
         pytest.skip("the CPU kernels cannot be built here")
     if amx and bf16_amx() is None:
         pytest.skip("this CPU has no AMX-BF16 (or the AMX kernel cannot be built)")
-    dtype = torch.float32 if codes else torch.bfloat16 if amx else dtype
+    dtype = code_dtype if codes else torch.bfloat16 if amx else dtype
     cfg = LlamaConfig(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128, rms_norm_eps=1e-5)
     torch.manual_seed(0)
     layer = DraftDecoderLayer(cfg, in_dim=128)
