@@ -14,7 +14,8 @@ captured hidden states).
 
 It applies only where the layers run their own forward (not ``engine.torch_compile``'s) and
 every layer's four linears are ``KernelLinear`` on the same ``cpu_ops`` build (fp32/bf16 weights),
-or all ``DotBF16Linear`` on ``bf16_amx``'s AMX tiles (a bf16 model on an AMX CPU), or all ``Q8Linear`` of one ``q8_ops`` build (int8 activations x 4/8-bit codes:
+or all ``DotBF16Linear`` on ``bf16_amx``'s AMX tiles (a bf16 model on an AMX CPU), or all
+``Q8Linear`` of one ``q8_ops`` build (int8 activations x 4/8-bit codes:
 ``model.activation_quantization=int8``, a ``w8a8_int8`` draft). ``cpu_ops`` calls another build's
 linear through the address its ``linear_address()`` hands out. Weight-only quantized linears keep
 the per-op path. It checks that again before each forward (a relocated or re-planned weight is
