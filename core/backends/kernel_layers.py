@@ -73,8 +73,10 @@ def _amx_linears(linears) -> bool:
     from ..cpu_linear import DotBF16Linear
     from ..kernels import bf16_amx
 
+    if not all(type(lin) is DotBF16Linear for lin in linears):
+        return False  # (before bf16_amx(): no other model loads, or builds, the AMX kernel for this check)
     amx = bf16_amx()
-    if amx is None or not all(type(lin) is DotBF16Linear and lin.kernel is amx for lin in linears):
+    if amx is None or not all(lin.kernel is amx for lin in linears):
         return False
     if any(lin.bias.numel() for lin in linears[1:]):
         return False
