@@ -875,11 +875,23 @@ void attention_impl(const T* Q, const T* Kc, const T* Vc, T* O, int64_t H, int64
         if (int64_t(s.size()) < NT * it.L) s.resize(NT * it.L);
         if (int64_t(q.size()) < NT * D) q.resize(NT * D), a.resize(NT * D), sum.resize(NT);
         load_q(it, vt.t0, vt.t1, q.data());
-        for (int64_t j0 = 0; j0 < it.P; j0 += kKeyBlock)
+        // several requests: each task's K/V come from memory (one request's stay in L2 from head to
+        // head, and its redundant prefetches cost more than they hide), the next key block fetched ahead
+        const bool ahead = G > 1;
+        const int64_t head_bytes = int64_t(sizeof(T)) * D;   // this kv head's part of a slot's row
+        for (int64_t j0 = 0; j0 < it.P; j0 += kKeyBlock) {
+          if (ahead && j0 + kKeyBlock < it.P)
+            prefetch_rows(Kc + it.kvh * D, stride, pre + j0 + kKeyBlock, std::min(it.P - j0 - kKeyBlock, kKeyBlock), head_bytes);
+          else if (ahead)   // the last key block: the values' first block next
+            prefetch_rows(Vc + it.kvh * D, stride, pre, std::min(it.P, kKeyBlock), head_bytes);
           all_rows_scores<ND>(NT, q.data(), D, Kc + it.kvh * D, stride, pre + j0, std::min(it.P - j0, kKeyBlock), scale, s.data() + j0, it.L);
+        }
         for (int64_t t = 0; t < NT; ++t) sum[t] = extras_softmax(it, vt.t0 + t, q.data() + t * D, s.data() + t * it.L);
         zero(vt, a.data());
-        for (int64_t j0 = 0; j0 < it.P; j0 += kKeyBlock) values_block(it, vt, s.data(), a.data(), j0, std::min(it.P - j0, kKeyBlock));
+        for (int64_t j0 = 0; j0 < it.P; j0 += kKeyBlock) {
+          if (ahead && j0 + kKeyBlock < it.P) prefetch_rows(Vc + it.kvh * D, stride, pre + j0 + kKeyBlock, std::min(it.P - j0 - kKeyBlock, kKeyBlock), head_bytes);
+          values_block(it, vt, s.data(), a.data(), j0, std::min(it.P - j0, kKeyBlock));
+        }
         values_finish(it, vt, s.data(), a.data(), sum.data());
       };
       if (G == 1) {
