@@ -31,6 +31,7 @@ import torch
 from torch import nn
 import torch.nn.functional as F
 
+from .backends.kernel_linear import counted_packed
 from .invariance import DEFAULT_TIMED_ROWS, RowPlan, invariant_row_plan
 
 PACKED_MAX_ROWS = 16  # above this, plain F.linear is faster on the measured CPUs
@@ -142,6 +143,8 @@ class DotBF16Linear(nn.Module):
     few rows of decoding and tree verification it streams the weight once at close to memory
     speed (figures: docs/benchmarks.md). The packed weight replaces the plain one."""
 
+    packed = counted_packed()  # the one-call decoder layers hold packed weights: a replaced one is seen
+
     def __init__(self, linear: nn.Linear, batch_invariant: bool = False, kernel=None):
         super().__init__()
         from .kernels import bf16_amx, bf16_kernel
@@ -154,19 +157,6 @@ class DotBF16Linear(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.packed = self.kernel.pack(linear.weight.detach())
         self.bias = torch.empty(0) if linear.bias is None else linear.bias.detach().float()
-
-    @property
-    def packed(self) -> torch.Tensor:
-        return self._packed
-
-    @packed.setter
-    def packed(self, value: torch.Tensor) -> None:
-        # the one-call decoder layers (backends.kernel_layers) hold packed weights: one counter
-        # tells them a weight was replaced (moved onto huge pages, repacked)
-        from .backends.kernel_linear import KernelLinear
-
-        self._packed = value
-        KernelLinear.generation += 1
 
     @property
     def weight(self) -> torch.Tensor:

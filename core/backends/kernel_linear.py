@@ -24,10 +24,27 @@ from torch import nn
 from ..invariance import DEFAULT_TIMED_ROWS, MAX_ROW_BLOCK, RowPlan, invariant_row_plan
 
 
+def counted_packed() -> property:
+    """A linear's ``packed`` weight whose every assignment bumps ``KernelLinear.generation``: what
+    collects the packed weights of many layers (the one-call ``KernelLayers``) checks one number,
+    not every layer (``KernelLinear``'s and ``DotBF16Linear``'s)."""
+
+    def get(self) -> torch.Tensor:
+        return self._packed
+
+    def put(self, value: torch.Tensor) -> None:
+        self._packed = value
+        KernelLinear.generation += 1
+
+    return property(get, put)
+
+
 class KernelLinear(nn.Module):
-    # bumped whenever any KernelLinear's packed weight or padding verdict changes: what collects
-    # the packed weights of many layers (KernelLayers) checks one number, not every layer
+    # bumped whenever any KernelLinear's packed weight or padding verdict changes (or a
+    # DotBF16Linear's packed weight): what collects the packed weights of many layers
+    # (KernelLayers) checks one number, not every layer
     generation = 0
+    packed = counted_packed()
 
     def __init__(self, linear: nn.Linear, ops, isa: str, batch_invariant: bool = False, bf16_dot: bool = False):
         super().__init__()
@@ -43,15 +60,6 @@ class KernelLinear(nn.Module):
         dot = bf16_dot and w.dtype == torch.bfloat16 and ops.has_bf16_dot()
         self.packed = ops.pack_dot(w) if dot else ops.pack(_narrowest_lossless(w))
         self.bias = torch.empty(0) if linear.bias is None else linear.bias.detach().float()
-
-    @property
-    def packed(self) -> torch.Tensor:
-        return self._packed
-
-    @packed.setter
-    def packed(self, value: torch.Tensor) -> None:
-        self._packed = value
-        KernelLinear.generation += 1
 
     @property
     def _padded(self) -> bool:
