@@ -3,7 +3,7 @@ with the requests' tokens (used by the ngram drafter and the ngram draft assist)
 
 from __future__ import annotations
 
-from .trie import Node, NgramTrie
+from .trie import NgramTrie
 
 
 class NgramCache:
@@ -20,7 +20,7 @@ class NgramCache:
             paths = self.trie.extend(paths, seq[done:])
             self.open[req.rid] = (len(seq), paths)
 
-    def match(self, req) -> tuple[Node | None, int]:
+    def match(self, req) -> tuple[int | None, int]:
         """The trie node of the longest suffix of the request's context with continuations, and
         the suffix's length, after inserting the request's new tokens; (None, 0) when none."""
         self._sync(req)
