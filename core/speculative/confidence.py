@@ -79,29 +79,45 @@ class AcceptanceCalibration:
 
 
 class NodeCost:
-    """Marginal seconds per verified node: decayed least squares of step seconds on nodes."""
+    """Marginal seconds per verified node: decayed least squares of step seconds on nodes and on
+    the tokens the step produced. A step's time also grows with its tokens (committing their KV,
+    the drafter catching up on them, sampling and streaming), which every decoder pays per token,
+    plain or not; steps that verify more nodes accept more tokens, so a fit on nodes alone would
+    charge that per-token work to the nodes (for ngram on HumanEval: 0.34 ms a node, pruning nodes
+    that paid). With too little spread in tokens apart from nodes, the fit is on nodes alone."""
 
     def __init__(self, decay: float = 0.98, min_spread: float = 0.2, min_steps: float = 3.0):
         self.decay, self.min_spread, self.min_steps = decay, min_spread, min_steps  # 0.2: a 1-node chain's 0/1 trees fit
         self.w = self.sx = self.sy = self.sxx = self.sxy = 0.0
+        self.sz = self.szz = self.sxz = self.szy = 0.0
 
-    def observe(self, nodes: int, seconds: float) -> None:
-        d = self.decay
+    def observe(self, nodes: int, seconds: float, tokens: int | None = None) -> None:
+        d, z = self.decay, float(tokens if tokens is not None else 0)
         self.w = self.w * d + 1.0
         self.sx = self.sx * d + nodes
         self.sy = self.sy * d + seconds
         self.sxx = self.sxx * d + nodes * nodes
         self.sxy = self.sxy * d + nodes * seconds
+        self.sz = self.sz * d + z
+        self.szz = self.szz * d + z * z
+        self.sxz = self.sxz * d + nodes * z
+        self.szy = self.szy * d + z * seconds
 
     @property
     def slope(self) -> float | None:
         """Seconds per node, or None while the nodes seen vary too little to fit a slope."""
         if self.w < self.min_steps:
             return None
-        var = self.sxx / self.w - (self.sx / self.w) ** 2
+        w = self.w
+        mx, my, mz = self.sx / w, self.sy / w, self.sz / w
+        var = self.sxx / w - mx * mx
         if var < self.min_spread:
             return None
-        cov = self.sxy / self.w - (self.sx / self.w) * (self.sy / self.w)
+        cov = self.sxy / w - mx * my
+        vz, cxz, czy = self.szz / w - mz * mz, self.sxz / w - mx * mz, self.szy / w - mz * my
+        # tokens' spread left once nodes explain what they can (the Schur complement)
+        if vz - cxz * cxz / var >= self.min_spread:
+            return max((vz * cov - cxz * czy) / (var * vz - cxz * cxz), 0.0)
         return max(cov / var, 0.0)
 
 
@@ -175,13 +191,14 @@ class ConfidencePruning:
     def observe(self, batch: int, cands: list[DraftCandidates], accepted: list[list[int]], seconds: float | None) -> None:
         """One drafted step: the verified candidates per request, the draft tokens the target
         accepted (root's child first), and the step's wall time (None: not representative)."""
-        nodes = 0
+        nodes = tokens = 0
         for c, acc in zip(cands, accepted):
             nodes += len(c)
+            tokens += len(acc) + 1  # the accepted draft tokens and the target's own
             if not len(c):
                 continue
             on_path = set(accepted_path(c, acc))
             for i, s in enumerate(c.scores.tolist()):
                 self.calibration.observe(s, i in on_path)
         if seconds is not None:
-            self.costs.setdefault(batch, NodeCost()).observe(nodes, seconds)
+            self.costs.setdefault(batch, NodeCost()).observe(nodes, seconds, tokens)

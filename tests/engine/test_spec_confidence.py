@@ -41,6 +41,24 @@ def test_node_cost_fits_the_marginal_seconds_per_node():
     assert flat.slope is None
 
 
+def test_node_cost_does_not_charge_the_per_token_work_to_the_nodes():
+    """Steps that verify more nodes accept more tokens; the time each produced token costs (its
+    KV, the drafter catching up) is not the nodes' marginal cost."""
+    c, alone = NodeCost(), NodeCost()
+    for i in range(80):
+        nodes = i % 12
+        tokens = 1 + nodes // 3 + (i // 12) % 3  # grows with the nodes, with its own spread
+        seconds = 0.020 + 0.0001 * nodes + 0.002 * tokens
+        c.observe(nodes, seconds, tokens)
+        alone.observe(nodes, seconds)
+    assert c.slope == pytest.approx(0.0001, rel=1e-6)
+    assert alone.slope > 0.0005  # the fit on nodes alone: 6x the true cost
+    fixed = NodeCost()  # tokens with no spread of their own: the fit on nodes
+    for i in range(50):
+        fixed.observe(i % 8, 0.030 + 0.002 * (i % 8), tokens=2)
+    assert fixed.slope == pytest.approx(0.002)
+
+
 def test_threshold_is_tokens_per_second_times_seconds_per_node():
     p = ConfidencePruning(explore=0.0)
     assert p.threshold(1, 50.0) == 0.0  # no cost fit yet: keep everything
