@@ -157,3 +157,5 @@ def test_trie_nodes_are_not_objects_the_garbage_collector_tracks():
     gc.collect()
     assert len(trie) > 20_000
     assert len(gc.get_objects()) - before < 100  # no tracked object per node: full collections stay cheap
+    # nor containers whose every element a full collection visits (the edges dict holds only ints)
+    assert not gc.is_tracked(trie.edges) and not any(gc.is_tracked(c) for c in trie._columns)
