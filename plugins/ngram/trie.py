@@ -39,6 +39,7 @@ class NgramTrie:
         self.first, self.next, self.prev = array("q", [-1]), array("q", [-1]), array("q", [-1])
         self._columns = (self.token, self.parent, self.depth, self.count, self.stamp, self.gen, self.first, self.next, self.prev)
         self.free: list[int] = []
+        self.top = 1  # ids below it have been used
         self.size = 0  # live nodes, the root not counted
         self.tick = 0
         # touch records ``stamp << 32 | id`` in touch order, kept once the trie first reaches its
@@ -53,16 +54,17 @@ class NgramTrie:
 
     # ---- insertion ------------------------------------------------------------------------
     def _new(self, parent: int, token: int) -> int:
-        d = self.depth[parent] + 1
         if self.free:
             n = self.free.pop()
-            self.token[n], self.parent[n], self.depth[n], self.count[n], self.first[n] = token, parent, d, 0, -1
         else:
-            n = len(self.token)
-            for column, v in zip(self._columns, (token, parent, d, 0, 0, 0, -1, -1, -1)):
-                column.append(v)
+            n = self.top
+            self.top += 1
+            if n == len(self.token):  # double every column (a free id's parent is -1)
+                for column, fill in zip(self._columns, (-1, -1, 0, 0, 0, 0, -1, -1, -1)):
+                    column.extend(array("q", [fill]) * n)
         head = self.first[parent]
-        self.next[n], self.prev[n] = head, -1
+        self.token[n], self.parent[n], self.depth[n], self.count[n] = token, parent, self.depth[parent] + 1, 0
+        self.first[n], self.next[n], self.prev[n] = -1, head, -1
         if head >= 0:
             self.prev[head] = n
         self.first[parent] = n
@@ -100,7 +102,7 @@ class NgramTrie:
         if self.size <= self.capacity:
             return
         if self.touches is None:  # the first time full: the live nodes in touch order
-            live = sorted((n for n in range(1, len(self.token)) if self.parent[n] >= 0), key=self.stamp.__getitem__)
+            live = sorted((n for n in range(1, self.top) if self.parent[n] >= 0), key=self.stamp.__getitem__)
             self.touches = deque(self.stamp[n] << 32 | n for n in live)
         while self.size > self.capacity:
             r = self.touches.popleft()

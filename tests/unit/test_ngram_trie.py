@@ -58,13 +58,13 @@ def _path(trie: NgramTrie, node: int) -> tuple:
 
 
 def _live(trie: NgramTrie) -> dict[tuple, int]:
-    return {_path(trie, n): trie.count[n] for n in range(1, len(trie.token)) if trie.alive(n)}
+    return {_path(trie, n): trie.count[n] for n in range(1, trie.top) if trie.alive(n)}
 
 
 def _check_structure(trie: NgramTrie) -> None:
     """Every edge names a live node under a live parent, every live node has its edge and is in
     its parent's child list once."""
-    live = [n for n in range(1, len(trie.token)) if trie.alive(n)]
+    live = [n for n in range(1, trie.top) if trie.alive(n)]
     assert len(live) == len(trie) == len(trie.edges)
     for n in live:
         p = trie.parent[n]
@@ -93,7 +93,7 @@ def test_trie_keeps_the_paths_counts_and_recency_the_rules_give(depth, capacity,
             assert len(trie) <= capacity
             assert _live(trie) == model.count
         _check_structure(trie)
-        for n in [ROOT] + [n for n in range(1, len(trie.token)) if trie.alive(n)]:
+        for n in [ROOT] + [n for n in range(1, trie.top) if trie.alive(n)]:
             assert [trie.token[c] for c in trie.children(n)] == model.children(_path(trie, n))
 
 
