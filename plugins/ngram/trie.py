@@ -24,6 +24,9 @@ from collections import deque
 
 ROOT = 0
 _LOW = (1 << 32) - 1  # the id half of an edge key, a touch record or an open-path handle
+# each column's value for an unused id, the root's too: token, parent (-1: a free id), depth,
+# count, last touch, generation, first child, next and previous sibling (-1: none)
+_BLANK = (-1, -1, 0, 0, 0, 0, -1, -1, -1)
 
 
 class NgramTrie:
@@ -34,10 +37,8 @@ class NgramTrie:
         # per node id: its token, parent (-1: a free id; the root's is -1 too), depth, times
         # touched, last touch, children (newest first) and siblings, and a generation bumped
         # when the id is freed (an open path handle names the generation it was made in)
-        self.token, self.parent, self.depth = array("q", [-1]), array("q", [-1]), array("q", [0])
-        self.count, self.stamp, self.gen = array("q", [0]), array("q", [0]), array("q", [0])
-        self.first, self.next, self.prev = array("q", [-1]), array("q", [-1]), array("q", [-1])
-        self._columns = (self.token, self.parent, self.depth, self.count, self.stamp, self.gen, self.first, self.next, self.prev)
+        self._columns = tuple(array("q", [v]) for v in _BLANK)  # one entry each: the root
+        self.token, self.parent, self.depth, self.count, self.stamp, self.gen, self.first, self.next, self.prev = self._columns
         self.free: list[int] = []
         self.top = 1  # ids below it have been used
         self.size = 0  # live nodes, the root not counted
@@ -60,8 +61,8 @@ class NgramTrie:
             n = self.top
             self.top += 1
             if n == len(self.token):  # double every column (a free id's parent is -1)
-                for column, fill in zip(self._columns, (-1, -1, 0, 0, 0, 0, -1, -1, -1)):
-                    column.extend(array("q", [fill]) * n)
+                for column, blank in zip(self._columns, _BLANK):
+                    column.extend(array("q", [blank]) * n)
         head = self.first[parent]
         self.token[n], self.parent[n], self.depth[n], self.count[n] = token, parent, self.depth[parent] + 1, 0
         self.first[n], self.next[n], self.prev[n] = -1, head, -1

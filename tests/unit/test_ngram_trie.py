@@ -75,21 +75,21 @@ def _check_structure(trie: NgramTrie) -> None:
 def _feed(seed: int, depth: int, capacity: int, vocab: int, steps: int = 150):
     rng = random.Random(seed)
     trie, model = NgramTrie(depth, capacity), PathModel(depth, capacity)
-    seqs: dict[int, tuple[list[int], list, list]] = {}
+    seqs: dict[int, tuple[list, list]] = {}
     for _ in range(steps):
         rid = rng.randrange(3)
-        seq, handles, paths = seqs.get(rid, ([], [], []))
+        handles, paths = seqs.get(rid, ([], []))
         tokens = [rng.randrange(vocab) for _ in range(rng.randint(1, 6))]
         handles, paths = trie.extend(handles, tokens), model.extend(paths, tokens)
-        seqs[rid] = (seq + tokens, handles, paths)
+        seqs[rid] = (handles, paths)
         assert len(handles) == len(paths)
-        yield trie, model, seqs[rid][0]
+        yield trie, model
 
 
 @pytest.mark.parametrize("depth,capacity,vocab", [(18, 10_000_000, 5), (3, 10_000_000, 4), (4, 40, 6), (18, 25, 3), (2, 7, 9)])
 def test_trie_keeps_the_paths_counts_and_recency_the_rules_give(depth, capacity, vocab):
     for seed in range(4):
-        for trie, model, _ in _feed(seed, depth, capacity, vocab, steps=150 if capacity < 1000 else 40):
+        for trie, model in _feed(seed, depth, capacity, vocab, steps=150 if capacity < 1000 else 40):
             assert len(trie) <= capacity
             assert _live(trie) == model.count
         _check_structure(trie)
