@@ -110,6 +110,8 @@ def dequantize(w: Q8Weight) -> torch.Tensor:
 
 
 class Q8Linear(nn.Module):
+    computes_fp32 = True  # an fp32 row in, fp32 sums out (sdk.draft_logits skips the dtype round trip)
+
     def __init__(self, w: Q8Weight, bias: torch.Tensor | None, ops, scheme: str):
         super().__init__()
         self.q8, self.ops, self.scheme = w, ops, scheme

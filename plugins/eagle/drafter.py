@@ -13,6 +13,7 @@ from specfw.sdk import (
     demo_draft_for,
     Rotary,
     draft_kv_slots,
+    draft_logits,
     draft_load_format,
     load_token_map,
     place_on_target,
@@ -60,4 +61,4 @@ class EagleDrafter(FeatureDrafter):
         x = self.head.fc(torch.cat([self.target.embed_tokens(tokens), features], dim=-1))
         out = self.head.layers[0](x, x, fb, self.kv, self.rotary)
         sel = out if fb.logits_indices is None else out.index_select(0, fb.logits_indices)
-        return self.lm_head(sel).float(), out
+        return draft_logits(self.lm_head, sel), out

@@ -13,6 +13,7 @@ from specfw.sdk import (
     demo_draft_for,
     Rotary,
     draft_kv_slots,
+    draft_logits,
     draft_load_format,
     place_on_target,
     resolve_model_path,
@@ -62,4 +63,4 @@ class Eagle3Drafter(FeatureDrafter):
         layer = self.head.midlayer
         out = layer(layer.attn_input(self.embed(tokens), features), features, fb, self.kv, self.rotary)
         sel = out if fb.logits_indices is None else out.index_select(0, fb.logits_indices)
-        return self.head.lm_head(layer.norm_rows(self.head.norm, sel)).float(), out
+        return draft_logits(self.head.lm_head, layer.norm_rows(self.head.norm, sel)), out

@@ -19,6 +19,7 @@ from specfw.sdk import (
     demo_draft_for,
     Rotary,
     draft_kv_slots,
+    draft_logits,
     draft_load_format,
     load_token_map,
     place_on_target,
@@ -89,4 +90,4 @@ class MtpDrafter(FeatureDrafter):
             lm_head = self.map_head
         else:
             lm_head = head.head if head.head is not None else self.target.lm_head
-        return lm_head(head.final_norm(sel)).float(), out
+        return draft_logits(lm_head, head.final_norm(sel)), out

@@ -241,3 +241,23 @@ def test_many_rows_equal_the_portable_build_row_by_row(isa, kind):
     y = Q8Linear(w, None, ops, kind)(x)
     ref = Q8Linear(w, None, portable, kind)
     assert torch.equal(y, torch.cat([ref(x[i : i + 1]) for i in range(len(x))]))
+
+
+@pytest.mark.parametrize("isa", ISAS)
+def test_draft_logits_take_the_fp32_sums_of_a_bf16_row(isa):
+    """``sdk.draft_logits``: an int8-activation lm_head gets a bf16 row in fp32 (exact) and returns
+    its fp32 sums unrounded, the sums of the bf16 row; a linear without ``computes_fp32`` keeps
+    its own dtype's output (rounded to bf16, then widened)."""
+    from specfw.sdk import draft_logits
+
+    ops = _ops(isa)
+    q, d, m, bits = _weights("q8", n=72, k=128)
+    lin = Q8Linear(pack(q, d, m, bits), None, ops, "q8")
+    x = (torch.randn(3, 128) * 2).to(torch.bfloat16)
+    got = draft_logits(lin, x)
+    assert got.dtype == torch.float32
+    assert torch.equal(got, lin(x.float()))  # the kernel's own fp32 output, nothing lost
+    assert not torch.equal(got, lin(x).float())  # what the model's dtype would have rounded
+    assert torch.equal(lin(x).float(), got.to(torch.bfloat16).float())
+    plain = torch.nn.Linear(128, 72, bias=False).to(torch.bfloat16)
+    assert torch.equal(draft_logits(plain, x), plain(x).float())
