@@ -156,8 +156,9 @@ class DraftBudget:
             return self.max_size
         return max(rates, key=lambda s: (rates[s], s))
 
-    def choose(self, batch: int) -> int:
-        """Tree size (nodes incl. the root) per request for a decode step of ``batch`` requests."""
+    def choose(self, batch: int, explore: bool = True) -> int:
+        """Tree size (nodes incl. the root) per request for a decode step of ``batch`` requests;
+        ``explore=False``: the best size (warm-up still plays every size)."""
         if not self.adaptive:
             return self.max_size
         if batch not in self.played:
@@ -178,7 +179,7 @@ class DraftBudget:
             size = under[-1]  # largest first: it measures every size's yield
         else:
             size = self.best(batch)
-            u = self._rng.random()
+            u = self._rng.random() if explore else 1.0
             i = self.sizes.index(size)
             if u < self.explore / 4:
                 size = self._explore_larger(batch, size, self.max_size)

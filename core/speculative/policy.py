@@ -24,6 +24,15 @@ size rests on ``RETIME_KNOWN`` timed steps, the replay happens on a ``RETIME_SHA
 steps only: a step's cost is steady (hardware, context length) while its yield is what
 exploring is for, and where plain steps win (8 requests in flight on a 2-core CPU, a drafted
 step 2.7x a plain one) every replay was a second slow step per exploration.
+
+Exploring budget: a step that plays another size than the best measured (exploring, or a timed
+replay) costs what it took beyond the time the best size needs for the tokens it yielded. Those
+excess seconds are kept as a share of all decode seconds (both decayed per step, ~500 steps of
+memory), and no step explores or replays while the share is above ``EXPLORE_BUDGET``: the
+budget's rates say how often to explore where exploring is cheap; this caps what it may cost
+where it is not. With gguf weights and int8 activations on the 2-core Xeon (verify rows
+compute-bound: a drafted eagle3 step 2.7x a plain one, the drafter's catch-up after plain steps
+more), exploring alone cost eagle3 6-7% of plain decoding's speed.
 """
 
 from __future__ import annotations
@@ -38,10 +47,20 @@ from .types import DraftCandidates, StepPlan
 
 RETIME_KNOWN = 4  # timed steps of a (batch size, tree size) after which a switching step is replayed only sometimes
 RETIME_SHARE = 0.25  # the share of switching steps replayed then, to keep the cost fresh
+EXPLORE_BUDGET = 0.02  # the share of decode time exploring may cost beyond the best size's time for the same tokens
+EXPLORE_MEMORY = 0.998  # per-step decay of that account
 
 
 class DraftPolicy:
-    def __init__(self, shape: TreeShape, adaptive: bool = True, confidence_pruning: bool = True, retime_share: float = RETIME_SHARE, seed: int = 0):
+    def __init__(
+        self,
+        shape: TreeShape,
+        adaptive: bool = True,
+        confidence_pruning: bool = True,
+        retime_share: float = RETIME_SHARE,
+        seed: int = 0,
+        explore_budget: float = EXPLORE_BUDGET,
+    ):
         self.shape = shape
         self.pruning = ConfidencePruning(enabled=adaptive and confidence_pruning)
         # with pruning, the tree size is decided per step from the draft's confidence; the budget
@@ -55,14 +74,28 @@ class DraftPolicy:
         self._rng = random.Random(seed)
         self._plain_before = False  # the last decode step did not draft
         self.accepted_mean = None  # accepted draft tokens per drafted request-step (moving average)
+        self.explore_budget = explore_budget
+        self._spent = 0.0  # decode seconds, decayed
+        self._excess = 0.0  # seconds exploring steps took beyond the best size's time for their tokens, decayed
+        self._best_rate = None  # this step explores: the best size's tokens/s to charge it against
 
     @property
     def adaptive(self) -> bool:
         return self.budget.adaptive
 
+    def may_explore(self) -> bool:
+        """Whether exploring has cost no more than its budget's share of decode time lately."""
+        return self._excess <= self.explore_budget * self._spent
+
     def plan(self, batch: int) -> StepPlan:
-        size = self._retime or self.budget.choose(batch)
+        explore = self.may_explore()
+        size = (self._retime if explore else 0) or self.budget.choose(batch, explore=explore)
         self._retime = 0
+        self._best_rate = None
+        if self.budget.adaptive:
+            rates = self.budget.rates(batch)
+            best = max(rates, key=lambda s: (rates[s], s)) if rates else None
+            self._best_rate = rates[best] if best is not None and size != best else None
         if size <= 1:
             return StepPlan(size=1, depth=0)
         cut = self.pruning.plan(batch, self.budget.rates(batch).get(size), size - 1)
@@ -94,6 +127,8 @@ class DraftPolicy:
         """One decode step played ``plan`` in ``seconds``; ``drafted``: the drafter proposed
         anything; ``verified``: the candidates each request's tree held; ``accepted``: the draft
         tokens the target accepted per request (root's child first)."""
+        if self.budget.adaptive:
+            self._account(seconds, sum(len(a) + 1 for a in accepted) if accepted else batch)
         if drafted and accepted:
             mean = sum(len(a) for a in accepted) / len(accepted)
             self.accepted_mean = mean if self.accepted_mean is None else 0.9 * self.accepted_mean + 0.1 * mean
@@ -105,3 +140,9 @@ class DraftPolicy:
         elif self.budget.adaptive and plan.size == 1:
             self.budget.observe(batch, 1, seconds, None)
         self._plain_before = plan.size == 1
+
+    def _account(self, seconds: float, tokens: int) -> None:
+        """The exploring budget's account after a step of ``seconds`` that yielded ``tokens``."""
+        excess = seconds - tokens / self._best_rate if self._best_rate else 0.0
+        self._spent = self._spent * EXPLORE_MEMORY + seconds
+        self._excess = self._excess * EXPLORE_MEMORY + excess

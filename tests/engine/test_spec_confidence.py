@@ -226,7 +226,7 @@ def test_greedy_equals_plain_with_pruning_active_on_the_demo_eagle3_draft():
     ref = [plain.generate([p], params)[0].token_ids for p in prompts]
     eng = Engine(make_cfg(model_dtype="bfloat16", max_total_tokens=4096, max_running_requests=3, speculative=Eagle3Config(algorithm="eagle3")))
     w = eng.worker
-    w.budget.choose = lambda batch: w.budget.max_size
+    w.budget.choose = lambda batch, explore=True: w.budget.max_size
     w.pruning.plan = lambda batch, rate, n: Cut(threshold=0.3)  # a high threshold: most trees are cut, most beams stop early
     assert [eng.generate([p], params)[0].token_ids for p in prompts] == ref
     assert [o.token_ids for o in eng.generate(prompts, params)] == ref

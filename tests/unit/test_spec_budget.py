@@ -242,3 +242,43 @@ def test_a_switching_step_is_replayed_to_be_timed_until_its_cost_is_known():
     half.budget.timed[2] = {4: RETIME_KNOWN}
     replays = sum(_switch(half, 2, 4) == 4 for _ in range(400))
     assert 60 < replays < 140
+
+
+def _exploring_cost(explore_budget: float, draft_pays: bool = False, steps: int = 3000, seed: int = 0) -> tuple[float, int]:
+    """A [1, 8] policy (pruning off) where a plain step takes 5 ms for 1 token and a drafted one
+    14 ms for 2 tokens (or 6 ms for 3 with ``draft_pays``), plus 20 ms of catching up when it
+    follows plain steps. Returns (the share of time spent beyond what plain steps would have taken
+    for the drafted steps' tokens, the number of drafted steps)."""
+    from specfw.speculative.config import TreeShape
+    from specfw.speculative.policy import DraftPolicy
+
+    policy = DraftPolicy(TreeShape(5, 4, 8), confidence_pruning=False, seed=seed, explore_budget=explore_budget)
+    drafted_cost, drafted_tokens = (0.006, 3) if draft_pays else (0.014, 2)
+    cands = DraftCandidates(torch.tensor([5, 6]), torch.tensor([-1, 0]), torch.tensor([-0.1, -0.2]))
+    total = excess = 0.0
+    drafted, plain_before = 0, False
+    for _ in range(steps):
+        plan = policy.plan(1)
+        if plan.size == 1:
+            seconds, accepted = 0.005, [[]]
+        else:
+            seconds, accepted = drafted_cost + (0.020 if plain_before else 0.0), [[5, 6][: drafted_tokens - 1]]
+            excess += seconds - 0.005 * drafted_tokens
+            drafted += 1
+        policy.observe(1, plan, plan.size > 1, [cands if plan.size > 1 else DraftCandidates.empty()], accepted, seconds)
+        plain_before = plan.size == 1
+        total += seconds
+    return excess / total, drafted
+
+
+def test_exploring_costs_at_most_its_budget_where_drafting_does_not_pay():
+    """Where plain steps win and leaving them costs a catch-up, the rates' exploring alone spends
+    several % of the time on drafted steps; the exploring budget caps that near its share, and
+    where drafting pays the policy still drafts (nearly) every step."""
+    unbounded = max(_exploring_cost(float("inf"), seed=s)[0] for s in range(3))
+    bounded = max(_exploring_cost(0.02, seed=s)[0] for s in range(3))
+    assert unbounded > 0.045
+    assert bounded < 0.03
+    assert _exploring_cost(0.02, seed=0)[1] > 10  # it still explores
+    share, drafted = _exploring_cost(0.02, draft_pays=True)
+    assert drafted > 0.9 * 3000 and share < 0
