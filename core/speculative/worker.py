@@ -190,7 +190,8 @@ class SpeculativeWorker:
             for r, slots in zip(reqs, batch.new_slots)
         ]
         out = self.runner.forward(build_forward_batch(chunks, capture_layers=self.ctx.capture_layers, greedy_only=True))  # all _plain_greedy
-        results = [VerifyResult([0], [t], 0, node_rows=torch.tensor([i])) for i, t in enumerate(greedy_tokens(out.logits))]
+        rows = torch.arange(len(reqs))  # views of one tensor, not a tensor per request
+        results = [VerifyResult([0], [t], 0, node_rows=rows[i : i + 1]) for i, t in enumerate(greedy_tokens(out.logits))]
         self.hook.specfw_on_accept(ctx=self.ctx, reqs=reqs, results=results, hidden=out.hidden, aux_hidden=out.aux_hidden)
         self.hook.specfw_observe_step(ctx=self.ctx, reqs=reqs, results=results)
         return results
