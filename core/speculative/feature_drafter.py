@@ -12,7 +12,8 @@ target produced but the head has not consumed yet:
   head's own output hidden of its parent.
 
 Subclasses provide the head (``head_forward``), what is kept per target position
-(``target_features``: one call per step over the batch's accepted rows), how the head's input is
+(``target_features``: one call per step over the batch's accepted rows; ``target_features_all``
+where a step kept every row, optionally cheaper), how the head's input is
 formed from it (``project_features``, default identity; applied once per extend pass over every
 request's pending rows, so a step without a draft reads no head weights: EAGLE-3's fc runs
 when drafting resumes, over all pairs at once) and the vocabulary mapping (``to_target``, a
@@ -92,6 +93,11 @@ class FeatureDrafter:
         pass consumes it."""
         raise NotImplementedError
 
+    def target_features_all(self, hidden: torch.Tensor, aux: list[torch.Tensor]) -> torch.Tensor:
+        """``target_features`` of every row of the forward, in order (a step that kept every row:
+        a plain-played one). Override where that is cheaper than selecting rows."""
+        return self.target_features(hidden, aux, torch.arange(hidden.shape[0], device=hidden.device))
+
     def project_features(self, features: torch.Tensor) -> torch.Tensor:
         """The head's feature input from kept rows (``target_features``), at extend time."""
         return features
@@ -119,7 +125,11 @@ class FeatureDrafter:
         kept = [(self.states[r.rid], res.node_rows) for r, res in zip(reqs, results) if r.rid in self.states]
         if not kept:
             return
-        feats = self.target_features(hidden, aux_hidden, torch.cat([rows for _, rows in kept]).to(hidden.device))
+        if sum(len(rows) for _, rows in kept) == hidden.shape[0]:
+            # every row kept (each request's rows are its own block, ascending): the rows in order
+            feats = self.target_features_all(hidden, aux_hidden)
+        else:
+            feats = self.target_features(hidden, aux_hidden, torch.cat([rows for _, rows in kept]).to(hidden.device))
         for (st, _), f in zip(kept, feats.split([len(rows) for _, rows in kept])):
             st.pending.append(f)
 

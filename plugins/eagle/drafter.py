@@ -57,6 +57,10 @@ class EagleDrafter(FeatureDrafter):
         return self.target.norm(hidden.index_select(0, rows))
 
     @torch.inference_mode()
+    def target_features_all(self, hidden, aux):
+        return self.target.norm(hidden)
+
+    @torch.inference_mode()
     def head_forward(self, tokens, features, fb, from_target):
         x = self.head.fc(torch.cat([self.target.embed_tokens(tokens), features], dim=-1))
         out = self.head.layers[0](x, x, fb, self.kv, self.rotary)

@@ -54,6 +54,9 @@ class Eagle3Drafter(FeatureDrafter):
     def target_features(self, hidden, aux, rows):
         return torch.cat([a.index_select(0, rows) for a in aux], dim=-1)
 
+    def target_features_all(self, hidden, aux):
+        return torch.cat(aux, dim=-1)
+
     @torch.inference_mode()
     def project_features(self, features):
         return self.head.fc(features)

@@ -77,6 +77,10 @@ class MtpDrafter(FeatureDrafter):
         return self.target.norm(hidden.index_select(0, rows))
 
     @torch.inference_mode()
+    def target_features_all(self, hidden, aux):
+        return self.target.norm(hidden)
+
+    @torch.inference_mode()
     def head_forward(self, tokens, features, fb, from_target):
         return self.layer_forward(self.head, self.kv, tokens, features, fb)
 
