@@ -85,8 +85,15 @@ def test_speculative_decoding_from_a_cached_prefix_equals_plain(name, tiny_model
         if name == "eagle3":
             extra["aux_layers"] = [0, 1, 1]
     plain = Engine(make_cfg(model_path=str(tiny_model_dir), max_running_requests=3, max_total_tokens=4096))
+    # drafting every step: the subject is the drafter from a cached prefix, not whether the
+    # policy finds drafting worth its cost on the tiny model
     spec = Engine(
-        make_cfg(model_path=str(tiny_model_dir), max_running_requests=3, max_total_tokens=4096, speculative=algo.config_class(algorithm=name, **extra))
+        make_cfg(
+            model_path=str(tiny_model_dir),
+            max_running_requests=3,
+            max_total_tokens=4096,
+            speculative=algo.config_class(algorithm=name, adaptive_draft="false", **extra),
+        )
     )
     base = tiny_spec_prompts[0]  # the tiny drafts were trained on its answer
     ref = _fresh(plain, base)
