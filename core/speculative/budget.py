@@ -150,8 +150,9 @@ class DraftBudget:
         cost, yields = self.cost.get(batch, {}), self.yields.get(batch, {})
         return {s: yields[s].mean / cost[s].mean for s in self.sizes if s in cost and s in yields and cost[s].mean > 0}
 
-    def best(self, batch: int) -> int:
-        rates = self.rates(batch)
+    def best(self, batch: int, rates: dict[int, float] | None = None) -> int:
+        """The size with the best tokens/s (``rates``: ``self.rates(batch)`` when already made)."""
+        rates = self.rates(batch) if rates is None else rates
         if not rates:
             return self.max_size
         return max(rates, key=lambda s: (rates[s], s))

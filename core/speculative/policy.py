@@ -91,14 +91,12 @@ class DraftPolicy:
         explore = self.may_explore()
         size = (self._retime if explore else 0) or self.budget.choose(batch, explore=explore)
         self._retime = 0
-        self._best_rate = None
-        if self.budget.adaptive:
-            rates = self.budget.rates(batch)
-            best = max(rates, key=lambda s: (rates[s], s)) if rates else None
-            self._best_rate = rates[best] if best is not None and size != best else None
+        rates = self.budget.rates(batch) if self.budget.adaptive else {}
+        best = self.budget.best(batch, rates) if rates else None
+        self._best_rate = rates[best] if best is not None and size != best else None
         if size <= 1:
             return StepPlan(size=1, depth=0)
-        cut = self.pruning.plan(batch, self.budget.rates(batch).get(size), size - 1)
+        cut = self.pruning.plan(batch, rates.get(size), size - 1)
         depth = max(1, min(self.shape.num_steps, size - 1))
         return StepPlan(size=size, depth=depth, score_floor=self.pruning.score_floor(cut), cut=cut)
 

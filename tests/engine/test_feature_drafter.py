@@ -26,8 +26,8 @@ def test_features_of_every_row_equal_the_selected_rows(name, tiny_model_dir, tin
         assert torch.equal(every[1:3], drafter.target_features(hidden, aux, torch.tensor([1, 2])))
         # in the engine: plain-played steps keep every row's features, then drafting resumes from
         # them (its catch-up extend consumes them); the output stays plain greedy's
-        calls = []
-        eng.worker.budget.choose = lambda batch, explore=True: 1 if len(calls.append(1) or calls) <= 4 else eng.worker.budget.max_size
+        plays = iter([1] * 4)  # four plain-played steps, then the whole tree
+        eng.worker.budget.choose = lambda batch, explore=True: next(plays, eng.worker.budget.max_size)
         prompt = [1, 2, 3, 4, 5, 6]
         got = eng.generate([prompt], SamplingParams(max_new_tokens=12, temperature=0))[0].token_ids
         assert eng.stats.verify_forwards > 0
