@@ -9,6 +9,10 @@ for three settings measured interleaved in one run: specfw's CPU kernels (``engi
 default auto; exact by construction), torch's ops batch invariant (``engine.cpu_isa=none``: row
 plans, one-row SDPA calls) and torch's ops loose (``batch_invariant=false``: masked tree attention).
 ``--isa avx2`` forces the kernels' AVX2 build (on an AVX-512 CPU too).
+
+``--quantization gguf --activations int8`` (the demo's own blocks, int8 activations: the fastest
+exact setup) times the kernels only; on a CPU with AMX-INT8 it times q8_ops' amx build (tree-sized
+calls on tiles) against its avx512 build (vpdpbusd for every call), interleaved.
 """
 
 from __future__ import annotations
@@ -39,6 +43,9 @@ def main():
     ap.add_argument("--width", type=int, default=1)
     ap.add_argument("--no-packed-gemm", action="store_true")
     ap.add_argument("--isa", default="auto", help="engine.cpu_isa of the kernel row (auto|avx512|avx2|portable)")
+    ap.add_argument("--quantization", default="none", help="model.quantization (none|int8|int4|gguf)")
+    ap.add_argument("--activations", default="none", help="model.activation_quantization (none|int8|int8_per_token)")
+    ap.add_argument("--sizes", default="", help="comma-separated tree sizes (default 1-16, 24, 32)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from specfw.config import EngineConfig, ModelConfig, SpecfwConfig, SpeculativeConfig
@@ -47,20 +54,31 @@ def main():
 
     from specfw.machine import cpu_description
 
+    from specfw import kernels
+
+    quantized = args.quantization != "none"
     settings = {"kernels": (args.isa, True), "torch exact": ("none", True), "torch loose": ("none", False)}
+    if quantized:
+        settings = {"kernels": (args.isa, True)}
+        if args.activations == "int8" and kernels.q8_isa(kernels.cpu_isa(None if args.isa == "auto" else args.isa)) == "amx":
+            settings["kernels, no AMX tiles"] = (args.isa, True)
     runners = {}
     for name, (isa, invariant) in settings.items():
+        q8_isa = kernels.q8_isa
+        if name == "kernels, no AMX tiles":  # the backend takes q8_ops' avx512 build (vpdpbusd for every call)
+            kernels.q8_isa = lambda isa=None: "avx512"
         eng = Engine(
             SpecfwConfig(
-                model=ModelConfig(dtype=args.dtype),
+                model=ModelConfig(dtype=args.dtype, quantization=args.quantization, activation_quantization=args.activations),
                 speculative=SpeculativeConfig(),
                 engine=EngineConfig(
                     num_threads=args.threads, cpu_packed_gemm=not args.no_packed_gemm, cpu_isa=isa, batch_invariant=invariant, max_total_tokens=args.prefix + 64
                 ),
             )
         )
+        kernels.q8_isa = q8_isa
         runners[name] = (eng.runner, eng.runner.allocator.alloc(args.prefix))
-    sizes = list(range(1, 17)) + [24, 32]
+    sizes = [int(s) for s in args.sizes.split(",")] if args.sizes else list(range(1, 17)) + [24, 32]
     best: dict[tuple[bool, int], float] = {}
     for _ in tqdm(range(args.reps), desc="sweeps"):
         for T in sizes:
@@ -78,7 +96,8 @@ def main():
                 best[key] = min(best.get(key, float("inf")), (time.perf_counter() - t0) / 5)
                 runner.allocator.free(slots)
     print(
-        f"\nforward cost by tree rows ({args.dtype}, prefix {args.prefix}, tree levels of {args.width}, "
+        f"\nforward cost by tree rows ({args.dtype}, quantization {args.quantization}, activations {args.activations}, "
+        f"prefix {args.prefix}, tree levels of {args.width}, "
         f"kernels {runners['kernels'][0].backend.describe()})\non {cpu_description()}"
     )
     print("rows " + "".join(f"{name:>22s}" for name in runners))

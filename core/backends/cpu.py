@@ -36,7 +36,7 @@ from .kernel_attention import KernelAttentionPlan
 from .kernel_layers import KernelDraftLayer, KernelLayers
 from .kernel_linear import KernelLinear
 from .torch_ops import sdpa_plan
-from .q8_linear import Q8Linear, supports as q8_supports
+from .q8_linear import TILE_ROWS, Q8Linear, supports as q8_supports
 from .w8a8_linear import W8A8Linear, supports as w8a8_supports
 from .quant_linear import QuantLinear, quantize, supports
 
@@ -80,13 +80,15 @@ class CpuBackend(Backend):
         # rounding changes what is accepted, never the output
         self.draft_fallback = "int8" if draft_quantization is None and quantization == "gguf" and activation_quantization == "int8" else None
         self.target_fallback: str | None = None  # the target's own linears without blocks stay unquantized
-        self.activation_quantization, self.q8ops = activation_quantization, None
+        self.activation_quantization, self.q8ops, self.q8tiles = activation_quantization, None, None
         if "int8" in (activation_quantization, self.draft_activations):
-            from ..kernels import q8_ops
+            from ..kernels import q8_isa, q8_ops
 
             self.q8ops = q8_ops(isa)
             if self.q8ops is None:
                 raise RuntimeError("model.activation_quantization: the int8-activation CPU kernels (kernels/q8_ops.cpp) could not be built")
+            # on an AMX-INT8 CPU, calls of TILE_ROWS rows or more (prompts, large trees) on the amx build's tiles
+            self.q8tiles = q8_ops("amx") if q8_isa(isa) == "amx" else None
         self.w8a8ops = None
         if "int8_per_token" in (activation_quantization, self.draft_activations):
             from ..kernels import w8a8_isa, w8a8_ops
@@ -116,7 +118,9 @@ class CpuBackend(Backend):
             if activations == "int8_per_token" and self.w8a8ops is not None and w8a8_supports(qw):
                 return W8A8Linear.from_quant_weight(qw, linear.bias, self.w8a8ops, scheme)
             if activations == "int8" and self.q8ops is not None and q8_supports(qw.in_features):
-                return Q8Linear.from_quant_weight(qw, linear.bias, self.q8ops, scheme)
+                q8 = Q8Linear.from_quant_weight(qw, linear.bias, self.q8ops, scheme)
+                q8.tile_ops = self.q8tiles
+                return q8
             return QuantLinear(qw, linear.bias, self.qops, scheme)
         if w.dtype == torch.bfloat16 and self.bf16_kernel and not self._dot_in_ops():
             return DotBF16Linear(linear, batch_invariant)
@@ -230,7 +234,8 @@ class CpuBackend(Backend):
 
             bf16 = ", bf16 linears on AMX tiles" if bf16_amx() is not None else ", bf16 linears on vdpbf16ps (AVX512-BF16)"
         quant = f", weights {self.quantization}" if self.quantization != "none" else ""
-        quant += ", int8 activations" if self.activation_quantization == "int8" else ""
+        tiles = f", AMX tiles from {TILE_ROWS} rows" if self.q8tiles is not None else ""
+        quant += f", int8 activations ({self.q8ops.isa()}{tiles})" if self.activation_quantization == "int8" else ""
         quant += f", int8 activations per token ({self.w8a8ops.isa()})" if self.activation_quantization == "int8_per_token" else ""
         draft = f", draft weights {self.draft_quantization}" if self.draft_quantization != self.quantization else ""
         draft += ", int8 draft activations" if self.draft_activations == "int8" and self.activation_quantization != "int8" else ""

@@ -32,6 +32,7 @@ import torch
 
 from .kernel_attention import KernelAttentionPlan
 from .kernel_linear import KernelLinear
+from .q8_linear import TILE_ROWS
 
 _LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
@@ -113,6 +114,8 @@ class KernelLayers:
         self.n_heads, self.n_kv, self.scale = first.n_heads, first.n_kv, first.scale
         self.generation = KernelLinear.generation
         self.q8_linear, self.packed_linear = _linear_addresses([getattr(first, name) for name in _LINEARS], first.input_layernorm.weight)
+        tiles = getattr(first.qkv_proj, "tile_ops", None) if self.q8_linear else None
+        self.q8_tile_linear = tiles.linear_address() if tiles is not None else 0  # forwards of TILE_ROWS rows or more
         self.weights: list[torch.Tensor] = []
         for layer in self.layers:
             four = [getattr(layer, name) for name in _LINEARS]
@@ -158,9 +161,10 @@ class KernelLayers:
         plan = fb.attn_plan
         L = len(self.layers)
         wanted = sorted({i for i in capture if i < L})
+        q8_linear = self.q8_tile_linear if self.q8_tile_linear and x.shape[0] >= TILE_ROWS else self.q8_linear
         out = self.ops.decoder_layers(
             x, self.weights, kv.k[:L], kv.v[:L], cos, sin, fb.out_slots, self.eps, self.scale, self.n_heads, self.n_kv,
-            plan.prefix_ptr, plan.prefix_slots, plan.row_ptr, plan.row_q, plan.extra_ptr, plan.extra_slots, wanted, self.q8_linear,
+            plan.prefix_ptr, plan.prefix_slots, plan.row_ptr, plan.row_q, plan.extra_ptr, plan.extra_slots, wanted, q8_linear,
             self.packed_linear,
         )  # fmt: skip
         return out[0], dict(zip(wanted, out[1:]))

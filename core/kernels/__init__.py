@@ -105,17 +105,38 @@ def quant_ops(isa: str | None = None):
     return _cache[key]
 
 
+Q8_ISAS = ("amx", "avx512", "avx2", "portable")  # q8_ops' builds: AMX-INT8 tiles from 16 rows, AVX-512 (VNNI where present), AVX2, none
+
+
+def q8_isa_supported(isa: str) -> bool:
+    """Whether this CPU runs ``q8_ops``' ``isa`` build (``amx``: AVX512-VNNI and AMX-INT8)."""
+    if isa == "amx":
+        return isa_supported("avx512") and {"avx512_vnni", "amx_tile", "amx_int8"} <= _cpu_flags()
+    return isa_supported(isa)
+
+
+def q8_isa(isa: str | None = None) -> str:
+    """``q8_ops``' build for calls of many rows under the CPU kernels' ``isa`` (default
+    ``cpu_isa()``): on an avx512 CPU with AMX-INT8 the ``amx`` build (calls from 16 rows on tiles;
+    the backend gives it prompts and large trees, the avx512 build the rest), else ``isa``."""
+    isa = isa or cpu_isa()
+    return "amx" if isa == "avx512" and q8_isa_supported("amx") else isa
+
+
 def q8_ops(isa: str | None = None):
     """``q8_ops.cpp`` (linears with int8 activations x 4/8-bit weight codes, integer dot products)
-    built for ``isa``, or None. ``-ffp-contract=off``: its builds must round alike (bit-equal)."""
+    built for ``isa`` (one of ``Q8_ISAS``; default ``cpu_isa()``), or None. ``-ffp-contract=off``:
+    its builds must round alike (bit-equal)."""
     isa = isa or cpu_isa()
     key = f"q8_ops_{isa}"
     if key not in _cache:
+        base = "avx512" if isa == "amx" else isa
         f16c = ["-mf16c"] if isa != "portable" else []  # fp16 scales (vcvtph2ps): every AVX2 CPU has F16C
         # AVX512-VNNI where the CPU has it (vpdpbusd: the same integer sums, one instruction): the
         # avx512 build's isa() then says "avx512_vnni"
-        vnni = ["-mavx512vnni"] if isa == "avx512" and "avx512_vnni" in _cpu_flags() else []
-        flags = [*_ISA_FLAGS[isa], *f16c, *vnni, "-ffp-contract=off"]
+        vnni = ["-mavx512vnni"] if base == "avx512" and "avx512_vnni" in _cpu_flags() else []
+        amx = ["-mamx-tile", "-mamx-int8", "-DSPECFW_Q8_AMX"] if isa == "amx" else []
+        flags = [*_ISA_FLAGS[base], *f16c, *vnni, *amx, "-ffp-contract=off"]
         _cache[key] = _load(_Q8_SOURCE, f"specfw_q8_ops_{isa}", flags, "int8-activation kernels " + isa + ("+vnni" if vnni else ""))
     return _cache[key]
 
@@ -271,6 +292,7 @@ def build_all(every_isa: bool = False, workers: int | None = None) -> dict[str, 
     for isa in isas:
         jobs[isa] = lambda isa=isa: cpu_ops(isa)
         jobs[f"quant_{isa}"] = lambda isa=isa: quant_ops(isa)
+    for isa in [i for i in Q8_ISAS if q8_isa_supported(i)] if every_isa else list(dict.fromkeys([cpu_isa(), q8_isa(), "portable"])):
         jobs[f"q8_{isa}"] = lambda isa=isa: q8_ops(isa)
     w8a8 = [i for i in W8A8_ISAS if w8a8_isa_supported(i)] if every_isa else list(dict.fromkeys([w8a8_isa(), "portable"]))
     for isa in w8a8:

@@ -17,6 +17,14 @@ struct alignas(64) TileConfig {
   uint8_t rows[16];
 };
 
+// LDTILECFG of cfg. Not _tile_loadconfig: GCC 12's names its operand as 8 bytes
+// ("m"(*(const void**)p)), so the stores of rows and colsb past them may be dropped as dead
+// (a benchmark built with -O2 ran tile instructions on an unconfigured palette: SIGILL); this
+// operand is the whole 64 bytes.
+inline void load_config(const TileConfig& cfg) {
+  __asm__ volatile("ldtilecfg %0" ::"m"(cfg));
+}
+
 // Linux: a process must ask for the AMX tile state (arch_prctl) before its first tile instruction
 inline bool request_amx() {
   constexpr int kArchReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;

@@ -39,7 +39,7 @@ void configure(int rows) {   // every tile of 16 rows; A and C rows = rows
   for (int t = 0; t < 4; ++t) { cfg.rows[t] = rows; cfg.colsb[t] = 64; }   // C: rows x 16 fp32
   cfg.rows[4] = rows; cfg.colsb[4] = 64;                                   // A: rows x 32 bf16
   for (int t = 5; t < 7; ++t) { cfg.rows[t] = kTilePairs; cfg.colsb[t] = 64; }   // B: 16 pairs x 16 x 2
-  _tile_loadconfig(&cfg);
+  specfw_amx::load_config(cfg);
 }
 
 // NB blocks (1..4) of 16 outputs against rows [m0, m0 + rows); x rows have xs bf16 elements

@@ -28,6 +28,15 @@
 // Rows run in tiles of up to 4 over each group's codes (expanded in registers once per tile):
 // a tree of 16 rows reads the weights from memory once. 4-bit products are summed in int16 over a
 // block (8 x 15 x 127 x 2 < 32768: exact), 8-bit ones via |w| and sign(x, w) in int32.
+//
+// The amx build (SPECFW_Q8_AMX: AVX512-VNNI plus AMX-INT8) takes calls of kAmxRows rows or more
+// on tiles: per block of 32 inputs, one TDPBSUD (4-bit codes, unsigned) or TDPBSSD (8-bit) gives
+// the int32 sums P of 16 rows x 16 outputs at once (A tile: 16 rows x 32 codes, B tile: the
+// block's codes of 16 outputs as 8 quads x 16 x 4), and the fp32 steps per row and block are the
+// ones above, in the same order: the same bits as every other build, whatever path a call takes.
+// The B tiles are staged once per 16 outputs (4-bit codes unpacked: the VNNI path's w0/w1 as they
+// lie in registers) and serve every group of 16 rows. Fewer rows stay on vpdpbusd, which reads
+// the codes once at the memory's pace.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -42,6 +51,12 @@
 #endif
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 #define SPECFW_Q8_VNNI 1
+#endif
+#if defined(SPECFW_Q8_AMX)
+#if !defined(SPECFW_Q8_VNNI) || !defined(__AMX_INT8__)
+#error "the amx build of q8_ops needs AVX512-VNNI and AMX-INT8"
+#endif
+#include "amx_tiles.h"
 #endif
 
 namespace {
@@ -335,6 +350,151 @@ inline void tile_rows(int R, const Span& sp, const Rows& x, int64_t r0, float* o
   }
 }
 
+#if defined(SPECFW_Q8_AMX)
+// calls of this many rows or more run on tiles: a tree of SGLang's large shapes, a prompt. Staging
+// the B tiles costs about 0.6 of a one-row pass over the codes, and the scale step stays per row
+// and block (4 vector ops a row for 16 outputs, against vpdpbusd's 8 plus those). In isolation
+// (weights in L2) tiles took 0.77-0.92x vpdpbusd's time from 10 rows; in a forward of the demo's
+// 121 linears, 1.05x at 10 rows, 1.0x at 12, 0.93x at 16, 0.90x at 32 (Intel Xeon with AMX,
+// 2 threads, session 38).
+constexpr int64_t kAmxRows = 16;
+constexpr int64_t kStaged = 8 * 64;  // bytes of one B tile: a block's codes of 16 outputs
+
+using specfw_amx::TileConfig;
+
+// tmm0..tmm3: C (rows x 16 int32); tmm4, tmm5: A (rows x 32 codes); tmm6, tmm7: B (8 quads x 16
+// outputs x 4 codes). Four C tiles: block b + 3's product is issued before block b's sums are
+// stored and scaled, so the tile unit works while the vector units scale.
+// rows: of A and C (a call of fewer than 16 rows loads, multiplies and stores only its own)
+void configure_tiles(int rows) {
+  TileConfig cfg;
+  std::memset(&cfg, 0, sizeof(cfg));
+  cfg.palette_id = 1;
+  for (int t = 0; t < 4; ++t) { cfg.rows[t] = rows; cfg.colsb[t] = 64; }
+  for (int t = 4; t < 6; ++t) { cfg.rows[t] = rows; cfg.colsb[t] = kQ; }
+  for (int t = 6; t < 8; ++t) { cfg.rows[t] = kQ / 4; cfg.colsb[t] = 64; }
+  specfw_amx::load_config(cfg);
+}
+
+bool amx_permitted() {
+  static const bool permitted = specfw_amx::request_amx();  // Linux: the tile state, once per process
+  return permitted;
+}
+
+// the span's B tiles, one per block: row s of block b holds the 16 outputs' codes of inputs
+// 32 b + 4 s .. + 3 (outputs 8..15 from the second group, zero where there is none)
+using Staged = std::vector<uint8_t>;
+
+void stage(const Span& sp, int64_t KB, Staged& out) {
+  const bool two = sp.groups == 2;
+  const int64_t step = sp.bits == 4 ? 128 : 256;
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+  out.resize(KB * kStaged);
+  for (int64_t b = 0; b < KB; ++b) {
+    const uint8_t* c = sp.codes + b * step;
+    for (int g = 0; g < sp.groups; ++g) {  // into L2 as far ahead as the vpdpbusd tiles fetch (spans lie one after another)
+      const char* ahead = reinterpret_cast<const char*>(c + g * sp.per_group + kAheadL2 * step);
+      for (int64_t o = 0; o < step; o += 64) _mm_prefetch(ahead + o, _MM_HINT_T1);
+      _mm_prefetch(sp.d.addr(g * KB * kG + (b + kAheadL2) * kG), _MM_HINT_T1);
+      if (sp.m) _mm_prefetch(sp.m.addr(g * KB * kG + (b + kAheadL2) * kG), _MM_HINT_T1);
+    }
+    uint8_t* t = out.data() + b * kStaged;
+    if (sp.bits == 4) {
+      for (int p = 0; p < 4; ++p) {
+        const __m512i v = pair_codes(c + p * 32, sp.per_group, two);
+        _mm512_storeu_si512(t + (2 * p) * 64, _mm512_and_si512(v, mask));
+        _mm512_storeu_si512(t + (2 * p + 1) * 64, _mm512_and_si512(_mm512_srli_epi16(v, 4), mask));
+      }
+    } else {
+      for (int st = 0; st < 8; ++st) _mm512_storeu_si512(t + st * 64, pair_codes(c + st * 32, sp.per_group, two));
+    }
+  }
+  // the tile loads below read these bytes, and GCC's tile loads name no memory: keep the stores before them
+  __asm__ volatile("" ::: "memory");
+}
+
+// block b's sums into C tile T from A tile TA and B tile TB (GCC's tile intrinsics paste their
+// register numbers into the instruction: literals, hence a macro)
+#define SPECFW_Q8_PRODUCT(T, TA, TB, b)                 \
+  do {                                                  \
+    _tile_zero(T);                                      \
+    _tile_loadd(TA, A + (b) * kQ, x.K);                 \
+    _tile_loadd(TB, staged + (b) * kStaged, 64);        \
+    if (four) _tile_dpbsud(T, TA, TB);                  \
+    else _tile_dpbssd(T, TA, TB);                       \
+  } while (0)
+
+// the scale step of block b for R rows from their int32 sums P [16][16]: the span's scales of
+// block b, dx and sx the first row's (a row's lie KB on)
+template <int R, bool M>
+inline void scale(const Span& sp, int64_t b, bool two, const float* dx, const float* sx, int64_t KB, const int32_t* P, __m512* acc) {
+  const __m512 db = pair_scales(sp.d, b * kG, KB * kG, two);
+  const __m512 mb = M ? pair_scales(sp.m, b * kG, KB * kG, two) : _mm512_setzero_ps();
+  for (int r = 0; r < R; ++r) {
+    const __m512 dd = _mm512_mul_ps(db, _mm512_set1_ps(dx[r * KB]));
+    acc[r] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(_mm512_load_si512(P + r * 16)), acc[r]);
+    if (M) acc[r] = _mm512_fmadd_ps(mb, _mm512_set1_ps(sx[r * KB]), acc[r]);
+  }
+}
+
+// R rows (r0..r0+R-1; the codes buffer holds min(M, 16) from r0, the tiles' rows) x the span's 16 outputs -> out [R, 16]
+template <int R, bool M>
+void amx_tile(const Span& sp, const Rows& x, int64_t r0, const Staged& st, float* out) {
+  alignas(64) int32_t P[4][16 * 16];
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  // locals: every tile store clobbers memory, and the compiler would reload what it read through x
+  const int8_t* A = x.q + r0 * x.K;
+  const int64_t KB = x.KB, K = x.K;
+  const float *dx = x.dx + r0 * KB, *sx = x.sx + r0 * KB;
+  const uint8_t* staged = st.data();
+  const Span span = sp;
+  const bool four = sp.bits == 4, two = sp.groups == 2;
+#define SPECFW_Q8_SCALE(i, b) scale<R, M>(span, b, two, dx + (b), sx + (b), KB, P[i], acc)
+  // block b's product in C tile b % 2 (literals: unrolled by two): block b + 1's runs while b's sums are scaled
+  SPECFW_Q8_PRODUCT(0, 4, 6, 0);
+  for (int64_t b = 0; b < KB; b += 2) {
+    if (b + 1 < KB) SPECFW_Q8_PRODUCT(1, 5, 7, b + 1);
+    _tile_stored(0, P[0], 64);
+    SPECFW_Q8_SCALE(0, b);
+    if (b + 1 < KB) {
+      if (b + 2 < KB) SPECFW_Q8_PRODUCT(0, 4, 6, b + 2);
+      _tile_stored(1, P[1], 64);
+      SPECFW_Q8_SCALE(1, b + 1);
+    }
+  }
+#undef SPECFW_Q8_SCALE
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * 16, acc[r]);
+}
+
+template <int R>
+void amx_tile_m(const Span& sp, const Rows& x, int64_t r0, const Staged& st, float* out) {
+  if (sp.m) amx_tile<R, true>(sp, x, r0, st, out);
+  else amx_tile<R, false>(sp, x, r0, st, out);
+}
+
+void amx_rows(int R, const Span& sp, const Rows& x, int64_t r0, const Staged& st, float* out) {
+  switch (R) {
+    case 16: amx_tile_m<16>(sp, x, r0, st, out); break;
+    case 15: amx_tile_m<15>(sp, x, r0, st, out); break;
+    case 14: amx_tile_m<14>(sp, x, r0, st, out); break;
+    case 13: amx_tile_m<13>(sp, x, r0, st, out); break;
+    case 12: amx_tile_m<12>(sp, x, r0, st, out); break;
+    case 11: amx_tile_m<11>(sp, x, r0, st, out); break;
+    case 10: amx_tile_m<10>(sp, x, r0, st, out); break;
+    case 9: amx_tile_m<9>(sp, x, r0, st, out); break;
+    case 8: amx_tile_m<8>(sp, x, r0, st, out); break;
+    case 7: amx_tile_m<7>(sp, x, r0, st, out); break;
+    case 6: amx_tile_m<6>(sp, x, r0, st, out); break;
+    case 5: amx_tile_m<5>(sp, x, r0, st, out); break;
+    case 4: amx_tile_m<4>(sp, x, r0, st, out); break;
+    case 3: amx_tile_m<3>(sp, x, r0, st, out); break;
+    case 2: amx_tile_m<2>(sp, x, r0, st, out); break;
+    default: amx_tile_m<1>(sp, x, r0, st, out); break;
+  }
+}
+#endif
+
 // the activation codes and scales of a call's rows, in buffers the caller keeps (thread_local in
 // linear(): four tensor allocations per call cost ~2-4 us, on every one of a forward's linears)
 struct Quantized {
@@ -342,9 +502,11 @@ struct Quantized {
   std::vector<float> dx, sx;
   std::vector<int32_t> qs;
 
-  Rows of(const float* X, int64_t M, int64_t K) {
+  // pad_to: rows of codes the buffer holds (zero codes past M: whole A tiles for the amx path)
+  Rows of(const float* X, int64_t M, int64_t K, int64_t pad_to = 0) {
     const int64_t KB = K / kQ;
-    q.resize(M * K);
+    q.resize(std::max(M, pad_to) * K);
+    if (pad_to > M) std::memset(q.data() + M * K, 0, (pad_to - M) * K);
     dx.resize(M * KB);
     sx.resize(M * KB);
     qs.resize(M * KB);
@@ -389,8 +551,14 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torc
   auto y = torch::empty({M, N}, torch::kFloat32);
   if (M == 0) return y;
   const auto xf = x.to(torch::kFloat32).contiguous();
+#if defined(SPECFW_Q8_AMX)
+  const bool amx = M >= kAmxRows && amx_permitted();
+  const int64_t pad_to = amx && M > 16 ? (M + 15) / 16 * 16 : 0;  // past 16 rows: whole groups of 16
+#else
+  const int64_t pad_to = 0;
+#endif
   thread_local Quantized buf;  // the caller's buffers: taken here, before any parallel region
-  const Rows rows = buf.of(xf.data_ptr<float>(), M, K);
+  const Rows rows = buf.of(xf.data_ptr<float>(), M, K, pad_to);
   const uint8_t* C = reinterpret_cast<const uint8_t*>(codes.data_ptr());
   const bool half = d.scalar_type() == torch::kHalf;
   const Scales D{reinterpret_cast<const uint8_t*>(d.data_ptr()), half};
@@ -398,6 +566,33 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torc
   const float* B = bias.numel() ? bias.data_ptr<float>() : nullptr;
   float* Y = y.data_ptr<float>();
   const int64_t per_group = KB * (bits == 4 ? 128 : 256), NS = (NG + kSpan - 1) / kSpan;
+#if defined(SPECFW_Q8_AMX)
+  if (amx) {
+    at::parallel_for(0, NS, 1, [&](int64_t s0, int64_t s1) {
+      thread_local Staged staged;  // each worker's own
+      alignas(64) float out[16 * 16];
+      configure_tiles(int(std::min<int64_t>(M, 16)));
+      for (int64_t s = s0; s < s1; ++s) {
+        const int64_t g = s * kSpan, n0 = g * kG;
+        const Span sp{C + g * per_group, per_group, int(std::min<int64_t>(kSpan, NG - g)), D.at(g * KB * kG), Mn.at(g * KB * kG), int(bits)};
+        const int64_t nv = std::min<int64_t>(sp.groups * kG, N - n0);
+        const __mmask16 keep = nv == 16 ? __mmask16(0xFFFF) : __mmask16((1u << nv) - 1);
+        const __m512 bias = B ? _mm512_maskz_loadu_ps(keep, B + n0) : _mm512_setzero_ps();
+        stage(sp, KB, staged);
+        for (int64_t r0 = 0; r0 < M; r0 += 16) {
+          const int R = int(std::min<int64_t>(16, M - r0));
+          amx_rows(R, sp, rows, r0, staged, out);
+          for (int r = 0; r < R; ++r) {
+            const __m512 v = _mm512_load_ps(out + r * 16);
+            _mm512_mask_storeu_ps(Y + (r0 + r) * N + n0, keep, B ? _mm512_add_ps(v, bias) : v);
+          }
+        }
+      }
+      _tile_release();
+    });
+    return y;
+  }
+#endif
   const int64_t tiles = (M + kTile - 1) / kTile, base = M / tiles, extra = M % tiles;
   at::parallel_for(0, NS, 1, [&](int64_t s0, int64_t s1) {
     float out[kTile * kSpan * kG];
@@ -425,7 +620,9 @@ int64_t linear_address() {
 }
 
 std::string isa() {
-#if defined(SPECFW_Q8_VNNI)
+#if defined(SPECFW_Q8_AMX)
+  return "amx";
+#elif defined(SPECFW_Q8_VNNI)
   return "avx512_vnni";
 #elif defined(__AVX512F__)
   return "avx512";

@@ -84,7 +84,7 @@ void configure() {  // every tile 16 rows x 64 bytes: C 16 x 16 int32, A 16 rows
   std::memset(&cfg, 0, sizeof(cfg));
   cfg.palette_id = 1;
   for (int t = 0; t < 7; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
-  _tile_loadconfig(&cfg);
+  specfw_amx::load_config(cfg);
 }
 
 // NB blocks (1..4) from w, 16 staged rows from x -> int32 sums out [16][64]

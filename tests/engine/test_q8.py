@@ -13,12 +13,12 @@ from specfw.backends.q8_linear import Q8Linear, dequantize, pack, unblock
 from specfw.backends.quant_linear import QuantLinear, dequantize_reference, quantize
 from specfw.backends.quant_linear import pack as pack_blocked
 from specfw.config import ConfigError, validate
-from specfw.kernels import ISAS, isa_supported, q8_ops
+from specfw.kernels import Q8_ISAS, q8_isa, q8_isa_supported, q8_ops
 from specfw.sampling import SamplingParams
 
 
 def _ops(isa):
-    if not isa_supported(isa):
+    if not q8_isa_supported(isa):
         pytest.skip(f"this CPU cannot run {isa}")
     ops = q8_ops(isa)
     if ops is None:
@@ -56,7 +56,7 @@ def linear_reference(x, q, d, m, bias):
     return y + bias.double()
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", Q8_ISAS)
 def test_quantize_rows_matches_the_reference(isa):
     ops = _ops(isa)
     x = torch.randn(5, 96) * 3
@@ -69,7 +69,7 @@ def test_quantize_rows_matches_the_reference(isa):
     assert got[0].abs().max() <= 127 and torch.equal(got[1][1, 0], torch.tensor(0.0))
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", Q8_ISAS)
 @pytest.mark.parametrize("kind", ["q4_1", "q4_0", "q8"])
 def test_kernel_matches_float64_reference_and_rows_are_independent(isa, kind):
     ops = _ops(isa)
@@ -87,7 +87,7 @@ def test_kernel_matches_float64_reference_and_rows_are_independent(isa, kind):
     assert torch.equal(lin(x[9:10]), y[9:10])
 
 
-@pytest.mark.parametrize("isa", [i for i in ISAS if i != "portable"])
+@pytest.mark.parametrize("isa", [i for i in Q8_ISAS if i != "portable"])
 @pytest.mark.parametrize("kind", ["q4_1", "q8"])
 def test_simd_builds_give_the_portable_builds_bits(isa, kind):
     ops, portable = _ops(isa), _ops("portable")
@@ -202,7 +202,7 @@ def test_demo_gguf_int8_activations_eagle3_equals_plain():
     assert eng.stats.accepted_draft_tokens > 0
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", Q8_ISAS)
 @pytest.mark.parametrize("kind", ["q4_1", "q8"])
 def test_fp16_scales_give_the_bits_of_fp32_scales(isa, kind):
     """Scales that fp16 holds exactly (GGUF's own) are stored as fp16 and converted exactly."""
@@ -229,7 +229,63 @@ def test_avx512_build_takes_vnni_where_the_cpu_has_it():
     assert ops.isa() == ("avx512_vnni" if "avx512_vnni" in _cpu_flags() else "avx512")
 
 
-@pytest.mark.parametrize("isa", ISAS)
+def test_amx_build_where_the_cpu_has_amx_int8():
+    """On an AVX-512 CPU with AMX-INT8 the kernels take the amx build (tiles from 16 rows: the bit
+    tests here cover both its paths, 1-15 rows on vpdpbusd and 16+ on tiles); elsewhere the
+    avx512 build, and a forced AVX2 or portable ISA keeps its own."""
+    from specfw.kernels import _cpu_flags
+
+    amx = {"amx_tile", "amx_int8", "avx512_vnni"} <= _cpu_flags() and q8_isa_supported("avx512")
+    assert q8_isa("avx512") == ("amx" if amx else "avx512")
+    assert q8_isa("avx2") == "avx2" and q8_isa("portable") == "portable"
+    if amx:
+        assert _ops("amx").isa() == "amx"
+
+
+@pytest.mark.parametrize("isa", Q8_ISAS)
+@pytest.mark.parametrize("kind", ["q4_1", "q8"])
+@pytest.mark.parametrize("rows", [9, 15, 16, 21])
+def test_tree_sized_calls_equal_the_portable_build(isa, kind, rows):
+    """Calls of 9-21 rows (a verify forward's tree; the amx build's tiles from 16), with an odd
+    number of blocks and a last span of one group of 8 outputs: each row's bits are the portable
+    build's, and a row alone gives the same bits."""
+    ops, portable = _ops(isa), _ops("portable")
+    q, d, m, bits = _weights(kind, n=40, k=224, seed=4)  # 7 blocks; 5 groups: the last span holds one
+    w = pack(q, d, m, bits)
+    bias = torch.randn(40)
+    x = torch.randn(rows, 224) * 2
+    y = Q8Linear(w, bias, ops, kind)(x)
+    assert torch.equal(y, Q8Linear(w, bias, portable, kind)(x))
+    assert torch.equal(Q8Linear(w, bias, ops, kind)(x[rows - 1 :]), y[rows - 1 :])
+
+
+def test_calls_of_tile_rows_go_to_the_tile_build():
+    """``Q8Linear.tile_ops`` (the backend sets q8_ops' amx build there on an AMX-INT8 CPU) serves
+    calls of ``TILE_ROWS`` rows or more, in any shape; fewer stay on ``ops``; the bits do not
+    depend on which build ran."""
+    from specfw.backends.q8_linear import TILE_ROWS
+
+    tiles_isa = "amx" if q8_isa_supported("amx") else "portable"
+    ops, tiles = _ops("portable"), _ops(tiles_isa)
+    calls = []
+
+    class Recording:
+        def linear(self, x, *args):
+            calls.append(x.shape[0])
+            return tiles.linear(x, *args)
+
+    q, d, m, bits = _weights("q4_1", n=24, k=96)
+    lin = Q8Linear(pack(q, d, m, bits), None, ops, "q4_1")
+    x = torch.randn(TILE_ROWS + 5, 96)
+    want = lin(x)
+    lin.tile_ops = Recording()
+    assert torch.equal(lin(x[: TILE_ROWS - 1]), want[: TILE_ROWS - 1]) and calls == []
+    assert torch.equal(lin(x[:TILE_ROWS]), want[:TILE_ROWS]) and calls == [TILE_ROWS]
+    y = lin(x.view(1, TILE_ROWS + 5, 96).to(torch.bfloat16))  # a prompt's [batch, rows, width] in a bf16 layer
+    assert y.shape == (1, TILE_ROWS + 5, 24) and calls == [TILE_ROWS, TILE_ROWS + 5]
+
+
+@pytest.mark.parametrize("isa", Q8_ISAS)
 @pytest.mark.parametrize("kind", ["q4_1", "q8"])
 def test_many_rows_equal_the_portable_build_row_by_row(isa, kind):
     """Prefill-sized calls (several row tiles and a ragged last one) give each row the bits of that
@@ -243,7 +299,7 @@ def test_many_rows_equal_the_portable_build_row_by_row(isa, kind):
     assert torch.equal(y, torch.cat([ref(x[i : i + 1]) for i in range(len(x))]))
 
 
-@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("isa", Q8_ISAS)
 def test_draft_logits_take_the_fp32_sums_of_a_bf16_row(isa):
     """``sdk.draft_logits``: an int8-activation lm_head gets a bf16 row in fp32 (exact) and returns
     its fp32 sums unrounded, the sums of the bf16 row; a linear without ``computes_fp32`` keeps

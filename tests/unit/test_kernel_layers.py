@@ -82,6 +82,8 @@ def test_one_call_layers_equal_the_per_layer_path(tiny_model_dir, isa, dtype, mo
         kind = W8A8Linear if per_token else Q8Linear
         assert all(type(getattr(layer, n)) is kind for layer in r.model.layers for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
         assert {layer.qkv_proj.q8.bits for layer in r.model.layers} == {8 if codes == "int8" else 4}
+        tiles = None if per_token else r.backend.q8tiles  # q8_ops' amx build, on an AMX-INT8 CPU in the avx512 build
+        assert r.backend.decoder_stack(r.model).q8_tile_linear == (tiles.linear_address() if tiles is not None else 0)
     elif amx:
         assert all(type(getattr(layer, n)) is DotBF16Linear for layer in r.model.layers for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
         assert r.backend.decoder_stack(r.model).packed_linear == bf16_amx().linear_address() != 0
@@ -100,12 +102,14 @@ def test_one_call_layers_equal_the_per_layer_path(tiny_model_dir, isa, dtype, mo
     assert calls == []
     tree = _tree_mask([-1, 0, 0, 1, 3])
     depth = tree.sum(1) - 1
+    wide = _tree_mask([-1] + [0] * 8 + list(range(1, 9)))  # 17 rows: TILE_ROWS and more (the AMX build's calls, where there is one)
     batches = {
         "two decode rows": [(torch.tensor([7]), torch.tensor([5]), r.allocator.alloc(1), prefixes[0], None),
                             (torch.tensor([8]), torch.tensor([3]), r.allocator.alloc(1), prefixes[1], None)],
         "a tree": [(torch.tensor([30, 31, 32, 33, 34]), 5 + depth, r.allocator.alloc(5), prefixes[0], tree)],
         "an extend chain beside a tree": [(torch.tensor([40, 41, 42]), 3 + torch.arange(3), r.allocator.alloc(3), prefixes[1], None),
                                           (torch.tensor([30, 31, 32, 33, 34]), 5 + depth, r.allocator.alloc(5), prefixes[0], tree)],
+        "a tree of 17 rows": [(torch.arange(50, 67), 5 + wide.sum(1) - 1, r.allocator.alloc(17), prefixes[0], wide)],
     }  # fmt: skip
     for name, chunks in batches.items():
         one, per_layer = _both_paths(r, chunks, capture=(0, 1, 2))
