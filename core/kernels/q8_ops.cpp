@@ -362,10 +362,10 @@ constexpr int64_t kStaged = 8 * 64;  // bytes of one B tile: a block's codes of 
 
 using specfw_amx::TileConfig;
 
-// tmm0..tmm3: C (rows x 16 int32); tmm4, tmm5: A (rows x 32 codes); tmm6, tmm7: B (8 quads x 16
-// outputs x 4 codes). Four C tiles: block b + 3's product is issued before block b's sums are
-// stored and scaled, so the tile unit works while the vector units scale.
-// rows: of A and C (a call of fewer than 16 rows loads, multiplies and stores only its own)
+// tmm0, tmm1: C (rows x 16 int32); tmm4, tmm5: A (rows x 32 codes); tmm6, tmm7: B (8 quads x 16
+// outputs x 4 codes); tmm2, tmm3 configured as C, unused (four C tiles in flight measured no
+// faster than two). Block b + 1's product is issued before block b's sums are stored and scaled.
+// rows: of A and C (16; a call of fewer rows would load, multiply and store only its own)
 void configure_tiles(int rows) {
   TileConfig cfg;
   std::memset(&cfg, 0, sizeof(cfg));
