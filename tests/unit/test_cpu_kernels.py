@@ -48,16 +48,18 @@ def test_build_all_builds_every_isa_the_cpu_runs_side_by_side(monkeypatch):
     monkeypatch.setattr(kernels, "bf16_amx", lambda: None)  # a failed / impossible build reports False
     runs = [i for i in ISAS if isa_supported(i)]
     w8a8 = [i for i in kernels.W8A8_ISAS if kernels.w8a8_isa_supported(i)]  # its amx build where the CPU has AMX-INT8
+    q8 = [i for i in kernels.Q8_ISAS if kernels.q8_isa_supported(i)]  # likewise
     every = kernels.build_all(every_isa=True, workers=2)
-    want = {p + i for i in runs for p in ("", "quant_", "q8_")} | {"w8a8_" + i for i in w8a8}
+    want = {p + i for i in runs for p in ("", "quant_")} | {"q8_" + i for i in q8} | {"w8a8_" + i for i in w8a8}
     assert {k for k in every if not k.startswith("bf16")} == want
-    want_built = {(f, i) for i in runs for f in ("cpu_ops", "quant_ops", "q8_ops")} | {("w8a8_ops", i) for i in w8a8}
+    want_built = {(f, i) for i in runs for f in ("cpu_ops", "quant_ops")} | {("q8_ops", i) for i in q8} | {("w8a8_ops", i) for i in w8a8}
     assert {(f, i) for f, i in built if f != "bf16_dot"} == want_built
     assert all(every[k] for k in every if k != "bf16_amx") and every.get("bf16_amx", False) is False
     assert ("bf16_dot" in every) == kernels.cpu_has_avx512_bf16()
     assert threading.main_thread().name not in built.values()  # on the pool's threads
     default = kernels.build_all()
-    want = {p + i for i in dict.fromkeys([cpu_isa(), "portable"]) for p in ("", "quant_", "q8_")}
+    want = {p + i for i in dict.fromkeys([cpu_isa(), "portable"]) for p in ("", "quant_")}
+    want |= {"q8_" + i for i in dict.fromkeys([cpu_isa(), kernels.q8_isa(), "portable"])}  # the amx build too, where the CPU has AMX-INT8
     assert {k for k in default if not k.startswith("bf16")} == want | {"w8a8_" + i for i in dict.fromkeys([kernels.w8a8_isa(), "portable"])}
 
 
