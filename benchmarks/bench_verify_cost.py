@@ -11,8 +11,9 @@ plans, one-row SDPA calls) and torch's ops loose (``batch_invariant=false``: mas
 ``--isa avx2`` forces the kernels' AVX2 build (on an AVX-512 CPU too).
 
 ``--quantization gguf --activations int8`` (the demo's own blocks, int8 activations: the fastest
-exact setup) times the kernels only; on a CPU with AMX-INT8 it times q8_ops' amx build (tree-sized
-calls on tiles) against its avx512 build (vpdpbusd for every call), interleaved.
+exact setup) times the kernels only; on a CPU with AMX-INT8 it times the backend as it runs (q8_ops'
+amx build for calls of 16+ rows, its avx512 build below) against the avx512 build for every call
+(vpdpbusd), interleaved.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def main():
     runners = {}
     for name, (isa, invariant) in settings.items():
         q8_isa = kernels.q8_isa
-        if name == "kernels, no AMX tiles":  # the backend takes q8_ops' avx512 build (vpdpbusd for every call)
+        if name == "kernels, no AMX tiles":  # the backend gets no amx build: the avx512 one (vpdpbusd) for every call
             kernels.q8_isa = lambda isa=None: "avx512"
         eng = Engine(
             SpecfwConfig(

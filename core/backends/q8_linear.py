@@ -23,8 +23,8 @@ from .quant_linear import QuantWeight
 BLOCK = 32  # inputs per activation/weight block
 GROUP = 8  # outputs per kernel group
 # calls of this many rows or more go to ``tile_ops`` where a linear has them: q8_ops' amx build,
-# whose calls from 16 rows run on AMX-INT8 tiles (prompts, large trees: 0.77x at 400 rows, 0.87x
-# at 16, in a forward of the demo); fewer stay on the avx512 build (vpdpbusd), whose one-row code
+# whose calls from 16 rows run on AMX-INT8 tiles (prompts, large trees: a forward of the demo
+# 0.79x at 400 rows, 0.78x at 64, 0.98x at 16); fewer stay on the avx512 build (vpdpbusd), whose one-row code
 # is the decode path's and is not rebuilt around the tiles. Every build gives the same bits.
 TILE_ROWS = 16
 
