@@ -16,6 +16,7 @@ stays in the drafter's cache.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -77,7 +78,8 @@ def _expand(
     children.sort(key=lambda c: -c[0])
     toks = [c[2] for c in children]
     if to_target is not None and toks:
-        toks = to_target[torch.tensor(toks, dtype=torch.long)].tolist()
+        host = _host_list(to_target)
+        toks = [host[t] for t in toks]
     nxt = []
     for j, ((score, parent, _, probs, row), tok) in enumerate(zip(children, toks)):
         cands.tokens.append(tok)
@@ -87,6 +89,19 @@ def _expand(
         if j < k:
             nxt.append((len(cands.tokens) - 1, score, row))
     return nxt
+
+
+_HOST_LISTS: dict[int, tuple[weakref.ref, list[int]]] = {}  # id(map) → (the map, its host list)
+
+
+def _host_list(t: torch.Tensor) -> list[int]:
+    """A token map as a host list, made once per map tensor (read per drafted token: list indexing
+    instead of three tensor ops an expansion)."""
+    entry = _HOST_LISTS.get(id(t))
+    if entry is None or entry[0]() is not t:  # new, or another tensor at a freed one's id
+        key = id(t)
+        entry = _HOST_LISTS[key] = (weakref.ref(t, lambda _, key=key: _HOST_LISTS.pop(key, None)), t.tolist())  # dropped with the map
+    return entry[1]
 
 
 def _kth_best(scores: list[float], k: int | None) -> float:
@@ -136,7 +151,7 @@ def beam_search(
     hidden = first_hidden
     row_base = list(range(len(reqs)))  # request i's first row in ``hidden`` (the last step's output)
     drafted = [[] for _ in reqs]  # per request: draft slots of forwarded beam nodes, in order
-    row_of = [dict() for _ in reqs]  # candidate index → position in drafted[i]
+    rows_to = [dict() for _ in reqs]  # candidate index → positions in drafted[i] of it and its forwarded ancestors
     try:
         for depth in range(1, num_steps):
             floors = [max(score_floor, _kth_best(c.scores, keep)) for c in cands]  # once per request and depth
@@ -148,14 +163,15 @@ def beam_search(
             for i in live:
                 r = reqs[i]
                 bs, prev = beams[i], len(drafted[i])
-                mask = torch.zeros(len(bs), prev + len(bs), dtype=torch.bool)
+                mask = []  # each beam attends to its forwarded ancestors and itself: one tensor made from host rows
                 for j, (c, _, _) in enumerate(bs):
                     p = cands[i].parents[c]
-                    while p >= 0:
-                        mask[j, row_of[i][p]] = True
-                        p = cands[i].parents[p]
-                    mask[j, prev + j] = True
-                    row_of[i][c] = prev + j
+                    own = rows_to[i][c] = (rows_to[i][p] if p >= 0 else []) + [prev + j]
+                    row = [False] * (prev + len(bs))
+                    for a in own:
+                        row[a] = True
+                    mask.append(row)
+                mask = torch.tensor(mask, dtype=torch.bool)
                 slots = allocator.alloc(len(bs))
                 prefix = torch.cat([committed_slots(r), torch.tensor(drafted[i], dtype=torch.long)])
                 toks = torch.tensor([cands[i].tokens[c] for c, _, _ in bs], dtype=torch.long)

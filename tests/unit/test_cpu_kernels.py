@@ -414,6 +414,33 @@ def test_fused_layer_glue_matches_torch_and_is_per_row(isa, dtype):
 
 
 @isas
+@pytest.mark.parametrize("hd", [16, 32, 64, 72])
+def test_bf16_rope_has_torch_bits(isa, hd):
+    """bf16 rope_write rounds each op as torch's bf16 ops do (``Rotary.apply``: x * cos + rot * sin),
+    bit for bit: in whole vectors where half a head is whole vectors (64 on every ISA, 16 on AVX2 and
+    portable), lane by lane elsewhere; denormal products kept, signed zeros as torch signs them."""
+    from specfw.models.llama import Rotary
+
+    ops = _ops(isa)
+    g = torch.Generator().manual_seed(11)
+    rows, H, Hkv = 6, 3, 1
+    qkv = (torch.randn(rows, (H + 2 * Hkv) * hd, generator=g) * 3).bfloat16()
+    qkv[0, :4] = torch.tensor([1e-38, -2e-39, 0.0, -0.0]).bfloat16()  # denormal products, zeros' signs
+    qkv[0, hd // 2 : hd // 2 + 4] = torch.tensor([3e-39, 0.0, -0.0, 0.0]).bfloat16()
+    pos = torch.arange(rows) * 37
+    ang = pos[:, None].float() * torch.rand(hd // 2, generator=g)[None]
+    cos, sin = (torch.cat([f(ang), f(ang)], -1).bfloat16()[:, None] for f in (torch.cos, torch.sin))
+    cos[0, 0, :4] = sin[0, 0, :4] = torch.tensor([0.5, 0.25, -1.0, 1.0]).bfloat16()
+    kc, vc = torch.zeros(rows, Hkv, hd, dtype=torch.bfloat16), torch.zeros(rows, Hkv, hd, dtype=torch.bfloat16)
+    slots = torch.arange(rows).flip(0)
+    q = ops.rope_write(qkv, cos, sin, kc, vc, slots, H, Hkv)
+    with torch.inference_mode():
+        qk = Rotary.apply(qkv[:, : (H + Hkv) * hd].view(rows, H + Hkv, hd), cos, sin)
+    assert torch.equal(q.view(torch.int16), qk[:, :H].contiguous().view(torch.int16))  # bits, signed zeros included
+    assert torch.equal(kc[slots].view(torch.int16), qk[:, H:].contiguous().view(torch.int16))
+
+
+@isas
 def test_bf16_glue_rounds_each_op_as_the_scalar_path_does(isa):
     """The bf16 glue runs whole vectors and rounds each op to nearest even as ``to_bf16`` does:
     a residual sum has torch's bits (denormals kept, not flushed as vcvtneps2bf16 would), a lane in
