@@ -6,7 +6,8 @@ request in flight or ``--batch`` (issue 23 on a GPU, issue 17 on a CPU).
 
 Every phase is timed by wrapping the function that does it (the engine's step, the worker's
 decode, the hooks the speculative worker calls, the target forward and, inside it, the host-side
-preparation of a graphed forward). With ``--sync`` (default on CUDA) each phase boundary waits for
+preparation of a graphed forward; inside beam search its head steps, so that what is left is the
+search's own host work). With ``--sync`` (default on CUDA) each phase boundary waits for
 the device, so a phase owns the device work it launched: the phases then add up to what a step
 costs, and the step itself is slower than unsynchronised by the few microseconds per boundary.
 Prints milliseconds per decode step for each phase, tokens per step and ms per token; names the
