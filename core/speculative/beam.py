@@ -16,7 +16,6 @@ stays in the drafter's cache.
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -91,17 +90,13 @@ def _expand(
     return nxt
 
 
-_HOST_LISTS: dict[int, tuple[weakref.ref, list[int]]] = {}  # id(map) → (the map, its host list)
-
-
 def _host_list(t: torch.Tensor) -> list[int]:
-    """A token map as a host list, made once per map tensor (read per drafted token: list indexing
-    instead of three tensor ops an expansion)."""
-    entry = _HOST_LISTS.get(id(t))
-    if entry is None or entry[0]() is not t:  # new, or another tensor at a freed one's id
-        key = id(t)
-        entry = _HOST_LISTS[key] = (weakref.ref(t, lambda _, key=key: _HOST_LISTS.pop(key, None)), t.tolist())  # dropped with the map
-    return entry[1]
+    """A token map as a host list, kept on the map tensor itself (made once, gone with it): read
+    per drafted token, list indexing instead of three tensor ops an expansion."""
+    host = getattr(t, "_specfw_host_list", None)
+    if host is None:
+        host = t._specfw_host_list = t.tolist()
+    return host
 
 
 def _kth_best(scores: list[float], k: int | None) -> float:
