@@ -233,6 +233,8 @@ class CpuBackend(Backend):
             from ..kernels import bf16_amx
 
             bf16 = ", bf16 linears on AMX tiles" if bf16_amx() is not None else ", bf16 linears on vdpbf16ps (AVX512-BF16)"
+        if self.ops.amx_attention_on():
+            bf16 += ", bf16 attention (head dim 64) on AMX tiles"
         quant = f", weights {self.quantization}" if self.quantization != "none" else ""
         tiles = f", AMX tiles from {TILE_ROWS} rows" if self.q8tiles is not None else ""
         quant += f", int8 activations ({self.q8ops.isa()}{tiles})" if self.activation_quantization == "int8" else ""

@@ -88,9 +88,14 @@ def cpu_ops(isa: str | None = None):
         # AVX512-BF16 where the CPU has it: bf16 models' linears on vdpbf16ps (bf16_dot_tiles.h);
         # the build's has_bf16_dot() then says True
         dot = ["-mavx512bf16"] if isa == "avx512" and "avx512_bf16" in _cpu_flags() else []
-        ops = _load(_OPS_SOURCE, f"specfw_cpu_ops_{isa}", [*_ISA_FLAGS[isa], *dot], "cpu kernels " + isa + ("+bf16 dot" if dot else ""))
-        if ops is not None:  # this CPU's default for every user of the build (engine.cpu_linear_prefetch overrides it)
+        # AMX-BF16 where the CPU has it: bf16 attention (head dim 64) on tiles (set_amx_attention;
+        # SPECFW_AMX_ATTENTION=0 keeps the vector path: one setting per process, it changes the bits)
+        amx = ["-mamx-tile", "-mamx-bf16", "-DSPECFW_AMX_ATTENTION"] if dot and cpu_has_amx_bf16() else []
+        label = "cpu kernels " + isa + ("+bf16 dot" if dot else "") + ("+amx attention" if amx else "")
+        ops = _load(_OPS_SOURCE, f"specfw_cpu_ops_{isa}", [*_ISA_FLAGS[isa], *dot, *amx], label)
+        if ops is not None:  # this CPU's defaults for every user of the build (engine.cpu_linear_prefetch overrides one)
             ops.set_spread_prefetch(default_spread_prefetch())
+            ops.set_amx_attention(os.environ.get("SPECFW_AMX_ATTENTION", "1") != "0")
         _cache[key] = ops
     return _cache[key]
 

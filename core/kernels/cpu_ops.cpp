@@ -40,6 +40,9 @@
 #include <vector>
 #if defined(__AVX2__)
 #include <immintrin.h>
+#ifdef SPECFW_AMX_ATTENTION
+#include "amx_tiles.h"
+#endif
 #endif
 
 namespace {
@@ -528,6 +531,205 @@ void row_values(const float* p, int64_t D, const T* cache, int64_t slot_stride, 
 // ND vectors only (D == ND * W: no scalar tail).
 constexpr int kRowsPerPass = W == 16 ? 4 : 2;
 
+#ifdef SPECFW_AMX_ATTENTION
+// bf16 attention on AMX tiles (TDPBF16PS), head dim 64, in every row alike -- prefix keys, a tree
+// row's extras, decode rows, a prompt's causal blocks: a tile's sums follow no order vector code
+// could repeat, so a row's bits may not depend on which path took it.
+//   - scores (amx_scores): S^T = K Q^T, 16 keys' rows as A tiles (loaded from the pool where their
+//     slots are consecutive), the rows transposed once into B tiles; each score from its row and
+//     key alone;
+//   - weighted values (amx_values): blocks of 32 keys at fixed positions of every row's key list
+//     (multiples of 32), p split into bf16 hi + lo, values interleaved by key pairs; the last
+//     partial block of a row in key order on vector FMAs (row_values), as a lone decode row's.
+// The same bits whatever else is in the call; not the vector path's bits. On only where
+// set_amx_attention(true) said the process may use AMX (the default where the CPU has AMX-BF16):
+// one setting per process.
+bool g_amx_attention = false;
+
+inline void tr16x16(__m512i r[16]) {   // rows of 16 dwords -> columns
+  __m512i t[16];
+  for (int i = 0; i < 16; i += 2) { t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]); t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]); }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]); r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+    r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]); r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+  }
+  for (int i = 0; i < 4; ++i) {
+    const __m512i ab0 = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88), ab1 = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xDD);
+    const __m512i cd0 = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88), cd1 = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xDD);
+    t[i] = _mm512_shuffle_i32x4(ab0, cd0, 0x88); t[i + 8] = _mm512_shuffle_i32x4(ab0, cd0, 0xDD);
+    t[i + 4] = _mm512_shuffle_i32x4(ab1, cd1, 0x88); t[i + 12] = _mm512_shuffle_i32x4(ab1, cd1, 0xDD);
+  }
+  for (int i = 0; i < 16; ++i) r[i] = t[i];
+}
+
+// every thread of an attention call configures its tiles once, before its first tile op
+inline void amx_configure() {
+  specfw_amx::TileConfig cfg{};
+  cfg.palette_id = 1;
+  for (int t = 0; t < 8; ++t) { cfg.rows[t] = 16; cfg.colsb[t] = 64; }
+  specfw_amx::load_config(cfg);
+}
+
+// R rows' scores (q fp32 rows D apart holding bf16 values; D == 64) over n keys of a bf16 cache,
+// into s: S^T = K Q^T, the keys' rows as A tiles as they lie (two 32-dim halves), the rows
+// transposed once into B tiles (16 rows a group), C = 16 keys x 16 rows read back per row.
+void amx_scores(int64_t R, const float* q, int64_t D, const uint16_t* cache, int64_t slot_stride, const int64_t* slots, int64_t n,
+                float scale, float* s, int64_t s_stride) {
+  const int64_t G = (R + 15) / 16;
+  thread_local std::vector<uint32_t> qb_tl;   // [groups][2 halves][16 pairs][16 rows], 64-byte aligned
+  thread_local std::vector<float> staged_tl;   // the rows qb_tl holds (a task's key blocks share them)
+  auto& qb_v = qb_tl;
+  auto& staged = staged_tl;
+  if (int64_t(qb_v.size()) < G * 2 * 256 + 16) qb_v.resize(G * 2 * 256 + 16), staged.clear();
+  uint32_t* QB = reinterpret_cast<uint32_t*>((reinterpret_cast<uintptr_t>(qb_v.data()) + 63) & ~uintptr_t(63));
+  const bool restage = int64_t(staged.size()) != R * D || std::memcmp(staged.data(), q, sizeof(float) * R * D) != 0;
+  if (restage) staged.assign(q, q + R * D);
+  for (int64_t g = 0; g < G && restage; ++g)
+    for (int h = 0; h < 2; ++h) {
+      __m512i r[16];
+      for (int i = 0; i < 16; ++i) {
+        const int64_t row = g * 16 + i;
+        if (row >= R) { r[i] = _mm512_setzero_si512(); continue; }
+        const float* src = q + row * D + 32 * h;   // fp32 holding bf16: the high halves, 32 dims = 16 pairs
+        const __m256i lo = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_loadu_si512(src), 16));
+        const __m256i hi = _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_loadu_si512(src + 16), 16));
+        r[i] = _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1);
+      }
+      tr16x16(r);
+      for (int p = 0; p < 16; ++p) _mm512_store_si512(QB + ((g * 2 + h) * 16 + p) * 16, r[p]);
+    }
+  alignas(64) uint16_t ka[2][16][32] = {};
+  alignas(64) float c[16][16];
+  for (int64_t j0 = 0; j0 < n; j0 += 16) {
+    const int nn = int(std::min<int64_t>(16, n - j0));
+    bool in_place = nn == 16;   // 16 keys in consecutive slots: the A tiles loaded from the pool as it lies
+    for (int k = 1; k < nn && in_place; ++k) in_place = slots[j0 + k] == slots[j0] + k;
+    if (in_place) {
+      const uint16_t* key = cache + slots[j0] * slot_stride;
+      _tile_loadd(1, key, slot_stride * 2);
+      _tile_loadd(3, key + 32, slot_stride * 2);
+    } else {
+      for (int k = 0; k < nn; ++k) {
+        const uint16_t* key = cache + slots[j0 + k] * slot_stride;
+        _mm512_store_si512(ka[0][k], _mm512_loadu_si512(key));
+        _mm512_store_si512(ka[1][k], _mm512_loadu_si512(key + 32));
+      }
+      _tile_loadd(1, ka[0], 64);
+      _tile_loadd(3, ka[1], 64);
+    }
+    for (int64_t g = 0; g < G; ++g) {
+      _tile_zero(0);
+      _tile_loadd(2, QB + (g * 2 + 0) * 256, 64);
+      _tile_dpbf16ps(0, 1, 2);
+      _tile_loadd(2, QB + (g * 2 + 1) * 256, 64);
+      _tile_dpbf16ps(0, 3, 2);
+      _tile_stored(0, c, 64);
+      __m512i cr[16];   // keys x rows -> rows x keys, each row's 16 scores scaled as one vector
+      for (int k = 0; k < 16; ++k) cr[k] = _mm512_load_si512(c[k]);
+      tr16x16(cr);
+      const __mmask16 keys = nn == 16 ? __mmask16(0xFFFF) : __mmask16((1u << nn) - 1);
+      for (int64_t row = g * 16; row < std::min<int64_t>(R, g * 16 + 16); ++row)
+        _mm512_mask_storeu_ps(s + row * s_stride + j0, keys, _mm512_mul_ps(_mm512_castsi512_ps(cr[row - g * 16]), _mm512_set1_ps(scale)));
+    }
+  }
+}
+
+// R rows' (at most 16) weighted values over n keys of a bf16 cache whose first key sits at a
+// multiple of 32 in every row's key list, for ndb blocks of 16 head dims (cache and acc at the first):
+// acc[r][0..16 ndb) += sum_j p[r][j] v_j. Per block of 32 keys (zero-padded past n), one tile pass:
+// p split into bf16 hi = bf16(p) and lo = bf16(p - hi) as two A tiles, the 32 keys' values
+// interleaved by key pairs into one B tile per 16 dims, C += hi V then C += lo V. Every row's
+// sums depend on its own p and the block's keys alone, and the blocks sit at fixed absolute key
+// positions: a tree row summing a block with other rows and a decode row summing it alone (or as
+// its last, partial block) get the same bits.
+void amx_values(int64_t R, const float* p, int64_t p_stride, const uint16_t* cache, int64_t slot_stride, const int64_t* slots,
+                int64_t n, int ndb, float* acc, int64_t acc_stride) {
+  alignas(64) uint16_t vb[4][16][32];
+  alignas(64) uint16_t ph[16][32], pl[16][32];
+  alignas(64) float cb[4][16][16];
+  alignas(64) static const uint16_t kPairIdx[32] = {0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23,
+                                                     8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31};
+  const __m512i idx = _mm512_load_si512(kPairIdx);
+  std::memset(ph, 0, sizeof(ph));
+  std::memset(pl, 0, sizeof(pl));
+  for (int d = 0; d < ndb; ++d)
+    for (int r = 0; r < 16; ++r) _mm512_store_ps(cb[d][r], r < R ? _mm512_loadu_ps(acc + r * acc_stride + 16 * d) : _mm512_setzero_ps());
+  _tile_loadd(0, cb[0], 64);
+  if (ndb > 1) _tile_loadd(1, cb[1], 64);
+  if (ndb > 2) _tile_loadd(2, cb[2], 64);
+  if (ndb > 3) _tile_loadd(3, cb[3], 64);
+  for (int64_t j0 = 0; j0 < n; j0 += 32) {
+    const int nn = int(std::min<int64_t>(32, n - j0));
+    for (int i = 0; i < 16; ++i) {   // key pair i: keys j0 + 2i, j0 + 2i + 1 (zero past n)
+      const int a = 2 * i, b = 2 * i + 1;
+      const uint16_t* ka = a < nn ? cache + slots[j0 + a] * slot_stride : nullptr;
+      const uint16_t* kb = b < nn ? cache + slots[j0 + b] * slot_stride : nullptr;
+      for (int d = 0; d < ndb; ++d) {
+        const __m256i va = ka ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(ka + 16 * d)) : _mm256_setzero_si256();
+        const __m256i vv = kb ? _mm256_loadu_si256(reinterpret_cast<const __m256i*>(kb + 16 * d)) : _mm256_setzero_si256();
+        _mm512_store_si512(vb[d][i], _mm512_permutexvar_epi16(idx, _mm512_inserti64x4(_mm512_castsi256_si512(va), vv, 1)));
+      }
+    }
+    const __mmask16 m0 = nn >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << nn) - 1);
+    const __mmask16 m1 = nn >= 32 ? __mmask16(0xFFFF) : nn <= 16 ? __mmask16(0) : __mmask16((1u << (nn - 16)) - 1);
+    for (int64_t r = 0; r < R; ++r) {
+      const float* pr = p + r * p_stride + j0;
+      for (int h = 0; h < 2; ++h) {
+        const V x = _mm512_maskz_loadu_ps(h ? m1 : m0, pr + 16 * h);
+        const V hi = vround_bf16(x);
+        const V lo = vround_bf16(_mm512_sub_ps(x, hi));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(ph[r] + 16 * h), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(hi), 16)));
+        _mm256_store_si256(reinterpret_cast<__m256i*>(pl[r] + 16 * h), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(lo), 16)));
+      }
+    }
+    _tile_loadd(4, ph, 64);
+    _tile_loadd(5, pl, 64);
+    _tile_loadd(6, vb[0], 64);
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(0, 5, 6);
+    if (ndb > 1) { _tile_loadd(7, vb[1], 64); _tile_dpbf16ps(1, 4, 7); _tile_dpbf16ps(1, 5, 7); }
+    if (ndb > 2) { _tile_loadd(6, vb[2], 64); _tile_dpbf16ps(2, 4, 6); _tile_dpbf16ps(2, 5, 6); }
+    if (ndb > 3) { _tile_loadd(7, vb[3], 64); _tile_dpbf16ps(3, 4, 7); _tile_dpbf16ps(3, 5, 7); }
+  }
+  _tile_stored(0, cb[0], 64);
+  if (ndb > 1) _tile_stored(1, cb[1], 64);
+  if (ndb > 2) _tile_stored(2, cb[2], 64);
+  if (ndb > 3) _tile_stored(3, cb[3], 64);
+  for (int d = 0; d < ndb; ++d)
+    for (int64_t r = 0; r < R; ++r) _mm512_storeu_ps(acc + r * acc_stride + 16 * d, _mm512_load_ps(cb[d][r]));
+}
+
+// ... R rows in groups of 16
+void amx_values_rows(int64_t R, const float* p, int64_t p_stride, const uint16_t* cache, int64_t slot_stride, const int64_t* slots,
+                     int64_t n, int ndb, float* acc, int64_t acc_stride) {
+  for (int64_t r0 = 0; r0 < R; r0 += 16)
+    amx_values(std::min<int64_t>(16, R - r0), p + r0 * p_stride, p_stride, cache, slot_stride, slots, n, ndb, acc + r0 * acc_stride, acc_stride);
+}
+
+template <typename T>
+inline bool amx_attends(int64_t D) {
+  return std::is_same<T, uint16_t>::value && g_amx_attention && D == 64;
+}
+#endif
+
+bool set_amx_attention(bool on) {   // whether bf16 attention (head dim 64) now runs on AMX tiles; returns it
+#ifdef SPECFW_AMX_ATTENTION
+  static const bool permitted = specfw_amx::request_amx();
+  g_amx_attention = on && permitted;
+  return g_amx_attention;
+#else
+  return false;
+#endif
+}
+
+bool amx_attention_on() {
+#ifdef SPECFW_AMX_ATTENTION
+  return g_amx_attention;
+#else
+  return false;
+#endif
+}
+
 template <int ND, int NR, typename T>
 void rows_scores(const float* q, int64_t D, const T* cache, int64_t slot_stride, const int64_t* slots, int64_t n, float scale,
                  float* s, int64_t s_stride) {
@@ -591,6 +793,11 @@ void rows_values(const float* p, int64_t p_stride, int64_t D, const T* cache, in
 template <int ND, typename T>
 void all_rows_scores(int64_t R, const float* q, int64_t D, const T* cache, int64_t slot_stride, const int64_t* slots, int64_t n,
                      float scale, float* s, int64_t s_stride) {
+#ifdef SPECFW_AMX_ATTENTION
+  if constexpr (std::is_same<T, uint16_t>::value) {
+    if (amx_attends<T>(D)) return amx_scores(R, q, D, cache, slot_stride, slots, n, scale, s, s_stride);
+  }
+#endif
   int64_t r = 0;
   if constexpr (ND > 0) {
     if (D == ND * W) {
@@ -711,6 +918,11 @@ void attention_impl(const T* Q, const T* Kc, const T* Vc, T* O, int64_t H, int64
   constexpr int64_t kScores = 1 << 16;  // scores of a whole-item task at most (256 KB: a causal block's 3 x 32 rows
                                         // over a long prompt split per query head, their scores in L2)
   const bool halves = ND > 0 && D == ND * W && kParts > 1;
+#ifdef SPECFW_AMX_ATTENTION
+  const bool amx = amx_attends<T>(D);
+#else
+  constexpr bool amx = false;
+#endif
   const int nt = at::in_parallel_region() ? 1 : at::get_num_threads();
   // the call's lists and scratch live on in each calling thread: no allocation per call
   // (thread_local objects are named through references here: inside the parallel region a
@@ -742,7 +954,7 @@ void attention_impl(const T* Q, const T* Kc, const T* Vc, T* O, int64_t H, int64
   const bool few = n_items < 2 * nt;  // too few items to share out evenly: split each
   // ... over a long prefix: in three phases (a tree of 3+ rows only over a very long one: below it
   // a pass per query head, re-reading its kv head's K/V from L2, beat sharing its scores across cores)
-  const bool phased = few && longest >= (most_rows > 2 ? kLongTreePrefix : kLongPrefix);
+  const bool phased = few && !amx && longest >= (most_rows > 2 ? kLongTreePrefix : kLongPrefix);
   for (int64_t i = 0; i < n_items; ++i) {
     const AttnItem& it = items[i];
     const int64_t NQ = group * it.R;
@@ -757,6 +969,8 @@ void attention_impl(const T* Q, const T* Kc, const T* Vc, T* O, int64_t H, int64
       } else {
         value_tasks.push_back({i, 0, D, 0, NQ});
       }
+    } else if (amx) {  // tiles: a kv head's query rows (its query heads' rows together) in tasks of 16, one A tile each
+      for (int64_t t = 0; t < NQ; t += 16) value_tasks.push_back({i, 0, D, t, std::min<int64_t>(NQ, t + 16)});
     } else if (few || it.P < kLongPrefix || NQ * it.L > kScores) {  // one task per query head: its K/V stay in L2 for the next head
       for (int64_t hh = 0; hh < group; ++hh) value_tasks.push_back({i, 0, D, hh * it.R, (hh + 1) * it.R});
     } else {
@@ -775,14 +989,75 @@ void attention_impl(const T* Q, const T* Kc, const T* Vc, T* O, int64_t H, int64
   // numerators in place; returns their sum
   auto extras_softmax = [&](const AttnItem& it, int64_t t, const float* q, float* s) {
     const int64_t row = row_ptr[it.g] + t % it.R, e0 = extra_ptr[row], ne = extra_ptr[row + 1] - e0;
-    row_scores<ND>(q, D, Kc + it.kvh * D, stride, extra_slots + e0, ne, scale, s + it.P);
+    all_rows_scores<ND>(1, q, D, Kc + it.kvh * D, stride, extra_slots + e0, ne, scale, s + it.P, 0);   // as the prefix keys are scored
     return softmax_numerators(s, it.P + ne);
+  };
+  // (tiles) the task's rows' extras' scores into s[P..) of each score row (it.L apart): each row
+  // against the union of the rows' extra keys in one tile pass, then each row's own picked out (a
+  // score is its row's and key's alone, wherever the tile holds them)
+  auto extras_scores_union = [&](const AttnItem& it, const AttnTask& vt, const float* q, float* s) {
+#ifdef SPECFW_AMX_ATTENTION
+    if constexpr (std::is_same<T, uint16_t>::value) {
+      thread_local std::vector<int64_t> uni_tl;
+      thread_local std::vector<float> us_tl;
+      auto &uni = uni_tl;
+      auto &us = us_tl;
+      uni.clear();
+      const int64_t NT = vt.t1 - vt.t0;
+      for (int64_t t = 0; t < NT; ++t) {
+        const int64_t row = row_ptr[it.g] + (vt.t0 + t) % it.R;
+        uni.insert(uni.end(), extra_slots + extra_ptr[row], extra_slots + extra_ptr[row + 1]);
+      }
+      std::sort(uni.begin(), uni.end());
+      uni.erase(std::unique(uni.begin(), uni.end()), uni.end());
+      const int64_t U = uni.size();
+      if (int64_t(us.size()) < NT * U) us.resize(NT * U);
+      amx_scores(NT, q, D, Kc + it.kvh * D, stride, uni.data(), U, scale, us.data(), U);
+      for (int64_t t = 0; t < NT; ++t) {
+        const int64_t row = row_ptr[it.g] + (vt.t0 + t) % it.R, e0 = extra_ptr[row], ne = extra_ptr[row + 1] - e0;
+        for (int64_t e = 0; e < ne; ++e)
+          s[t * it.L + it.P + e] = us[t * U + (std::lower_bound(uni.begin(), uni.end(), extra_slots[e0 + e]) - uni.begin())];
+      }
+    }
+#endif
   };
   // the task's query rows' weighted values over its dims: p their score rows (it.L apart), a their
   // accumulators (D apart, at the task's first dim); first the prefix keys [j0, j0 + n) ...
   auto values_block = [&](const AttnItem& it, const AttnTask& vt, const float* p, float* a, int64_t j0, int64_t n) {
     const int64_t NT = vt.t1 - vt.t0, *pre = prefix_slots + prefix_ptr[it.g];
     const T* Vh = Vc + it.kvh * D + vt.off;
+#ifdef SPECFW_AMX_ATTENTION
+    if constexpr (std::is_same<T, uint16_t>::value) {
+      if (amx_attends<T>(D)) {   // whole blocks of 32 prefix keys on tiles
+        const int64_t Pf = it.P / 32 * 32, m = std::min(j0 + n, Pf) - j0;
+        if (m > 0) amx_values_rows(NT, p + j0, it.L, Vh, stride, pre + j0, m, int(vt.dims / 16), a, D);
+        // the prefix's last partial block [Pf, P) in key order on vector FMAs, together for the rows
+        // whose own keys end inside that block (the rest reach a whole block of their own: values_finish)
+        const int64_t f0 = std::max(j0, Pf), f1 = std::min(j0 + n, it.P);
+        if (f1 > f0) {
+          auto in_block = [&](int64_t t) {
+            const int64_t row = row_ptr[it.g] + (vt.t0 + t) % it.R;
+            return (it.P + extra_ptr[row + 1] - extra_ptr[row]) / 32 * 32 == Pf;
+          };
+          for (int64_t t = 0; t < NT;) {
+            if (!in_block(t)) { ++t; continue; }
+            int64_t u = t + 1;
+            while (u < NT && in_block(u)) ++u;
+            if constexpr (kParts > 1) {
+              if (vt.dims < D) {
+                all_rows_values_part<ND / kParts>(u - t, p + t * it.L + f0, it.L, D, Vh, stride, pre + f0, f1 - f0, a + t * D);
+                t = u;
+                continue;
+              }
+            }
+            all_rows_values<ND>(u - t, p + t * it.L + f0, it.L, D, Vh, stride, pre + f0, f1 - f0, a + t * D);
+            t = u;
+          }
+        }
+        return;
+      }
+    }
+#endif
     if constexpr (kParts > 1) {
       if (vt.dims < D) return all_rows_values_part<ND / kParts>(NT, p + j0, it.L, D, Vh, stride, pre + j0, n, a);
     }
@@ -796,8 +1071,29 @@ void attention_impl(const T* Q, const T* Kc, const T* Vc, T* O, int64_t H, int64
       const int64_t e0 = extra_ptr[row], ne = extra_ptr[row + 1] - e0;
       const float* pe = p + t * it.L + it.P;
       bool done = false;
+#ifdef SPECFW_AMX_ATTENTION
+      if constexpr (std::is_same<T, uint16_t>::value) {
+        if (amx_attends<T>(D)) {   // the row's tail after the shared whole blocks
+          // keys [Pf, Fr): whole blocks holding the row's own keys, on tiles; [Fr, Lr): the row's last
+          // partial block, in key order on vector FMAs (a decode row's last block is partial there too)
+          thread_local std::vector<int64_t> tail_tl;
+          auto& tail = tail_tl;
+          const int64_t Pf = it.P / 32 * 32, Lr = it.P + ne, Fr = Lr / 32 * 32, *pre = prefix_slots + prefix_ptr[it.g];
+          tail.assign(pre + Pf, pre + it.P);
+          tail.insert(tail.end(), extra_slots + e0, extra_slots + e0 + ne);
+          const float* pr = p + t * it.L;
+          if (Fr > Pf) amx_values(1, pr + Pf, 0, Vh, stride, tail.data(), Fr - Pf, int(vt.dims / 16), a + t * D, D);
+          const int64_t from = Fr > Pf ? Fr : it.P;   // else values_block summed [Pf, P) already
+          if (Lr > from) {
+            if (vt.dims < D) rows_values<ND / kParts, 1>(pr + from, 0, D, Vh, stride, tail.data() + (from - Pf), Lr - from, a + t * D);
+            else row_values<ND>(pr + from, D, Vh, stride, tail.data() + (from - Pf), Lr - from, a + t * D);
+          }
+          done = true;
+        }
+      }
+#endif
       if constexpr (kParts > 1) {
-        if (vt.dims < D) {
+        if (!done && vt.dims < D) {
           rows_values<ND / kParts, 1>(pe, 0, D, Vh, stride, extra_slots + e0, ne, a + t * D);
           done = true;
         }
@@ -819,6 +1115,11 @@ void attention_impl(const T* Q, const T* Kc, const T* Vc, T* O, int64_t H, int64
   float *qf = shared.data(), *acc = qf + nq * D, *sc = acc + nq * D, *sums = sc + ns;
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
+#ifdef SPECFW_AMX_ATTENTION
+    if constexpr (std::is_same<T, uint16_t>::value) {
+      if (amx_attends<T>(D)) amx_configure();
+    }
+#endif
     if (phased) {
 #pragma omp for schedule(static)
       for (int64_t i = 0; i < n_items; ++i) load_q(items[i], 0, group * items[i].R, qf + items[i].q0 * D);
@@ -850,7 +1151,12 @@ void attention_impl(const T* Q, const T* Kc, const T* Vc, T* O, int64_t H, int64
         auto a = [&](const AttnItem& it) { return acc + (it.q0 + vt.t0) * D + vt.off; };
         for (int64_t kvh = 0; kvh < Hkv; ++kvh) zero(vt, a(items[vt.item + kvh]));
         const int64_t* pre = prefix_slots + prefix_ptr[items[vt.item].g];
-        for (int64_t j0 = 0; j0 < P; j0 += kKeyBlock) {
+        if (amx) {   // tiles: each kv head's prefix in one pass (its accumulators stay in the tiles)
+          for (int64_t kvh = 0; kvh < Hkv && P; ++kvh) {
+            const AttnItem& it = items[vt.item + kvh];
+            values_block(it, AttnTask{vt.item + kvh, vt.off, vt.dims, vt.t0, vt.t1}, p(it), a(it), 0, P);
+          }
+        } else for (int64_t j0 = 0; j0 < P; j0 += kKeyBlock) {
           if (j0 + kKeyBlock < P) prefetch_rows(Vc, stride, pre + j0 + kKeyBlock, std::min(P - j0 - kKeyBlock, kKeyBlock), int64_t(sizeof(T)) * stride);
           for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
             const AttnItem& it = items[vt.item + kvh];
@@ -886,9 +1192,19 @@ void attention_impl(const T* Q, const T* Kc, const T* Vc, T* O, int64_t H, int64
             prefetch_rows(Vc + it.kvh * D, stride, pre, std::min(it.P, kKeyBlock), head_bytes);
           all_rows_scores<ND>(NT, q.data(), D, Kc + it.kvh * D, stride, pre + j0, std::min(it.P - j0, kKeyBlock), scale, s.data() + j0, it.L);
         }
-        for (int64_t t = 0; t < NT; ++t) sum[t] = extras_softmax(it, vt.t0 + t, q.data() + t * D, s.data() + t * it.L);
+        if (amx) {   // tiles: every row's extras scored in one pass over the union of the task's extra keys
+          extras_scores_union(it, vt, q.data(), s.data());
+          for (int64_t t = 0; t < NT; ++t) {
+            const int64_t row = row_ptr[it.g] + (vt.t0 + t) % it.R;
+            sum[t] = softmax_numerators(s.data() + t * it.L, it.P + extra_ptr[row + 1] - extra_ptr[row]);
+          }
+        } else {
+          for (int64_t t = 0; t < NT; ++t) sum[t] = extras_softmax(it, vt.t0 + t, q.data() + t * D, s.data() + t * it.L);
+        }
         zero(vt, a.data());
-        for (int64_t j0 = 0; j0 < it.P; j0 += kKeyBlock) {
+        if (amx) {   // tiles: the whole prefix in one pass (its accumulators stay in the tiles)
+          if (it.P) values_block(it, vt, s.data(), a.data(), 0, it.P);
+        } else for (int64_t j0 = 0; j0 < it.P; j0 += kKeyBlock) {
           if (ahead && j0 + kKeyBlock < it.P) prefetch_rows(Vc + it.kvh * D, stride, pre + j0 + kKeyBlock, std::min(it.P - j0 - kKeyBlock, kKeyBlock), head_bytes);
           values_block(it, vt, s.data(), a.data(), j0, std::min(it.P - j0, kKeyBlock));
         }
@@ -1461,6 +1777,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("spread_prefetch", &spread_prefetch, "whether multi-tile linears spread their prefetches over the row tiles");
   m.def("linear", &linear, "batch-invariant linear over a packed weight (pack or pack_dot)", nogil);
   m.def("pack_dot", &pack_dot, "pack a [N, K] bf16 weight in bf16_dot's pair layout (AVX512-BF16 builds)");
+  m.def("set_amx_attention", &set_amx_attention, "bf16 attention (head dim 64) on AMX tiles (builds with AMX-BF16); returns whether on");
+  m.def("amx_attention_on", &amx_attention_on, "whether bf16 attention runs on AMX tiles");
   m.def("has_bf16_dot", &has_bf16_dot, "whether this build has the vdpbf16ps path (pack_dot)");
   m.def("attention", &attention, "batch-invariant attention of one-row queries over the KV pool", nogil);
   m.def("add_rms_norm", &add_rms_norm, "(x + residual, RMSNorm(x + residual) * weight); residual optional", nogil);

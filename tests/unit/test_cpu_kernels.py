@@ -230,10 +230,27 @@ def _random_tree(n: int, g: torch.Generator, chain: bool = False) -> torch.Tenso
     return mask
 
 
+@pytest.fixture(params=[False, True], ids=["vector attention", "amx attention"])
+def amx_attention(request):
+    """Runs a test with bf16 attention on vector FMAs, then on AMX tiles (``set_amx_attention``;
+    skipped where the build has no AMX-BF16); the build's setting restored after."""
+    on = request.param
+    builds = {}
+
+    def apply(ops):
+        if ops not in builds:
+            builds[ops] = ops.amx_attention_on()
+            request.addfinalizer(lambda: ops.set_amx_attention(builds[ops]))
+        if ops.set_amx_attention(on) != on:
+            pytest.skip("this build has no AMX-BF16 attention (needs the avx512 build on a CPU with AMX-BF16)")
+
+    return apply
+
+
 @isas
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(9, 3, 64), (4, 4, 32), (6, 2, 20)])
-def test_attention_plan_values_and_tree_rows_equal_lone_decode_rows(isa, dtype, heads, kv_heads, head_dim):
+def test_attention_plan_values_and_tree_rows_equal_lone_decode_rows(isa, dtype, heads, kv_heads, head_dim, amx_attention):
     """A batch of: a prompt prefill, two plain decode rows, a tree (random or chain) after a
     prefix, a causal extend after a prefix, and a draft-style span whose mask also covers earlier drafted nodes. Every row matches
     the float64 reference, and every non-prefill row has exactly the bits of a lone decode row
@@ -241,6 +258,7 @@ def test_attention_plan_values_and_tree_rows_equal_lone_decode_rows(isa, dtype, 
     from specfw.backends.kernel_attention import KernelAttentionPlan
 
     ops = _ops(isa)
+    amx_attention(ops)
     g = torch.Generator().manual_seed(heads * 100 + head_dim)
     S = 1200
     k_cache = torch.randn(S, kv_heads, head_dim, generator=g).to(dtype)
@@ -277,13 +295,14 @@ def test_attention_plan_values_and_tree_rows_equal_lone_decode_rows(isa, dtype, 
 
 @isas
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_long_causal_runs_in_the_kernel_equal_lone_decode_rows(isa, dtype):
+def test_long_causal_runs_in_the_kernel_equal_lone_decode_rows(isa, dtype, amx_attention):
     """With the prefix cache on, prompt prefills attend through the kernel too, and a causal run of
     more rows than ``CAUSAL_BLOCK`` is cut into groups: a prompt's row, a cached-prefix extend's row
     and the lone decode row over the same keys have the same bits (what makes a cache hit exact)."""
     from specfw.backends.kernel_attention import CAUSAL_BLOCK, KernelAttentionPlan
 
     ops = _ops(isa)
+    amx_attention(ops)
     g = torch.Generator().manual_seed(7)
     k_cache, v_cache = torch.randn(400, 3, 64, generator=g).to(dtype), torch.randn(400, 3, 64, generator=g).to(dtype)
     slots = torch.randperm(400, generator=g)[:150]
@@ -306,7 +325,7 @@ def test_long_causal_runs_in_the_kernel_equal_lone_decode_rows(isa, dtype):
 
 @isas
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_long_prefixes_give_the_same_bits_however_the_work_is_split(isa, dtype):
+def test_long_prefixes_give_the_same_bits_however_the_work_is_split(isa, dtype, amx_attention):
     """The kernel splits its work by what the call holds: alone, one or two rows over a long prefix
     and a larger tree over a very long one in three phases (key chunks, rows, halves of the head
     dims), a tree over a shorter prefix per query head; in a batch one task per (request, kv head)
@@ -315,6 +334,7 @@ def test_long_prefixes_give_the_same_bits_however_the_work_is_split(isa, dtype):
     from specfw.backends.kernel_attention import KernelAttentionPlan
 
     ops = _ops(isa)
+    amx_attention(ops)
     g = torch.Generator().manual_seed(11)
     S, H, Hkv, D = 6000, 9, 3, 64
     k_cache = torch.randn(S, Hkv, D, generator=g).to(dtype)
@@ -351,6 +371,54 @@ def test_long_prefixes_give_the_same_bits_however_the_work_is_split(isa, dtype):
             lone = KernelAttentionPlan(ops, [SeqSpan(0, 1, visible)])(q[row : row + 1], k_cache, v_cache, scale)
             assert torch.equal(lone[0], batch[row]), (s.q_len, i)
             assert (batch[row].double() - _reference(q[row], k_cache, v_cache, visible, scale)).abs().max() < tol
+
+
+@isas
+def test_bf16_rows_straddling_32_key_blocks_equal_lone_decode_rows(isa, amx_attention):
+    """bf16 attention on AMX tiles sums values in blocks of 32 keys at fixed positions of a row's key
+    list, a row's last partial block on vector FMAs: prefixes just below, at and above a multiple of
+    32, trees and chains whose rows end in the next block, a row with exactly 32 keys, 24 query
+    rows of one kv head (two tile groups), keys in consecutive slots (tiles loaded from the pool as
+    it lies) and scattered. Every row has a lone decode row's bits and the float64 reference's
+    values, in one batch of 9 requests (the vector path: the same checks)."""
+    from specfw.backends.kernel_attention import KernelAttentionPlan
+
+    ops = _ops(isa)
+    amx_attention(ops)
+    g = torch.Generator().manual_seed(32)
+    S, H, Hkv, D = 3000, 9, 3, 64
+    k_cache = torch.randn(S, Hkv, D, generator=g).bfloat16()
+    v_cache = torch.randn(S, Hkv, D, generator=g).bfloat16()
+    perm = iter(torch.randperm(S - 1000, generator=g).split(1))
+    base = [S - 1000]
+
+    def slots(n, consecutive):
+        if consecutive:
+            base[0] += n
+            return torch.arange(base[0] - n, base[0])
+        return torch.cat([next(perm) for _ in range(n)])
+
+    spec = [
+        (1, 31, None, True), (1, 32, None, False), (1, 63, None, True), (3, 30, _random_tree(3, g, chain=True), True),
+        (8, 62, _random_tree(8, g), False), (12, 90, _random_tree(12, g, chain=True), True), (8, 96, _random_tree(8, g), True),
+        (6, 200, _random_tree(6, g), False), (1, 0, None, True),
+    ]
+    spans, start = [], 0
+    for q_len, prefix, mask, consecutive in spec:
+        spans.append(SeqSpan(q_start=start, q_len=q_len, kv_slots=slots(prefix + q_len, consecutive), tree_mask=mask))
+        start += q_len
+    q = torch.randn(start, H, D, generator=g).bfloat16()
+    scale = D**-0.5
+    out = KernelAttentionPlan(ops, spans)(q, k_cache, v_cache, scale)
+    for s in spans:
+        n = int(s.kv_slots.numel())
+        tm = s.tree_mask if s.tree_mask is not None else torch.ones(1, 1, dtype=torch.bool)
+        for i in range(s.q_len):
+            visible = torch.cat([s.kv_slots[: n - s.q_len], s.kv_slots[n - s.q_len :][tm[i]]])
+            row = s.q_start + i
+            lone = KernelAttentionPlan(ops, [SeqSpan(0, 1, visible)])(q[row : row + 1], k_cache, v_cache, scale)
+            assert torch.equal(lone[0], out[row]), (s.q_len, s.prefix_len, i)
+            assert (out[row].double() - _reference(q[row], k_cache, v_cache, visible, scale)).abs().max() < 3e-2
 
 
 @isas
