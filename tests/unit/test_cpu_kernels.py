@@ -399,9 +399,15 @@ def test_bf16_rows_straddling_32_key_blocks_equal_lone_decode_rows(isa, amx_atte
         return torch.cat([next(perm) for _ in range(n)])
 
     spec = [
-        (1, 31, None, True), (1, 32, None, False), (1, 63, None, True), (3, 30, _random_tree(3, g, chain=True), True),
-        (8, 62, _random_tree(8, g), False), (12, 90, _random_tree(12, g, chain=True), True), (8, 96, _random_tree(8, g), True),
-        (6, 200, _random_tree(6, g), False), (1, 0, None, True),
+        (1, 31, None, True),
+        (1, 32, None, False),
+        (1, 63, None, True),
+        (3, 30, _random_tree(3, g, chain=True), True),
+        (8, 62, _random_tree(8, g), False),
+        (12, 90, _random_tree(12, g, chain=True), True),
+        (8, 96, _random_tree(8, g), True),
+        (6, 200, _random_tree(6, g), False),
+        (1, 0, None, True),
     ]
     spans, start = [], 0
     for q_len, prefix, mask, consecutive in spec:
