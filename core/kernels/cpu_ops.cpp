@@ -998,25 +998,34 @@ void attention_impl(const T* Q, const T* Kc, const T* Vc, T* O, int64_t H, int64
   auto extras_scores_union = [&](const AttnItem& it, const AttnTask& vt, const float* q, float* s) {
 #ifdef SPECFW_AMX_ATTENTION
     if constexpr (std::is_same<T, uint16_t>::value) {
-      thread_local std::vector<int64_t> uni_tl;
+      // the union in first-seen order; where[slot] = (stamp << 32) | its place, valid for this stamp only
+      thread_local std::vector<int64_t> uni_tl, where_tl, pick_tl;
       thread_local std::vector<float> us_tl;
-      auto &uni = uni_tl;
+      thread_local int64_t stamp_tl = 0;
+      auto &uni = uni_tl, &where = where_tl, &pick = pick_tl;
       auto &us = us_tl;
+      const int64_t stamp = ++stamp_tl, NT = vt.t1 - vt.t0;
       uni.clear();
-      const int64_t NT = vt.t1 - vt.t0;
+      pick.clear();
       for (int64_t t = 0; t < NT; ++t) {
         const int64_t row = row_ptr[it.g] + (vt.t0 + t) % it.R;
-        uni.insert(uni.end(), extra_slots + extra_ptr[row], extra_slots + extra_ptr[row + 1]);
+        for (int64_t e = extra_ptr[row]; e < extra_ptr[row + 1]; ++e) {
+          const int64_t slot = extra_slots[e];
+          if (slot >= int64_t(where.size())) where.resize(slot + 1024, 0);
+          if ((where[slot] >> 32) != stamp) {
+            where[slot] = (stamp << 32) | int64_t(uni.size());
+            uni.push_back(slot);
+          }
+          pick.push_back(where[slot] & 0xffffffffLL);
+        }
       }
-      std::sort(uni.begin(), uni.end());
-      uni.erase(std::unique(uni.begin(), uni.end()), uni.end());
       const int64_t U = uni.size();
       if (int64_t(us.size()) < NT * U) us.resize(NT * U);
       amx_scores(NT, q, D, Kc + it.kvh * D, stride, uni.data(), U, scale, us.data(), U);
+      int64_t k = 0;
       for (int64_t t = 0; t < NT; ++t) {
-        const int64_t row = row_ptr[it.g] + (vt.t0 + t) % it.R, e0 = extra_ptr[row], ne = extra_ptr[row + 1] - e0;
-        for (int64_t e = 0; e < ne; ++e)
-          s[t * it.L + it.P + e] = us[t * U + (std::lower_bound(uni.begin(), uni.end(), extra_slots[e0 + e]) - uni.begin())];
+        const int64_t row = row_ptr[it.g] + (vt.t0 + t) % it.R, ne = extra_ptr[row + 1] - extra_ptr[row];
+        for (int64_t e = 0; e < ne; ++e) s[t * it.L + it.P + e] = us[t * U + pick[k++]];
       }
     }
 #endif
