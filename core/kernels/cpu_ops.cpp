@@ -792,10 +792,10 @@ void rows_values(const float* p, int64_t p_stride, int64_t D, const T* cache, in
 // kRowsPerPass rows, then the remaining rows in one pass (each row's sums as row_scores forms them)
 template <int ND, typename T>
 void all_rows_scores(int64_t R, const float* q, int64_t D, const T* cache, int64_t slot_stride, const int64_t* slots, int64_t n,
-                     float scale, float* s, int64_t s_stride) {
+                     float scale, float* s, int64_t s_stride, bool tiles = false) {
 #ifdef SPECFW_AMX_ATTENTION
   if constexpr (std::is_same<T, uint16_t>::value) {
-    if (amx_attends<T>(D)) return amx_scores(R, q, D, cache, slot_stride, slots, n, scale, s, s_stride);
+    if (tiles) return amx_scores(R, q, D, cache, slot_stride, slots, n, scale, s, s_stride);
   }
 #endif
   int64_t r = 0;
@@ -901,6 +901,7 @@ struct AttnItem {
 // where the same two fields are prefix keys: key0() / key1() name that reading
 struct AttnTask {
   int64_t item, off, dims, t0, t1;
+  bool tiles = false;   // its rows on AMX tiles (amx_values, amx_scores), else on vector FMAs
   int64_t key0() const { return t0; }
   int64_t key1() const { return t1; }
 };
@@ -915,6 +916,7 @@ void attention_impl(const T* Q, const T* Kc, const T* Vc, T* O, int64_t H, int64
   constexpr int kParts = ND >= 2 && ND % 2 == 0 ? 2 : 1;  // value tasks over half the head dims
   constexpr int64_t kLongPrefix = 512;  // prefix keys from which K/V come from memory (shorter ones stay in L2)
   constexpr int64_t kLongTreePrefix = 2048;
+  constexpr int64_t kTileKeys = 128;    // AMX: rows with this many keys or more on tiles
   constexpr int64_t kScores = 1 << 16;  // scores of a whole-item task at most (256 KB: a causal block's 3 x 32 rows
                                         // over a long prompt split per query head, their scores in L2)
   const bool halves = ND > 0 && D == ND * W && kParts > 1;
@@ -954,6 +956,17 @@ void attention_impl(const T* Q, const T* Kc, const T* Vc, T* O, int64_t H, int64
   const bool few = n_items < 2 * nt;  // too few items to share out evenly: split each
   // ... over a long prefix: in three phases (a tree of 3+ rows only over a very long one: below it
   // a pass per query head, re-reading its kv head's K/V from L2, beat sharing its scores across cores)
+  // tiles for a row with kTileKeys keys or more: below, their fixed costs outweigh what they save.
+  // A row's key count is the same as the lone decode row's at its position: the same path, the same bits.
+  auto row_tiles = [&](const AttnItem& it, int64_t r) {
+    const int64_t row = row_ptr[it.g] + r;
+    return amx && it.P + extra_ptr[row + 1] - extra_ptr[row] >= kTileKeys;
+  };
+  auto uniform_path = [&](const AttnItem& it) {
+    for (int64_t r = 1; r < it.R; ++r)
+      if (row_tiles(it, r) != row_tiles(it, 0)) return false;
+    return true;
+  };
   const bool phased = few && !amx && longest >= (most_rows > 2 ? kLongTreePrefix : kLongPrefix);
   for (int64_t i = 0; i < n_items; ++i) {
     const AttnItem& it = items[i];
@@ -969,8 +982,11 @@ void attention_impl(const T* Q, const T* Kc, const T* Vc, T* O, int64_t H, int64
       } else {
         value_tasks.push_back({i, 0, D, 0, NQ});
       }
-    } else if (amx) {  // tiles: a kv head's query rows (its query heads' rows together) in tasks of 16, one A tile each
-      for (int64_t t = 0; t < NQ; t += 16) value_tasks.push_back({i, 0, D, t, std::min<int64_t>(NQ, t + 16)});
+    } else if (amx && uniform_path(it) && row_tiles(it, 0)) {
+      // tiles: a kv head's query rows (its query heads' rows together) in tasks of 16, one A tile each
+      for (int64_t t = 0; t < NQ; t += 16) value_tasks.push_back({i, 0, D, t, std::min<int64_t>(NQ, t + 16), true});
+    } else if (amx && !uniform_path(it)) {  // rows on both sides of kTileKeys: one task a row, each on its own path
+      for (int64_t t = 0; t < NQ; ++t) value_tasks.push_back({i, 0, D, t, t + 1, row_tiles(it, t % it.R)});
     } else if (few || it.P < kLongPrefix || NQ * it.L > kScores) {  // one task per query head: its K/V stay in L2 for the next head
       for (int64_t hh = 0; hh < group; ++hh) value_tasks.push_back({i, 0, D, hh * it.R, (hh + 1) * it.R});
     } else {
@@ -989,7 +1005,7 @@ void attention_impl(const T* Q, const T* Kc, const T* Vc, T* O, int64_t H, int64
   // numerators in place; returns their sum
   auto extras_softmax = [&](const AttnItem& it, int64_t t, const float* q, float* s) {
     const int64_t row = row_ptr[it.g] + t % it.R, e0 = extra_ptr[row], ne = extra_ptr[row + 1] - e0;
-    all_rows_scores<ND>(1, q, D, Kc + it.kvh * D, stride, extra_slots + e0, ne, scale, s + it.P, 0);   // as the prefix keys are scored
+    row_scores<ND>(q, D, Kc + it.kvh * D, stride, extra_slots + e0, ne, scale, s + it.P);
     return softmax_numerators(s, it.P + ne);
   };
   // (tiles) the task's rows' extras' scores into s[P..) of each score row (it.L apart): each row
@@ -1037,7 +1053,7 @@ void attention_impl(const T* Q, const T* Kc, const T* Vc, T* O, int64_t H, int64
     const T* Vh = Vc + it.kvh * D + vt.off;
 #ifdef SPECFW_AMX_ATTENTION
     if constexpr (std::is_same<T, uint16_t>::value) {
-      if (amx_attends<T>(D)) {   // whole blocks of 32 prefix keys on tiles
+      if (vt.tiles) {   // whole blocks of 32 prefix keys on tiles
         const int64_t Pf = it.P / 32 * 32, m = std::min(j0 + n, Pf) - j0;
         if (m > 0) amx_values_rows(NT, p + j0, it.L, Vh, stride, pre + j0, m, int(vt.dims / 16), a, D);
         // the prefix's last partial block [Pf, P) in key order on vector FMAs, together for the rows
@@ -1082,7 +1098,7 @@ void attention_impl(const T* Q, const T* Kc, const T* Vc, T* O, int64_t H, int64
       bool done = false;
 #ifdef SPECFW_AMX_ATTENTION
       if constexpr (std::is_same<T, uint16_t>::value) {
-        if (amx_attends<T>(D)) {   // the row's tail after the shared whole blocks
+        if (vt.tiles) {   // the row's tail after the shared whole blocks
           // keys [Pf, Fr): whole blocks holding the row's own keys, on tiles; [Fr, Lr): the row's last
           // partial block, in key order on vector FMAs (a decode row's last block is partial there too)
           thread_local std::vector<int64_t> tail_tl;
@@ -1160,12 +1176,7 @@ void attention_impl(const T* Q, const T* Kc, const T* Vc, T* O, int64_t H, int64
         auto a = [&](const AttnItem& it) { return acc + (it.q0 + vt.t0) * D + vt.off; };
         for (int64_t kvh = 0; kvh < Hkv; ++kvh) zero(vt, a(items[vt.item + kvh]));
         const int64_t* pre = prefix_slots + prefix_ptr[items[vt.item].g];
-        if (amx) {   // tiles: each kv head's prefix in one pass (its accumulators stay in the tiles)
-          for (int64_t kvh = 0; kvh < Hkv && P; ++kvh) {
-            const AttnItem& it = items[vt.item + kvh];
-            values_block(it, AttnTask{vt.item + kvh, vt.off, vt.dims, vt.t0, vt.t1}, p(it), a(it), 0, P);
-          }
-        } else for (int64_t j0 = 0; j0 < P; j0 += kKeyBlock) {
+        for (int64_t j0 = 0; j0 < P; j0 += kKeyBlock) {
           if (j0 + kKeyBlock < P) prefetch_rows(Vc, stride, pre + j0 + kKeyBlock, std::min(P - j0 - kKeyBlock, kKeyBlock), int64_t(sizeof(T)) * stride);
           for (int64_t kvh = 0; kvh < Hkv; ++kvh) {
             const AttnItem& it = items[vt.item + kvh];
@@ -1199,9 +1210,9 @@ void attention_impl(const T* Q, const T* Kc, const T* Vc, T* O, int64_t H, int64
             prefetch_rows(Kc + it.kvh * D, stride, pre + j0 + kKeyBlock, std::min(it.P - j0 - kKeyBlock, kKeyBlock), head_bytes);
           else if (ahead)   // the last key block: the values' first block next
             prefetch_rows(Vc + it.kvh * D, stride, pre, std::min(it.P, kKeyBlock), head_bytes);
-          all_rows_scores<ND>(NT, q.data(), D, Kc + it.kvh * D, stride, pre + j0, std::min(it.P - j0, kKeyBlock), scale, s.data() + j0, it.L);
+          all_rows_scores<ND>(NT, q.data(), D, Kc + it.kvh * D, stride, pre + j0, std::min(it.P - j0, kKeyBlock), scale, s.data() + j0, it.L, vt.tiles);
         }
-        if (amx) {   // tiles: every row's extras scored in one pass over the union of the task's extra keys
+        if (vt.tiles) {   // tiles: every row's extras scored in one pass over the union of the task's extra keys
           extras_scores_union(it, vt, q.data(), s.data());
           for (int64_t t = 0; t < NT; ++t) {
             const int64_t row = row_ptr[it.g] + (vt.t0 + t) % it.R;
@@ -1211,7 +1222,7 @@ void attention_impl(const T* Q, const T* Kc, const T* Vc, T* O, int64_t H, int64
           for (int64_t t = 0; t < NT; ++t) sum[t] = extras_softmax(it, vt.t0 + t, q.data() + t * D, s.data() + t * it.L);
         }
         zero(vt, a.data());
-        if (amx) {   // tiles: the whole prefix in one pass (its accumulators stay in the tiles)
+        if (vt.tiles) {   // tiles: the whole prefix in one pass (its accumulators stay in the tiles)
           if (it.P) values_block(it, vt, s.data(), a.data(), 0, it.P);
         } else for (int64_t j0 = 0; j0 < it.P; j0 += kKeyBlock) {
           if (ahead && j0 + kKeyBlock < it.P) prefetch_rows(Vc + it.kvh * D, stride, pre + j0 + kKeyBlock, std::min(it.P - j0 - kKeyBlock, kKeyBlock), head_bytes);

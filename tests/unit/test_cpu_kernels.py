@@ -375,22 +375,23 @@ def test_long_prefixes_give_the_same_bits_however_the_work_is_split(isa, dtype, 
 
 @isas
 def test_bf16_rows_straddling_32_key_blocks_equal_lone_decode_rows(isa, amx_attention):
-    """bf16 attention on AMX tiles sums values in blocks of 32 keys at fixed positions of a row's key
-    list, a row's last partial block on vector FMAs: prefixes just below, at and above a multiple of
-    32, trees and chains whose rows end in the next block, a row with exactly 32 keys, 24 query
-    rows of one kv head (two tile groups), keys in consecutive slots (tiles loaded from the pool as
-    it lies) and scattered. Every row has a lone decode row's bits and the float64 reference's
-    values, in one batch of 9 requests (the vector path: the same checks)."""
+    """bf16 attention on AMX tiles (rows of 128 keys or more; shorter ones on vector FMAs) sums
+    values in blocks of 32 keys at fixed positions of a row's key list, a row's last partial block on
+    vector FMAs: prefixes just below, at and above a multiple of 32, trees and chains whose rows end
+    in the next block, a row with exactly 160 keys, 24 query rows of one kv head (two tile groups),
+    groups whose rows lie on both sides of 128 keys, short rows, keys in consecutive slots (tiles
+    loaded from the pool as it lies) and scattered. Every row has a lone decode row's bits and the
+    float64 reference's values, in one batch of 13 requests (the vector path: the same checks)."""
     from specfw.backends.kernel_attention import KernelAttentionPlan
 
     ops = _ops(isa)
     amx_attention(ops)
     g = torch.Generator().manual_seed(32)
-    S, H, Hkv, D = 3000, 9, 3, 64
+    S, H, Hkv, D = 4000, 9, 3, 64
     k_cache = torch.randn(S, Hkv, D, generator=g).bfloat16()
     v_cache = torch.randn(S, Hkv, D, generator=g).bfloat16()
-    perm = iter(torch.randperm(S - 1000, generator=g).split(1))
-    base = [S - 1000]
+    perm = iter(torch.randperm(S - 2000, generator=g).split(1))
+    base = [S - 2000]
 
     def slots(n, consecutive):
         if consecutive:
@@ -399,15 +400,20 @@ def test_bf16_rows_straddling_32_key_blocks_equal_lone_decode_rows(isa, amx_atte
         return torch.cat([next(perm) for _ in range(n)])
 
     spec = [
-        (1, 31, None, True),
-        (1, 32, None, False),
-        (1, 63, None, True),
-        (3, 30, _random_tree(3, g, chain=True), True),
-        (8, 62, _random_tree(8, g), False),
-        (12, 90, _random_tree(12, g, chain=True), True),
-        (8, 96, _random_tree(8, g), True),
-        (6, 200, _random_tree(6, g), False),
+        (1, 159, None, True),
+        (1, 160, None, False),
+        (1, 191, None, True),
+        (3, 158, _random_tree(3, g, chain=True), True),
+        (8, 190, _random_tree(8, g), False),
+        (12, 218, _random_tree(12, g, chain=True), True),
+        (8, 224, _random_tree(8, g), True),
+        (6, 300, _random_tree(6, g), False),
         (1, 0, None, True),
+        (1, 40, None, False),
+        # rows on both sides of 128 keys (tiles from there): the rows of one group on two paths
+        (8, 122, _random_tree(8, g), True),
+        (12, 118, _random_tree(12, g, chain=True), False),
+        (3, 60, _random_tree(3, g), True),
     ]
     spans, start = [], 0
     for q_len, prefix, mask, consecutive in spec:
