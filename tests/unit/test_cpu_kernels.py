@@ -221,6 +221,22 @@ def _reference(q, k_cache, v_cache, slots, scale):
     return torch.einsum("hk,khd->hd", s.softmax(-1), v)
 
 
+def _assert_rows_are_lone_decode_rows(ops, spans, q, out, k_cache, v_cache, scale, tol):
+    """Every row of ``spans`` (decode rows, trees after a prefix) in ``out`` has exactly the bits of
+    a lone decode row over the same visible keys, and the float64 reference's values within ``tol``."""
+    from specfw.backends.kernel_attention import KernelAttentionPlan
+
+    for s in spans:
+        n = int(s.kv_slots.numel())
+        tm = s.tree_mask if s.tree_mask is not None else torch.ones(1, 1, dtype=torch.bool)
+        for i in range(s.q_len):
+            visible = torch.cat([s.kv_slots[: n - s.q_len], s.kv_slots[n - s.q_len :][tm[i]]])
+            row = s.q_start + i
+            lone = KernelAttentionPlan(ops, [SeqSpan(0, 1, visible)])(q[row : row + 1], k_cache, v_cache, scale)
+            assert torch.equal(lone[0], out[row]), (s.q_len, s.prefix_len, i)
+            assert (out[row].double() - _reference(q[row], k_cache, v_cache, visible, scale)).abs().max() < tol
+
+
 def _random_tree(n: int, g: torch.Generator, chain: bool = False) -> torch.Tensor:
     """An ancestor mask [n, n] (node 0 the root, parents earlier, self included)."""
     mask = torch.eye(n, dtype=torch.bool)
@@ -363,14 +379,7 @@ def test_long_prefixes_give_the_same_bits_however_the_work_is_split(isa, dtype, 
     tol = 2e-5 if dtype == torch.float32 else 3e-2
     for s, out in zip(spans, alone):
         assert torch.equal(out, batch[s.q_start : s.q_start + s.q_len]), (s.q_len, s.prefix_len)
-        n = int(s.kv_slots.numel())
-        tm = s.tree_mask if s.tree_mask is not None else torch.ones(1, 1, dtype=torch.bool)
-        for i in range(s.q_len):
-            visible = torch.cat([s.kv_slots[: n - s.q_len], s.kv_slots[n - s.q_len :][tm[i]]])
-            row = s.q_start + i
-            lone = KernelAttentionPlan(ops, [SeqSpan(0, 1, visible)])(q[row : row + 1], k_cache, v_cache, scale)
-            assert torch.equal(lone[0], batch[row]), (s.q_len, i)
-            assert (batch[row].double() - _reference(q[row], k_cache, v_cache, visible, scale)).abs().max() < tol
+    _assert_rows_are_lone_decode_rows(ops, spans, q, batch, k_cache, v_cache, scale, tol)
 
 
 @isas
@@ -422,15 +431,7 @@ def test_bf16_rows_straddling_32_key_blocks_equal_lone_decode_rows(isa, amx_atte
     q = torch.randn(start, H, D, generator=g).bfloat16()
     scale = D**-0.5
     out = KernelAttentionPlan(ops, spans)(q, k_cache, v_cache, scale)
-    for s in spans:
-        n = int(s.kv_slots.numel())
-        tm = s.tree_mask if s.tree_mask is not None else torch.ones(1, 1, dtype=torch.bool)
-        for i in range(s.q_len):
-            visible = torch.cat([s.kv_slots[: n - s.q_len], s.kv_slots[n - s.q_len :][tm[i]]])
-            row = s.q_start + i
-            lone = KernelAttentionPlan(ops, [SeqSpan(0, 1, visible)])(q[row : row + 1], k_cache, v_cache, scale)
-            assert torch.equal(lone[0], out[row]), (s.q_len, s.prefix_len, i)
-            assert (out[row].double() - _reference(q[row], k_cache, v_cache, visible, scale)).abs().max() < 3e-2
+    _assert_rows_are_lone_decode_rows(ops, spans, q, out, k_cache, v_cache, scale, 3e-2)
 
 
 @isas
