@@ -1020,6 +1020,10 @@ void attention_impl(const T* Q, const T* Kc, const T* Vc, T* O, int64_t H, int64
       thread_local int64_t stamp_tl = 0;
       auto &uni = uni_tl, &where = where_tl, &pick = pick_tl;
       auto &us = us_tl;
+      if (stamp_tl == INT32_MAX) {   // stamps never wrap into an old entry's (a long-running server)
+        std::fill(where.begin(), where.end(), 0);
+        stamp_tl = 0;
+      }
       const int64_t stamp = ++stamp_tl, NT = vt.t1 - vt.t0;
       uni.clear();
       pick.clear();
