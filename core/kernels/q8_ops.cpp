@@ -25,7 +25,8 @@
 // the portable build with scalar loops), so the builds agree bit for bit, and no result depends
 // on how many rows a call has, how they are tiled or which thread ran them.
 //
-// Rows run in tiles of up to 4 over each group's codes (expanded in registers once per tile):
+// Rows run in tiles of up to 4 over each group's codes (AVX2: over two groups' 4-bit codes at
+// once in calls of 8+ rows; expanded in registers once per tile):
 // a tree of 16 rows reads the weights from memory once. 4-bit products are summed in int16 over a
 // block (8 x 15 x 127 x 2 < 32768: exact), 8-bit ones via |w| and sign(x, w) in int32.
 //
@@ -66,9 +67,13 @@ constexpr int64_t kG = 8;   // outputs per group
 #if defined(SPECFW_Q8_VNNI)
 constexpr int64_t kSpan = 2;  // groups per work item: one zmm holds two groups' 8 outputs
 constexpr int kTile = 8;      // rows per register tile (32 zmm registers)
+#elif defined(SPECFW_Q8_SIMD)
+constexpr int64_t kSpan = 2;  // groups per work item: 4-bit codes run both groups in one tile (tile2)
+constexpr int kTile = 4;      // rows per register tile (16 ymm registers)
+constexpr int64_t kPairRows = 8;
 #else
 constexpr int64_t kSpan = 1;
-constexpr int kTile = 4;      // rows per register tile (16 ymm registers)
+constexpr int kTile = 4;
 #endif
 constexpr int64_t kAhead = 8;  // blocks of codes prefetched ahead (a prefetch past the end is harmless)
 // the VNNI tile's: 96 blocks ahead into L2, 12 KB of 4-bit codes per group (several DRAM latencies
@@ -163,6 +168,7 @@ struct Span {
   int groups;            // 1..kSpan
   Scales d, m;           // the first group's scales; the next group's lie KB * 8 on
   int bits;
+  bool pair = false;     // AVX2, 4-bit codes: both groups in one tile (tile_two; calls of kPairRows+ rows)
 };
 
 #if defined(SPECFW_Q8_VNNI)
@@ -243,9 +249,9 @@ inline __m256i bcast4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
-// R rows (r0..r0+R-1) x one group of 8 outputs -> out [R, 8]
+// R rows (r0..r0+R-1) x the span's first group of 8 outputs -> out [R, 8] (rows kSpan * 8 apart)
 template <int R>
-void tile(const Span& sp, const Rows& x, int64_t r0, float* out) {
+void tile_one(const Span& sp, const Rows& x, int64_t r0, float* out) {
   const uint8_t* codes = sp.codes;
   const int bits = sp.bits;
   const Scales &d = sp.d, &m = sp.m;
@@ -299,7 +305,79 @@ void tile(const Span& sp, const Rows& x, int64_t r0, float* out) {
       if (m) acc[r] = _mm256_fmadd_ps(m.load8(b * kG), _mm256_set1_ps(x.sx[(r0 + r) * x.KB + b]), acc[r]);
     }
   }
-  for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * kG, acc[r]);
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * kSpan * kG, acc[r]);
+}
+
+// R rows x two groups of 4-bit codes -> out [R, 16]: each row's codes broadcast once serve both
+// groups' outputs. One group per tile runs ~40 instructions per 256 multiply-adds of a row (unpack,
+// broadcast, vpmaddubsw, vpaddw, the block's scale step), ~4 a cycle: instruction-bound at
+// ~65 GMAC/s a core where vpmaddubsw alone would allow ~190. Two groups: 1.15-1.18x faster with
+// the codes in cache at 1-16 rows, 1.08x from DRAM at 8-16 rows, but 0.84-0.96x from DRAM at 1-4
+// rows (two streams of codes a thread instead of one), so only calls of kPairRows rows or more
+// take it (the demo's 121 linears, AMD EPYC Zen 3, session 41). The same integer sums and fp32
+// steps per output as tile_one: the same bits.
+template <int R>
+void tile_two(const Span& sp, const Rows& x, int64_t r0, float* out) {
+  const uint8_t *c0 = sp.codes, *c1 = sp.codes + sp.per_group;
+  const Scales &d = sp.d, &m = sp.m;
+  const int64_t snext = x.KB * kG;
+  const __m256i ones = _mm256_set1_epi16(1), mask = _mm256_set1_epi8(0x0F);
+  __m256 acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+  for (int64_t b = 0; b < x.KB; ++b) {
+    if (r0 == 0) {  // the first tile streams both groups' codes: fetch ahead
+      for (const uint8_t* c : {c0, c1}) {
+        _mm_prefetch(reinterpret_cast<const char*>(c + (b + kAhead) * 128), _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(c + (b + kAhead) * 128 + 64), _MM_HINT_T0);
+      }
+      for (int g = 0; g < 2; ++g) {
+        _mm_prefetch(d.addr(g * snext + (b + kAhead) * kG), _MM_HINT_T0);
+        if (m) _mm_prefetch(m.addr(g * snext + (b + kAhead) * kG), _MM_HINT_T0);
+      }
+    }
+    __m256i s0[R], s1[R];
+    for (int r = 0; r < R; ++r) s0[r] = s1[r] = _mm256_setzero_si256();
+#pragma GCC unroll 1
+    for (int p = 0; p < 4; ++p) {  // low nibbles of both groups, then high ones: 13 registers live at R = 4
+      const __m256i* v0 = reinterpret_cast<const __m256i*>(c0 + b * 128 + p * 32);
+      const __m256i* v1 = reinterpret_cast<const __m256i*>(c1 + b * 128 + p * 32);
+      for (int half = 0; half < 2; ++half) {
+        const __m256i w0 = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256(v0), 4 * half), mask);
+        const __m256i w1 = _mm256_and_si256(_mm256_srli_epi16(_mm256_loadu_si256(v1), 4 * half), mask);
+        for (int r = 0; r < R; ++r) {
+          const __m256i xq = bcast4(x.q + (r0 + r) * x.K + b * kQ + p * 8 + 4 * half);
+          s0[r] = _mm256_add_epi16(s0[r], _mm256_maddubs_epi16(w0, xq));
+          s1[r] = _mm256_add_epi16(s1[r], _mm256_maddubs_epi16(w1, xq));
+        }
+      }
+    }
+    const __m256 d0 = d.load8(b * kG), d1 = d.load8(snext + b * kG);
+    for (int r = 0; r < R; ++r) {
+      const __m256 dxr = _mm256_set1_ps(x.dx[(r0 + r) * x.KB + b]);
+      acc[r][0] = _mm256_fmadd_ps(_mm256_mul_ps(d0, dxr), _mm256_cvtepi32_ps(_mm256_madd_epi16(s0[r], ones)), acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(_mm256_mul_ps(d1, dxr), _mm256_cvtepi32_ps(_mm256_madd_epi16(s1[r], ones)), acc[r][1]);
+      if (m) {
+        const __m256 sxr = _mm256_set1_ps(x.sx[(r0 + r) * x.KB + b]);
+        acc[r][0] = _mm256_fmadd_ps(m.load8(b * kG), sxr, acc[r][0]);
+        acc[r][1] = _mm256_fmadd_ps(m.load8(snext + b * kG), sxr, acc[r][1]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(out + r * kSpan * kG, acc[r][0]);
+    _mm256_storeu_ps(out + r * kSpan * kG + kG, acc[r][1]);
+  }
+}
+
+// R rows x the span's groups -> out [R, 16] (columns of a missing second group: untouched)
+template <int R>
+void tile(const Span& sp, const Rows& x, int64_t r0, float* out) {
+  if (sp.pair && sp.bits == 4 && sp.groups == 2) return tile_two<R>(sp, x, r0, out);
+  tile_one<R>(sp, x, r0, out);
+  if (sp.groups == 2) {
+    const int64_t snext = x.KB * kG;
+    tile_one<R>(Span{sp.codes + sp.per_group, sp.per_group, 1, sp.d.at(snext), sp.m.at(snext), sp.bits}, x, r0, out + kG);
+  }
 }
 #else
 // the weight code of (output o, input j of block b)
@@ -594,11 +672,16 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torc
   }
 #endif
   const int64_t tiles = (M + kTile - 1) / kTile, base = M / tiles, extra = M % tiles;
+#if defined(SPECFW_Q8_SIMD) && !defined(SPECFW_Q8_VNNI)
+  const bool pair = M >= kPairRows;
+#else
+  const bool pair = false;
+#endif
   at::parallel_for(0, NS, 1, [&](int64_t s0, int64_t s1) {
     float out[kTile * kSpan * kG];
     for (int64_t s = s0; s < s1; ++s) {
       const int64_t g = s * kSpan, n0 = g * kG;
-      const Span sp{C + g * per_group, per_group, int(std::min<int64_t>(kSpan, NG - g)), D.at(g * KB * kG), Mn.at(g * KB * kG), int(bits)};
+      const Span sp{C + g * per_group, per_group, int(std::min<int64_t>(kSpan, NG - g)), D.at(g * KB * kG), Mn.at(g * KB * kG), int(bits), pair};
       const int64_t nv = std::min<int64_t>(sp.groups * kG, N - n0);
       int64_t r0 = 0;
       for (int64_t t = 0; t < tiles; ++t) {

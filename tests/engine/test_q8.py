@@ -244,9 +244,10 @@ def test_amx_build_where_the_cpu_has_amx_int8():
 
 @pytest.mark.parametrize("isa", Q8_ISAS)
 @pytest.mark.parametrize("kind", ["q4_1", "q8"])
-@pytest.mark.parametrize("rows", [9, 15, 16, 21])
+@pytest.mark.parametrize("rows", [7, 8, 9, 15, 16, 21])
 def test_tree_sized_calls_equal_the_portable_build(isa, kind, rows):
-    """Calls of 9-21 rows (a verify forward's tree; the amx build's tiles from 16), with an odd
+    """Calls of 7-21 rows (a verify forward's tree; the avx2 build's two-group tiles from 8, the
+    amx build's tiles from 16), with an odd
     number of blocks and a last span of one group of 8 outputs: each row's bits are the portable
     build's, and a row alone gives the same bits."""
     ops, portable = _ops(isa), _ops("portable")
