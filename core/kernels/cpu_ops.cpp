@@ -293,9 +293,10 @@ bool g_spread_prefetch = W == 16;
 
 void set_spread_prefetch(bool on) { g_spread_prefetch = on && W == 16; }
 bool spread_prefetch() { return g_spread_prefetch; }
-// Multi-row calls prefetch the next work item from this many rows. AVX2: from 3 (the demo's 120
-// layer linears from DRAM, 3 rows 1.04-1.12x, 4 rows 1.05-1.11x faster than from 5, 1-2 and 6-16
-// rows unchanged; AMD EPYC Zen 3, session 41); AVX-512 (one tile up to 8 rows) as measured before.
+// Multi-row calls prefetch the next work item from this many rows. 8-lane builds (AVX2, portable):
+// from 3 (the demo's 120 layer linears from DRAM on AVX2, 3 rows 1.04-1.12x, 4 rows 1.05-1.11x
+// faster than from 5, 1-2 and 6-16 rows unchanged; AMD EPYC Zen 3, session 41); AVX-512 (one tile
+// up to 8 rows) as measured before.
 constexpr int64_t kPrefetchRows = W == 16 ? 5 : 3;
 constexpr int64_t kChunk = 64;   // k per pass: 4-8 KB of weight stay in L1 for every row tile (-7% at 8-12 rows)
 

@@ -314,7 +314,7 @@ void tile_one(const Span& sp, const Rows& x, int64_t r0, float* out) {
 // ~65 GMAC/s a core where vpmaddubsw alone would allow ~190. Two groups: 1.15-1.18x faster with
 // the codes in cache at 1-16 rows, 1.08x from DRAM at 8-16 rows, but 0.84-0.96x from DRAM at 1-4
 // rows (two streams of codes a thread instead of one), so only calls of kPairRows rows or more
-// take it (the demo's 121 linears, AMD EPYC Zen 3, session 41). The same integer sums and fp32
+// take it (the demo's 120 layer linears, AMD EPYC Zen 3, session 41). The same integer sums and fp32
 // steps per output as tile_one: the same bits.
 template <int R>
 void tile_two(const Span& sp, const Rows& x, int64_t r0, float* out) {
