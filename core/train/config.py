@@ -73,7 +73,7 @@ class TrainConfig:
     max_minutes: Optional[float] = None       # stop (and save) after this much wall time
     target_dtype: DType = DType.bfloat16      # teacher-forced target forward dtype
     save_dtype: DType = DType.bfloat16        # dtype of the exported draft
-    autocast_bf16: bool = True                # bf16 autocast for the draft's forward/backward (AMX on CPU)
+    autocast_bf16: Optional[bool] = None      # bf16 autocast for the draft's forward/backward; null: on where bf16 matmuls are native (CUDA, CPUs with AVX512-BF16 or AMX)
     num_threads: Optional[int] = None
     device: str = "auto"                      # auto | cpu | cuda[:N]: where the target and the draft train
     seed: int = 0

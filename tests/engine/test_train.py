@@ -62,6 +62,24 @@ def test_resume_plot_and_export(tiny_model_dir, tmp_path):
     assert spec.generate([[5, 6, 7]], params)[0].token_ids == plain.token_ids
 
 
+def test_bf16_autocast_defaults_to_where_bf16_matmuls_are_native(monkeypatch):
+    """autocast_bf16=null: on for CUDA and for CPUs with AVX512-BF16, off on other CPUs (oneDNN
+    emulates bf16 there); an explicit true/false wins everywhere."""
+    import torch
+    from omegaconf import OmegaConf
+    import specfw.kernels as kernels
+    from specfw.train.loop import autocast_bf16
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    for native in (True, False):
+        monkeypatch.setattr(kernels, "cpu_has_avx512_bf16", lambda native=native: native)
+        auto = OmegaConf.create({"autocast_bf16": None})
+        assert autocast_bf16(auto, cpu) is native and autocast_bf16(auto, cuda) is True
+        for explicit in (True, False):
+            cfg = OmegaConf.create({"autocast_bf16": explicit})
+            assert autocast_bf16(cfg, cpu) is explicit and autocast_bf16(cfg, cuda) is explicit
+
+
 def test_bad_train_config_names_key(tmp_path):
     r = subprocess.run([str(BIN / "specfw"), "train", "draft=eagle3", "draft.ttt_steps=0"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "draft.ttt_steps" in r.stderr
