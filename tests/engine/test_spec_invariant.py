@@ -161,7 +161,15 @@ def tp_plain_reference(tiny_model_dir, prompts):
         return [o.token_ids for o in eng.generate(prompts, GREEDY)]
 
 
-@pytest.mark.parametrize("name", sorted(plugin_manager().algorithms))
+def _algorithms(slow: tuple[str, ...]) -> list:
+    """Every registered algorithm, those in ``slow`` marked slow (out of the default run; ``-m slow``
+    runs them): for kernel- and rank-level variants whose path another algorithm of the default run
+    already takes."""
+    return [pytest.param(n, marks=pytest.mark.slow) if n in slow else n for n in sorted(plugin_manager().algorithms)]
+
+
+# eagle's head calls the target's vocabulary-parallel embedding and lm_head as mtp's does: mtp covers it
+@pytest.mark.parametrize("name", _algorithms(slow=("eagle",)))
 def test_greedy_speculative_equals_plain_tensor_parallel(name, tiny_model_dir, tiny_draft_dir, tiny_eagle_drafts, prompts, tp_plain_reference):
     """Under model.tp_size=2 (two ranks over gloo): the drafter runs on rank 0 beside the sharded
     target (EAGLE/MTP heads call the target's vocabulary-parallel embedding and lm_head on both
@@ -213,7 +221,8 @@ def triton_plain_reference(tiny_model_dir, prompts):
     return [o.token_ids for o in eng.generate(prompts[:2], TRITON_GREEDY)]
 
 
-@pytest.mark.parametrize("name", sorted(plugin_manager().algorithms))
+# eagle and mtp attend through eagle3's FeatureDrafter path (as in the static-graph test below)
+@pytest.mark.parametrize("name", _algorithms(slow=("eagle", "mtp")))
 def test_greedy_speculative_equals_plain_triton_attention(name, tiny_model_dir, tiny_draft_dir, tiny_eagle_drafts, prompts, triton_plain_reference):
     """Every forward's attention (target and draft) on specfw's Triton kernel: greedy speculative
     == plain greedy with the same kernel, batch 1 and 2, a tree shape with topk > 1 where the
