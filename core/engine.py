@@ -23,7 +23,7 @@ from .graphs import graph_rows
 from .detokenizer import IncrementalDetokenizer
 from .device import kv_budget_from_fraction, resolve_device
 from .kv_cache import KVPool
-from .model_loader import DTYPES, load_model
+from .model_loader import DTYPES, check_remote_code, load_config, load_model, resolve_model_path
 from .model_runner import PLAIN_BATCH_ROWS, ModelRunner
 from .prefix_cache import PrefixCache
 from .overlap import OverlapScheduler, chain_for_overlap, check_overlap, overlap_requested
@@ -97,6 +97,16 @@ def load_target(cfg, device: torch.device):
     )
 
 
+def target_config(cfg):
+    """The target's transformers config as ``load_target`` reads it, without its weights (a GGUF
+    source is converted here on first use, so later loads, of every rank, find it in the cache)."""
+    load_format = str(getattr(cfg.model, "load_format", "auto"))
+    trust = bool(getattr(cfg.model, "trust_remote_code", False))
+    path = resolve_model_path(cfg.model.path, cfg.model.revision, "auto" if load_format == "dummy" else load_format)
+    check_remote_code(path, trust)
+    return load_config(path, trust)
+
+
 class Engine:
     def __init__(self, cfg, worker_factory=None):
         """``cfg``: a SpecfwConfig (OmegaConf or dataclass). ``worker_factory(engine)`` builds the
@@ -107,7 +117,16 @@ class Engine:
             torch.set_num_threads(cfg.engine.num_threads)
         dtype = str(getattr(cfg.model.dtype, "value", cfg.model.dtype))
         self.device = resolve_device(str(getattr(cfg.model, "device", "auto")))
-        loaded = load_target(cfg, self.device)
+        self.tp = None
+        if tp_size(cfg) > 1:  # the other ranks start first: they load, shard and wait for "init" while this one loads (core/tp)
+            partition(target_config(cfg), 0, tp_size(cfg))  # a model that cannot be split fails before any rank starts
+            self.tp = start_leader(cfg, self.device)
+        try:
+            loaded = load_target(cfg, self.device)
+        except BaseException:
+            if self.tp is not None:
+                self.tp.stop()  # the ranks end once they have loaded (or failed to)
+            raise
         self.loaded, self.tokenizer, self.model_path = loaded, loaded.tokenizer, loaded.path
         self.dtype = DTYPES[dtype]
         self.tree_shape = speculative_tree_shape(cfg, loaded.hf_config)
@@ -119,10 +138,7 @@ class Engine:
         num_slots = cfg.engine.max_total_tokens or KVPool.slots_for_budget(
             _kv_bytes(cfg.engine, self.device), loaded.model.num_layers, layer0.n_kv, layer0.head_dim, self.dtype
         )
-        self.tp = None
-        if tp_size(cfg) > 1:  # the other ranks load, shard and wait for "init" (core/tp)
-            partition(loaded.hf_config, 0, tp_size(cfg))  # a model that cannot be split fails before any rank starts
-            self.tp = start_leader(cfg, self.device)
+        if self.tp is not None:
             shard_model(loaded.model, loaded.hf_config, self.tp)
             self.tp.send("init", num_slots, dtype, (1, typical_rows))
         self.backend = backend_from_config(cfg.engine, self.device, cfg)

@@ -72,6 +72,36 @@ def test_a_model_that_cannot_be_split_fails_naming_the_key(tiny_model_dir):
         validate(make_cfg(model_tp_backend="mpi"))
 
 
+def _rank_processes() -> list[int]:
+    """Pids of this process's children running ``python -m specfw.tp``."""
+    import os
+    from pathlib import Path
+
+    pids = []
+    for d in Path("/proc").iterdir():
+        try:
+            if d.name.isdigit() and (d / "stat").read_text().split()[3] == str(os.getpid()) and b"specfw.tp" in (d / "cmdline").read_bytes():
+                pids.append(int(d.name))
+        except (OSError, IndexError):
+            pass
+    return pids
+
+
+def test_a_leader_that_fails_to_load_leaves_no_rank_behind(tiny_model_dir, monkeypatch):
+    """The ranks start before the leader loads its weights (they load at the same time): when the
+    leader's load fails, its error is raised and the ranks, which loaded and wait for "init", are
+    stopped (without that they would wait for ever)."""
+    import specfw.engine as engine
+
+    def unreadable(cfg, device):
+        raise OSError("weights unreadable")
+
+    monkeypatch.setattr(engine, "load_target", unreadable)  # this process only: the ranks load as usual
+    with pytest.raises(OSError, match="weights unreadable"):
+        engine.Engine(make_cfg(model_path=str(tiny_model_dir), model_tp_size=2, max_total_tokens=4096))
+    assert _rank_processes() == []
+
+
 def test_torchrun_launches_the_ranks(tiny_model_dir):
     """``torchrun --nproc-per-node 2 -m specfw.cli generate model.tp_size=2``: rank 0 generates,
     rank 1 follows; the text equals the one-rank engine's."""
