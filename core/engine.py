@@ -23,7 +23,7 @@ from .graphs import graph_rows
 from .detokenizer import IncrementalDetokenizer
 from .device import kv_budget_from_fraction, resolve_device
 from .kv_cache import KVPool
-from .model_loader import DTYPES, check_remote_code, load_config, load_model, resolve_model_path
+from .model_loader import DTYPES, load_model, model_config
 from .model_runner import PLAIN_BATCH_ROWS, ModelRunner
 from .prefix_cache import PrefixCache
 from .overlap import OverlapScheduler, chain_for_overlap, check_overlap, overlap_requested
@@ -98,13 +98,9 @@ def load_target(cfg, device: torch.device):
 
 
 def target_config(cfg):
-    """The target's transformers config as ``load_target`` reads it, without its weights (a GGUF
-    source is converted here on first use, so later loads, of every rank, find it in the cache)."""
+    """The target's transformers config as ``load_target`` reads it, without its weights."""
     load_format = str(getattr(cfg.model, "load_format", "auto"))
-    trust = bool(getattr(cfg.model, "trust_remote_code", False))
-    path = resolve_model_path(cfg.model.path, cfg.model.revision, "auto" if load_format == "dummy" else load_format)
-    check_remote_code(path, trust)
-    return load_config(path, trust)
+    return model_config(cfg.model.path, cfg.model.revision, load_format, bool(getattr(cfg.model, "trust_remote_code", False)))[1]
 
 
 class Engine:

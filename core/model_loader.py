@@ -242,6 +242,14 @@ def load_tokenizer(path: Path, trust_remote_code: bool = False):
     return tok
 
 
+def model_config(ref: str | None, revision: str | None = None, load_format: str = "auto", trust_remote_code: bool = False):
+    """The model's directory and transformers config, without its weights (a GGUF source is
+    converted on first use, so later loads find it in the cache)."""
+    path = resolve_model_path(ref, revision, "auto" if load_format == "dummy" else load_format)
+    check_remote_code(path, trust_remote_code)
+    return path, load_config(path, trust_remote_code)
+
+
 def load_model(
     ref: str | None,
     dtype: str = "float32",
@@ -266,9 +274,7 @@ def load_model(
         raise ModelLoadError("model.quantization: 'gguf' reads the GGUF file's blocks; it cannot run with model.load_format=dummy (no weight file is read)")
     if load_format == "dummy" and ref not in (None, "", "demo") and Path(os.path.expanduser(ref)).suffix == ".gguf":
         raise ModelLoadError(f"{format_key}: 'dummy' needs a model directory with config.json, not the GGUF file {ref}")
-    path = resolve_model_path(ref, revision, "auto" if load_format == "dummy" else load_format)
-    check_remote_code(path, trust_remote_code)
-    cfg = load_config(path, trust_remote_code)
+    path, cfg = model_config(ref, revision, load_format, trust_remote_code)
     archs = set(getattr(cfg, "architectures", None) or ["LlamaForCausalLM"])
     if not archs & SUPPORTED_ARCHS:
         raise ModelLoadError(f"model architecture {sorted(archs)} is not supported; supported: {sorted(SUPPORTED_ARCHS)}")
