@@ -10,6 +10,7 @@ import importlib.util
 import json
 import logging
 import os
+from contextlib import contextmanager
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -40,14 +41,42 @@ def demo_gguf_path() -> Path:
 def demo_model_dir(root: str | os.PathLike | None = None) -> Path:
     """Return the cached safetensors directory of the demo model, converting it on first use."""
     out = Path(root) if root else cache_dir() / "models" / DEMO_MODEL_NAME
-    if (out / "specfw_converted.json").exists():
+    if is_converted(out):
         return out
     convert_gguf(demo_gguf_path(), out, eos_token=DEMO_EOS)
     return out
 
 
+def is_converted(out: Path) -> bool:
+    return (out / "specfw_converted.json").exists()
+
+
+@contextmanager
+def _converting(out: Path):
+    """Hold an OS file lock (``flock``, released however the process ends) on ``<out>.lock``:
+    processes that convert the same checkpoint at once (test workers, a server and a bench
+    started together) do it one at a time, and the later ones find it done."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_name(out.name + ".lock"), "w") as handle:
+        try:
+            import fcntl
+
+            fcntl.flock(handle, fcntl.LOCK_EX)
+        except ImportError:  # not POSIX: unlocked, as before
+            pass
+        yield
+
+
 def convert_gguf(gguf: Path, out: Path, eos_token: str | None = None) -> Path:
-    """Dequantise a GGUF checkpoint to float32 safetensors + tokenizer in ``out``."""
+    """Dequantise a GGUF checkpoint to float32 safetensors + tokenizer in ``out`` (once: a
+    conversion another process finished while this one waited for the lock is kept)."""
+    with _converting(out):
+        if is_converted(out):
+            return out
+        return _convert(gguf, out, eos_token)
+
+
+def _convert(gguf: Path, out: Path, eos_token: str | None) -> Path:
     import torch
     from tqdm import tqdm
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -118,11 +118,16 @@ class Engine:
             partition(target_config(cfg), 0, tp_size(cfg))  # a model that cannot be split fails before any rank starts
             self.tp = start_leader(cfg, self.device)
         try:
-            loaded = load_target(cfg, self.device)
+            self._build(cfg, dtype, worker_factory)
         except BaseException:
             if self.tp is not None:
-                self.tp.stop()  # the ranks end once they have loaded (or failed to)
+                self.tp.stop()  # the ranks end once they have loaded or set up (or failed to): none waits for ever
             raise
+
+    def _build(self, cfg, dtype: str, worker_factory) -> None:
+        """Everything after the ranks start: the target, the kernels, the runner, the worker, the
+        scheduler."""
+        loaded = load_target(cfg, self.device)
         self.loaded, self.tokenizer, self.model_path = loaded, loaded.tokenizer, loaded.path
         self.dtype = DTYPES[dtype]
         self.tree_shape = speculative_tree_shape(cfg, loaded.hf_config)

@@ -1,11 +1,19 @@
+import fcntl
+import json
 import os
+from pathlib import Path
 
 import pytest
 
 import specfw  # noqa: F401  (sets MKL_CBWR before anything starts MKL)
 import torch
 
-torch.set_num_threads(int(os.environ.get("SPECFW_TEST_THREADS", "2")))
+# Under pytest-xdist (`-n 2`: two workers on the 2-core machines) each worker and every process it
+# starts (servers, CLIs, tensor-parallel ranks) computes on one thread: two workers of two OpenMP
+# threads each on two cores would preempt each other's spinning threads inside every parallel loop
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ.get("SPECFW_TEST_THREADS", "1" if os.environ.get("PYTEST_XDIST_WORKER") else "2")))
 # Triton kernels run under Triton's interpreter on CPU tensors where there is no GPU (read when a
 # kernel module is imported: set before any test imports one)
 if not torch.cuda.is_available():
@@ -36,13 +44,35 @@ def demo_engine():
     return Engine(make_cfg(max_running_requests=8, max_total_tokens=8192))
 
 
+def built_once(tmp_path_factory, name: str, build):
+    """``build(directory)`` run once per test run for every pytest-xdist worker (each worker has
+    its own session): the first worker to get here builds under an OS file lock in the run's shared
+    temporary directory, the others wait and read what it wrote (``build``'s JSON-able result).
+    The build computes on every core: a worker that waits for it leaves its core idle."""
+    base = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        base = base.parent  # the run's directory, above every worker's own
+    out, result = base / name, base / f"{name}.json"
+    with open(base / f"{name}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not result.exists():
+            out.mkdir(exist_ok=True)
+            threads = torch.get_num_threads()
+            torch.set_num_threads(max(threads, min(2, os.cpu_count() or 1)))
+            try:
+                result.write_text(json.dumps(build(out)))
+            finally:
+                torch.set_num_threads(threads)
+        return json.loads(result.read_text())
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory, demo_dir):
     """A 2-layer random Llama with the demo tokenizer (fast unit tests): the plugin test kit's
     ``specfw.testing.tiny_model``, seed 0."""
     from specfw.testing import tiny_model
 
-    return tiny_model(tmp_path_factory.mktemp("tiny-llama"), seed=0)
+    return Path(built_once(tmp_path_factory, "tiny-llama", lambda out: str(tiny_model(out, seed=0))))
 
 
 TINY_DRAFT_CHATS = ["Count to ten.", "Name a color.", "What is two plus two?"]
@@ -72,13 +102,17 @@ def tiny_draft_dir(tiny_model_dir, tmp_path_factory):
 @pytest.fixture(scope="session")
 def tiny_eagle_drafts(tiny_model_dir, tmp_path_factory):
     """EAGLE and EAGLE-3 heads and a NextN (MTP) layer for the tiny target, trained on-policy with
-    `specfw train` on TINY_DRAFT_CHATS, once per test run (shared by every test that needs a draft)."""
-    import json
+    `specfw train` on TINY_DRAFT_CHATS, once per test run (shared by every test and worker that
+    needs a draft)."""
+    paths = built_once(tmp_path_factory, "tiny-eagle", lambda root: {k: str(v) for k, v in _train_tiny_drafts(tiny_model_dir, root).items()})
+    return {k: Path(v) for k, v in paths.items()}
+
+
+def _train_tiny_drafts(tiny_model_dir, root: Path) -> dict:
     from hydra import compose, initialize_config_module
     from specfw.config_store import register_configs
     from specfw.train.run import run_training
 
-    root = tmp_path_factory.mktemp("tiny-eagle")
     (root / "prompts.jsonl").write_text("\n".join(json.dumps({"prompt": p}) for p in TINY_DRAFT_CHATS))
     register_configs()
     out = {}

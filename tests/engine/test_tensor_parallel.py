@@ -102,6 +102,19 @@ def test_a_leader_that_fails_to_load_leaves_no_rank_behind(tiny_model_dir, monke
     assert _rank_processes() == []
 
 
+def test_a_leader_that_fails_after_the_ranks_set_up_leaves_no_rank_behind(tiny_model_dir):
+    """A failure later in the leader's start (here its worker: the ranks have their KV pools and
+    wait for the first forward) stops the ranks too."""
+    from specfw.engine import Engine
+
+    def broken_worker(engine):
+        raise RuntimeError("worker failed")
+
+    with pytest.raises(RuntimeError, match="worker failed"):
+        Engine(make_cfg(model_path=str(tiny_model_dir), model_tp_size=2, max_total_tokens=4096), worker_factory=broken_worker)
+    assert _rank_processes() == []
+
+
 def test_torchrun_launches_the_ranks(tiny_model_dir):
     """``torchrun --nproc-per-node 2 -m specfw.cli generate model.tp_size=2``: rank 0 generates,
     rank 1 follows; the text equals the one-rank engine's."""
