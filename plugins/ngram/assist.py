@@ -8,62 +8,25 @@ repeats itself). The chain is the most recent continuation of the longest matchi
 calibrated online, so that the draft policy can weigh them against the drafter's cumulative
 log-probabilities: after each step the chain is compared with the tokens the target produced
 (the accepted tokens and the bonus token, which are the target's own), and depth d scores
-``sum_{j <= d} log P(token j right | tokens before it right)``, each factor a Beta(1, 1)
-posterior mean of those counts. The counts are kept per length of the matched context suffix
-(1, 2, 3-4, 5-8, 9+ tokens): a continuation of a long match is a quote, one of a single token a
-guess, and the drafter's own candidates should win over the guess.
+``sum_{j <= d} log P(token j right | tokens before it right)`` (``calibration.py``, per length of
+the matched context suffix): the drafter's own candidates should win over a guess.
 """
 
 from __future__ import annotations
-
-import math
 
 import torch
 
 from specfw.sdk import DraftCandidates, hookimpl
 
 from .cache import NgramCache
+from .calibration import BUCKETS, DepthCalibration, window_bucket
 from .config import NgramConfig
-
-
-class DepthCalibration:
-    """P(the chain's token at depth d is the target's | the tokens before it were), counted per depth."""
-
-    def __init__(self):
-        self.tried: list[int] = []
-        self.right: list[int] = []
-
-    def observe(self, chain: list[int], produced: list[int]) -> None:
-        """``chain``: the tokens proposed; ``produced``: the tokens the target produced at the same
-        positions (only as many as it produced can be judged)."""
-        for d, (c, p) in enumerate(zip(chain, produced)):
-            if d == len(self.tried):
-                self.tried.append(0)
-                self.right.append(0)
-            self.tried[d] += 1
-            if c != p:
-                return
-            self.right[d] += 1
-
-    def log_probs(self, n: int) -> list[float]:
-        """Cumulative log-probabilities of the first ``n`` depths."""
-        out, total = [], 0.0
-        for d in range(n):
-            tried, right = (self.tried[d], self.right[d]) if d < len(self.tried) else (0, 0)
-            total += math.log((right + 1) / (tried + 2))
-            out.append(total)
-        return out
-
-
-def window_bucket(window: int) -> int:
-    """The calibration bucket of a matched suffix of ``window`` tokens: 1, 2, 3-4, 5-8, 9+."""
-    return min(4, max(0, (window - 1).bit_length()))
 
 
 class NgramAssist:
     def __init__(self, ctx):
         self.cache = NgramCache(NgramConfig())  # SGLang's NGRAM defaults: windows 1..12, branch length 18
-        self.calibration = [DepthCalibration() for _ in range(5)]  # per window_bucket
+        self.calibration = [DepthCalibration() for _ in range(BUCKETS)]  # per window_bucket
         self.proposed: dict[str, tuple[int, list[int]]] = {}  # rid → (bucket, the chain proposed this step)
 
     def _chain(self, req, budget: int) -> tuple[int, list[int]]:

@@ -1,6 +1,8 @@
 """Draft assists (``speculative.draft_assist``): merging an assist's tree into the drafter's, the
 ngram assist's online calibration, registration and config errors."""
 
+import math
+
 import pytest
 import torch
 
@@ -47,7 +49,7 @@ def test_merged_tree_is_cut_by_score_like_any_drafter_tree():
 
 
 def test_ngram_assist_calibration_counts_per_depth():
-    from specfw_plugins.ngram.assist import DepthCalibration
+    from specfw_plugins.ngram.calibration import DepthCalibration
 
     c = DepthCalibration()
     assert c.log_probs(2) == pytest.approx([torch.log(torch.tensor(0.5)).item(), 2 * torch.log(torch.tensor(0.5)).item()])
@@ -64,7 +66,7 @@ def test_ngram_assist_calibration_counts_per_depth():
 
 
 def test_ngram_assist_calibrates_per_matched_suffix_length():
-    from specfw_plugins.ngram.assist import window_bucket
+    from specfw_plugins.ngram.calibration import window_bucket
 
     assert [window_bucket(w) for w in (1, 2, 3, 4, 5, 8, 9, 12)] == [0, 1, 2, 2, 3, 3, 4, 4]
 
@@ -112,3 +114,39 @@ def test_assist_registration_rules():
 
     with pytest.raises(PluginError, match="without the @hookimpl marker"):
         PluginManager(load_entry_points=False).register(Plugin2(), "p3")
+
+
+def test_depth_calibration_judges_a_tree_along_the_targets_path():
+    from specfw_plugins.ngram.calibration import DepthCalibration
+
+    # root children 1, 2; under 1: 3, 4; under 3: 5
+    tokens, parents = [1, 2, 3, 4, 5], [-1, -1, 0, 0, 2]
+    c = DepthCalibration()
+    c.observe_tree(tokens, parents, [1, 4, 8])  # depth 1 right, depth 2 right (a sibling), node 4 has no children: depth 3 not judged
+    c.observe_tree(tokens, parents, [2, 7])  # right at depth 1; node 2 ends the tree
+    c.observe_tree(tokens, parents, [1, 3, 6])  # right, right, wrong at depth 3
+    c.observe_tree(tokens, parents, [9])  # wrong at depth 1 (a pruned step's bonus token is the target's own)
+    assert c.tried == [4, 2, 1] and c.right == [3, 2, 0]
+
+
+def test_ngram_drafter_scores_deep_nodes_by_how_often_the_target_reached_them():
+    """The trie's continuation of a context is one chain (every score 0 from frequencies alone);
+    once the target has shown that it follows the first token and never the second, the second
+    node's score falls far below the first: confidence pruning can cut the chain after one."""
+    from types import SimpleNamespace
+
+    from specfw_plugins.ngram.config import NgramConfig
+    from specfw_plugins.ngram.drafter import NgramDrafter
+
+    drafter = NgramDrafter(SimpleNamespace(config=NgramConfig(algorithm="ngram")))
+    req = SimpleNamespace(rid="r", seq_ids=[5, 6, 7, 8, 9, 5, 6])
+    before = drafter._draft_one(req, 3)
+    assert before.tokens.tolist() == [7, 8, 9] and before.parents.tolist() == [-1, 0, 1]
+    for _ in range(20):
+        drafter._draft_one(req, 3)
+        drafter.specfw_on_accept(None, [req], [SimpleNamespace(tokens=[7, 1])], None, [])
+    after = drafter._draft_one(req, 3).scores
+    assert after[0] > math.log(0.9) and after[1] < math.log(0.1) and after[2] < after[1]
+    assert before.scores[1] > after[1]
+    drafter.specfw_release(None, req)
+    assert not drafter.drafted
