@@ -12,6 +12,11 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_side_by_side import numerics, parse  # noqa: E402
 
 
+# every engine of a run stays alive for its rounds: KV pools for a few short prompts, not the
+# default 1 GB each (five engines' pools beside a test worker exceeded a 24 GiB machine)
+SMALL_KV = "engine.max_total_tokens=2048"
+
+
 def test_parse_names_and_typed_keys():
     assert parse("plain=") == ("plain", {})
     assert parse("eagle full=algorithm=eagle,token_map=full,adaptive_draft=False,num_steps=3") == (
@@ -36,10 +41,10 @@ def test_llama_cpp_rows_beside_specfw():
     """A llama.cpp row (the demo's own GGUF) and a quantized specfw pair checked against each other;
     the llama.cpp rows are counted against the fp32 row even where it runs after them in a round."""
     pytest.importorskip("llama_cpp", reason="llama-cpp-python is an optional benchmark extra (docs/quantization.md)")
-    a8 = "model.quantization=gguf,model.activation_quantization=int8"
+    a8 = f"model.quantization=gguf,model.activation_quantization=int8,{SMALL_KV}"
     r = subprocess.run(
         [sys.executable, str(ROOT / "benchmarks/bench_side_by_side.py"), "--n", "1", "--max-new-tokens", "8", "--rounds", "1",
-         f"a8={a8}", "llama=backend=llama.cpp", "plain=", f"a8 ngram=algorithm=ngram,{a8}", "llama pl=backend=llama.cpp,prompt_lookup_num_tokens=4"],
+         f"a8={a8}", "llama=backend=llama.cpp", f"plain={SMALL_KV}", f"a8 ngram=algorithm=ngram,{a8}", "llama pl=backend=llama.cpp,prompt_lookup_num_tokens=4"],
         capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
@@ -72,11 +77,11 @@ def test_runs_configurations_side_by_side_and_checks_outputs():
             "8",
             "--rounds",
             "1",
-            "plain=",
-            "ngram=algorithm=ngram",
-            "ngram spread=algorithm=ngram,engine.cpu_linear_prefetch=spread",
-            "plain bf16=model.dtype=bfloat16",
-            "ngram bf16=algorithm=ngram,model.dtype=bfloat16",
+            f"plain={SMALL_KV}",
+            f"ngram=algorithm=ngram,{SMALL_KV}",
+            f"ngram spread=algorithm=ngram,engine.cpu_linear_prefetch=spread,{SMALL_KV}",
+            f"plain bf16=model.dtype=bfloat16,{SMALL_KV}",
+            f"ngram bf16=algorithm=ngram,model.dtype=bfloat16,{SMALL_KV}",
             "hf pl=backend=hf,prompt_lookup_num_tokens=4",
         ],
         capture_output=True,
