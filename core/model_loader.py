@@ -58,9 +58,7 @@ def resolve_model_path(ref: str | None, revision: str | None = None, load_format
             raise ModelLoadError(f"model.path: GGUF file not found: {p}")
         key = hashlib.sha1(str(p.resolve()).encode()).hexdigest()[:12]
         out = cache_dir() / "models" / f"{p.stem}-{key}"
-        if not (out / "specfw_converted.json").exists():
-            convert_gguf(p, out)
-        return out
+        return convert_gguf(p, out)  # once: later calls find the conversion done
     if p.is_dir():
         if not (p / "config.json").exists():
             raise ModelLoadError(f"model.path: {p} has no config.json")

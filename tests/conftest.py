@@ -170,9 +170,10 @@ def _rss_mb() -> int:
 def pytest_runtest_teardown(item, nextitem):
     """Give the memory the finished test freed back to the OS once this process holds more than
     ``TRIM_ABOVE_MB``: glibc keeps freed heap for reuse, and over a whole run a test process grew to
-    ~12 GB of mostly free memory (two pytest-xdist workers of that size exceed a 24 GiB machine; the
-    OOM killer ended one). Measured over tests/engine/test_quant.py, test_hf_equivalence.py and
-    test_overlap.py: 2.6 GB at the end without this, 1.6 GB with it."""
+    ~12 GB, much of it freed heap (two pytest-xdist workers of that size exceed a 24 GiB machine; the
+    OOM killer ended one; with this a worker still reaches ~8.7 GB of live memory late in a run).
+    Measured over tests/engine/test_quant.py, test_hf_equivalence.py and test_overlap.py: 2.6 GB at
+    the end without this, 1.6 GB with it."""
     if _rss_mb() > TRIM_ABOVE_MB:
         import ctypes
         import gc
