@@ -3,8 +3,9 @@ n-gram cache's continuation of the request's context as one extra chain.
 
 A small draft model predicts the next tokens of the language; the context often says them
 outright (code that repeats an identifier, an answer that quotes the question, a target that
-repeats itself). The chain is the most recent continuation of the longest matching suffix
-(SGLang's NGRAM matching with breadth 1), as long as the step's budget. Its node scores are
+repeats itself). The chain is the most recent continuation of the longest matching suffix, extended
+by the shorter matching suffixes' where it ends (SGLang's NGRAM matching with breadth 1), as long
+as the step's budget. Its node scores are
 calibrated online, so that the draft policy can weigh them against the drafter's cumulative
 log-probabilities: after each step the chain is compared with the tokens the target produced
 (the accepted tokens and the bonus token, which are the target's own), and depth d scores
@@ -30,11 +31,10 @@ class NgramAssist:
         self.proposed: dict[str, tuple[int, list[int]]] = {}  # rid → (bucket, the chain proposed this step)
 
     def _chain(self, req, budget: int) -> tuple[int, list[int]]:
-        node, window = self.cache.match(req)
-        if node is None:
+        anchors = self.cache.match(req)
+        if not anchors:
             return 0, []
-        tokens, _, _ = self.cache.trie.draft_bfs(node, budget, 1)
-        return window_bucket(window), tokens
+        return window_bucket(anchors[0][1]), self.cache.trie.draft_chain([node for node, _ in anchors], budget)
 
     @hookimpl
     def specfw_assist_draft(self, ctx, reqs, plan):

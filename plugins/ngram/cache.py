@@ -20,9 +20,9 @@ class NgramCache:
             paths = self.trie.extend(paths, seq[done:])
             self.open[req.rid] = (len(seq), paths)
 
-    def match(self, req) -> tuple[int | None, int]:
-        """The trie node of the longest suffix of the request's context with continuations, and
-        the suffix's length, after inserting the request's new tokens; (None, 0) when none."""
+    def match(self, req) -> list[tuple[int, int]]:
+        """Every suffix of the request's context with continuations, longest first, after
+        inserting the request's new tokens: [(trie node, suffix length)] (``NgramTrie.match``)."""
         self._sync(req)
         return self.trie.match(req.seq_ids, self.cfg.min_match_window_size, self.cfg.max_match_window_size)
 

@@ -37,14 +37,14 @@ class NgramDrafter:
         return max(c.min_bfs_breadth, round(c.max_bfs_breadth - frac * (c.max_bfs_breadth - c.min_bfs_breadth)))
 
     def _draft_one(self, req, budget: int) -> DraftCandidates:
-        node, window = self.cache.match(req)
-        if node is None:
+        anchors = self.cache.match(req)  # every matched suffix, longest first: their continuations merge
+        if not anchors:
             return DraftCandidates.empty()
         if self.cfg.match_type is MatchType.PROB or self.cfg.match_type == "PROB":
-            tokens, parents, scores = self.trie.draft_prob(node, budget)
+            tokens, parents, scores = self.trie.draft_prob([node for node, _ in anchors], budget)
         else:
-            tokens, parents, scores = self.trie.draft_bfs(node, budget, self._breadth(window))
-        bucket = window_bucket(window)
+            tokens, parents, scores = self.trie.draft_bfs([(node, self._breadth(w)) for node, w in anchors], budget)
+        bucket = window_bucket(anchors[0][1])
         self.drafted[req.rid] = (bucket, tokens, parents)
         depth = []  # parents come before their children in both orders
         for p in parents:

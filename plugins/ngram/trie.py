@@ -144,59 +144,100 @@ class NgramTrie:
             c = self.next[c]
         return out
 
-    def match(self, context: list[int], min_window: int, max_window: int) -> tuple[int | None, int]:
-        """Longest suffix of ``context`` (``min_window..max_window`` tokens) whose trie node has
-        continuations; returns (node, window length) or (None, 0)."""
-        edges = self.edges
+    def match(self, context: list[int], min_window: int, max_window: int) -> list[tuple[int, int]]:
+        """Every suffix of ``context`` (``min_window..max_window`` tokens) whose trie node has
+        continuations, longest first: [(node, window length)] (empty when none). A window of w
+        tokens was inserted with at most ``branch_length - w`` tokens after it, so the shorter
+        matches are the ones that reach deeper (SGLang's ngram drafts from all of them)."""
+        edges, first, out = self.edges, self.first, []
         for w in range(min(max_window, len(context)), min_window - 1, -1):
             node = ROOT
             for t in context[-w:]:
                 node = edges.get(node << 32 | t)
                 if node is None:
                     break
-            if node is not None and self.first[node] >= 0:
-                return node, w
-        return None, 0
+            if node is not None and first[node] >= 0:
+                out.append((node, w))
+        return out
 
-    def draft_bfs(self, start: int, budget: int, breadth: int) -> tuple[list[int], list[int], list[float]]:
-        """Breadth-first over continuations, at most ``breadth`` most recent children per node.
-        Scores are log path probabilities (normalised child frequencies), so a smaller budget
-        can keep the likeliest part of the tree."""
+    def draft_bfs(self, anchors: list[tuple[int, int]], budget: int) -> tuple[list[int], list[int], list[float]]:
+        """Breadth-first over the continuations of each anchor ``(node, breadth)`` in turn (at most
+        ``breadth`` most recent children per node), merged into one tree of at most ``budget``
+        nodes: a continuation already in the tree (the same tokens after the root) is the same
+        node, so a later (shorter) anchor extends the earlier ones' paths and adds only what they
+        lack. Scores are log path probabilities (normalised child frequencies, each node's taken
+        at the anchor that added it, below its parent's), so a smaller budget can keep the
+        likeliest part of the tree. Parents come before their children."""
         tokens, parents, scores = [], [], []
-        frontier = [(start, -1, 0.0)]
-        while frontier and len(tokens) < budget:
-            nxt = []
-            for node, idx, logp in frontier:
-                kids = self.children(node)
+        index: dict[tuple[int, int], int] = {}  # (parent index, token) → node index in the tree
+        for start, breadth in anchors:
+            frontier = [(start, -1)]
+            while frontier and len(tokens) < budget:
+                nxt = []
+                for node, idx in frontier:
+                    kids = self.children(node)
+                    total = sum(self.count[c] for c in kids)
+                    for c in kids[:breadth]:
+                        j = index.get((idx, self.token[c]))
+                        if j is None:
+                            if len(tokens) >= budget:
+                                break
+                            j = index[(idx, self.token[c])] = len(tokens)
+                            tokens.append(self.token[c])
+                            parents.append(idx)
+                            scores.append((scores[idx] if idx >= 0 else 0.0) + math.log(self.count[c] / total))
+                        nxt.append((c, j))
+                frontier = nxt
+            if len(tokens) >= budget:
+                break
+        return tokens, parents, scores
+
+    def draft_prob(self, anchors: list[int], budget: int) -> tuple[list[int], list[int], list[float]]:
+        """Best-first by path probability (product of normalised child frequencies) from each
+        anchor node in turn, merged into one tree as ``draft_bfs``; among equal probabilities the
+        continuation seen first."""
+        tokens, parents, scores = [], [], []
+        index: dict[tuple[int, int], int] = {}
+        tick = itertools.count()
+        for start in anchors:
+            heap: list = []
+
+            def push_children(node: int, idx: int, logp: float):
+                kids = self.children(node)[::-1]
                 total = sum(self.count[c] for c in kids)
-                for c in kids[:breadth]:
-                    if len(tokens) >= budget:
-                        break
+                for c in kids:
+                    heapq.heappush(heap, (-(logp + math.log(self.count[c] / total)), next(tick), c, idx))
+
+            push_children(start, -1, 0.0)
+            while heap and len(tokens) < budget:
+                neg, _, c, idx = heapq.heappop(heap)
+                j = index.get((idx, self.token[c]))
+                if j is None:
+                    j = index[(idx, self.token[c])] = len(tokens)
                     tokens.append(self.token[c])
                     parents.append(idx)
-                    scores.append(logp + math.log(self.count[c] / total))
-                    nxt.append((c, len(tokens) - 1, scores[-1]))
-            frontier = nxt
+                    scores.append(min(-neg, scores[idx]) if idx >= 0 else -neg)
+                push_children(c, j, scores[j])
+            if len(tokens) >= budget:
+                break
         return tokens, parents, scores
 
-    def draft_prob(self, start: int, budget: int) -> tuple[list[int], list[int], list[float]]:
-        """Best-first by path probability (product of normalised child frequencies); among equal
-        probabilities the continuation seen first."""
-        tokens, parents, scores = [], [], []
-        heap: list = []
-        tick = itertools.count()
-
-        def push_children(node: int, idx: int, logp: float):
-            kids = self.children(node)[::-1]
-            total = sum(self.count[c] for c in kids)
-            for c in kids:
-                heapq.heappush(heap, (-(logp + math.log(self.count[c] / total)), next(tick), c, idx))
-
-        push_children(start, -1, 0.0)
-        while heap and len(tokens) < budget:
-            neg, _, c, idx = heapq.heappop(heap)
-            tokens.append(self.token[c])
-            parents.append(idx)
-            scores.append(-neg)
-            push_children(c, len(tokens) - 1, -neg)
-        return tokens, parents, scores
+    def draft_chain(self, anchors: list[int], budget: int) -> list[int]:
+        """One chain of at most ``budget`` tokens: the most recent continuation of the first anchor
+        node, then of each later (shorter) anchor whose continuations hold the chain so far (they
+        reach deeper), from where the chain ends."""
+        edges, chain = self.edges, []
+        for start in anchors:
+            node = start
+            for t in chain:  # the chain so far, along this anchor's continuations
+                node = edges.get(node << 32 | t)
+                if node is None:
+                    break
+            if node is None:
+                continue
+            while len(chain) < budget and self.first[node] >= 0:
+                node = self.first[node]  # the most recent child
+                chain.append(self.token[node])
+            if len(chain) >= budget:
+                break
+        return chain

@@ -27,7 +27,7 @@ def test_flush_cache_makes_ngram_draft_as_on_a_fresh_engine(tiny_model_dir):
         assert len(eng.worker.runtime.cache.trie) == 0
         flushed = _accepted(eng, spec)
     assert again[2] == first[2] == flushed[2]
-    assert again[1] > first[1] and again[0] < first[0]
+    assert again[0] < first[0] and again[1] >= first[1]  # fewer verify forwards for at least as many accepted tokens
     assert flushed[:2] == first[:2]  # as on the fresh engine: same steps, same accepted tokens
 
 

@@ -111,35 +111,71 @@ def test_an_evicted_paths_handle_is_not_extended_after_its_id_is_reused():
     _check_structure(trie)
 
 
-def test_match_finds_the_longest_suffix_with_continuations():
+def test_match_finds_every_suffix_with_continuations_longest_first():
     trie = NgramTrie(branch_length=6)
     trie.extend([], [5, 6, 7, 8, 5, 6, 9])
-    node, w = trie.match([1, 5, 6], 1, 4)  # (5, 6) continues with 7 and 9; (1, 5, 6) was never seen
-    assert w == 2 and _path(trie, node) == (5, 6)
+    anchors = trie.match([1, 5, 6], 1, 4)  # (5, 6) continues with 7 and 9, (6,) too; (1, 5, 6) was never seen
+    assert [(w, _path(trie, node)) for node, w in anchors] == [(2, (5, 6)), (1, (6,))]
+    node = anchors[0][0]
     assert [trie.token[c] for c in trie.children(node)] == [9, 7]  # most recent first
-    assert trie.match([3, 4], 1, 4) == (None, 0)
-    node, w = trie.match([6, 9], 1, 4)  # (6, 9) and (9,) end the sequence: nothing follows them
-    assert (node, w) == (None, 0)
-    assert trie.match([5, 6], 2, 2)[1] == 2 and trie.match([5, 6], 3, 4) == (None, 0)
+    assert trie.match([3, 4], 1, 4) == []
+    assert trie.match([6, 9], 1, 4) == []  # (6, 9) and (9,) end the sequence: nothing follows them
+    assert [w for _, w in trie.match([5, 6], 2, 2)] == [2] and trie.match([5, 6], 3, 4) == []
 
 
 def test_draft_bfs_takes_the_most_recent_children_and_scores_path_frequencies():
     trie = NgramTrie(branch_length=4)
     trie.extend([], [1, 2, 3, 1, 2, 3, 1, 4, 5, 1, 2, 6])  # after 1: 2 three times, 4 once (4 newer)
-    node, _ = trie.match([1], 1, 1)
-    tokens, parents, scores = trie.draft_bfs(node, budget=10, breadth=1)
+    ((node, _),) = trie.match([1], 1, 1)
+    tokens, parents, scores = trie.draft_bfs([(node, 1)], budget=10)
     assert tokens == [4, 5, 1] and parents == [-1, 0, 1]  # breadth 1: the newest child at each level
     assert scores[0] == pytest.approx(math.log(1 / 4))
-    tokens, parents, scores = trie.draft_bfs(node, budget=3, breadth=2)
+    tokens, parents, scores = trie.draft_bfs([(node, 2)], budget=3)
     assert tokens == [4, 2, 5] and parents == [-1, -1, 0]  # breadth-first, cut at the budget
     assert scores[1] == pytest.approx(math.log(3 / 4))
+
+
+def test_shorter_matches_continue_the_longer_ones_past_their_branch_length():
+    """A window of w tokens was stored with branch_length - w tokens after it: in a quote, the
+    longest match's continuation ends early and the shorter ones' go on (one tree, merged)."""
+    trie = NgramTrie(branch_length=4)
+    trie.extend([], [9, 1, 2, 3, 4, 5, 6])
+    anchors = trie.match([7, 1, 2], 1, 3)  # (1, 2) then (2,)
+    assert [w for _, w in anchors] == [2, 1]
+    tokens, parents, scores = trie.draft_bfs([(n, 1) for n, _ in anchors], budget=10)
+    assert tokens == [3, 4, 5] and parents == [-1, 0, 1]  # (1, 2) alone: [3, 4]; (2,) adds the 5
+    assert trie.draft_bfs([(anchors[0][0], 1)], budget=10)[0] == [3, 4]
+    assert trie.draft_bfs([(n, 1) for n, _ in anchors], budget=2)[0] == [3, 4]
+    assert trie.draft_chain([n for n, _ in anchors], budget=10) == [3, 4, 5]
+    assert trie.draft_prob([n for n, _ in anchors], budget=10)[0] == [3, 4, 5]
+    trie.extend([], [2, 8])  # (2,) now continues with 8 more recently: a branch, not the chain
+    anchors = trie.match([7, 1, 2], 1, 3)
+    tokens, parents, _ = trie.draft_bfs([(n, 2) for n, _ in anchors], budget=10)
+    assert list(zip(tokens, parents)) == [(3, -1), (4, 0), (8, -1), (5, 1)]
+    assert trie.draft_chain([n for n, _ in anchors], budget=10) == [3, 4, 5]  # the longest match's path, then its extension
+
+
+def test_merged_scores_never_rise_along_a_path():
+    trie = NgramTrie(branch_length=5)
+    rng = random.Random(1)
+    seq = [rng.randrange(6) for _ in range(300)]
+    trie.extend([], seq)
+    anchors = trie.match(seq[-10:], 1, 4)
+    assert len(anchors) > 1
+    for tokens, parents, scores in (
+        trie.draft_bfs([(n, 3) for n, _ in anchors], budget=30),
+        trie.draft_prob([n for n, _ in anchors], budget=30),
+    ):
+        assert len(tokens) == 30 and all(p < i for i, p in enumerate(parents))
+        assert len(set(zip(parents, tokens))) == 30  # no duplicate continuation
+        assert all(scores[i] <= scores[p] for i, p in enumerate(parents) if p >= 0)
 
 
 def test_draft_prob_is_best_first_by_path_probability():
     trie = NgramTrie(branch_length=4)
     trie.extend([], [1, 2, 3, 1, 2, 3, 1, 4, 5, 1, 2, 6])
-    node, _ = trie.match([1], 1, 1)
-    tokens, parents, scores = trie.draft_prob(node, budget=4)
+    ((node, _),) = trie.match([1], 1, 1)
+    tokens, parents, scores = trie.draft_prob([node], budget=4)
     # 2 (3/4), 2-3 (3/4 * 2/3), 2-3-1 (the same 1/2: seen after 2-3), then 4 (1/4) before 2-6
     assert tokens == [2, 3, 1, 4] and parents == [-1, 0, 1, -1]
     assert scores == pytest.approx([math.log(p) for p in (3 / 4, 1 / 2, 1 / 2, 1 / 4)])
