@@ -3,12 +3,12 @@ n-gram cache's continuation of the request's context as one extra chain.
 
 A small draft model predicts the next tokens of the language; the context often says them
 outright (code that repeats an identifier, an answer that quotes the question, a target that
-repeats itself). The chain is the most recent continuation of the longest matching suffix, extended
-by the shorter matching suffixes' where it ends (SGLang's NGRAM matching with breadth 1), as long
-as the step's budget. Its node scores are
-calibrated online, so that the draft policy can weigh them against the drafter's cumulative
-log-probabilities: after each step the chain is compared with the tokens the target produced
-(the accepted tokens and the bonus token, which are the target's own), and depth d scores
+repeats itself). The chain is the most recent continuation of the longest matching suffix,
+continued where it ends by the shorter matching suffixes' (SGLang's NGRAM matching with breadth
+1), as long as the step's budget. Its node scores are calibrated online, so that the draft
+policy can weigh them against the drafter's cumulative log-probabilities: after each step the
+chain is compared with the tokens the target produced (the accepted tokens and the bonus token,
+which are the target's own), and depth d scores
 ``sum_{j <= d} log P(token j right | tokens before it right)`` (``calibration.py``, per length of
 the matched context suffix): the drafter's own candidates should win over a guess.
 """

@@ -1,10 +1,15 @@
 """The ngram algorithm runtime: keeps the trie in step with every request and drafts from it.
 
+A draft is the continuations of every suffix of the context the trie holds, longest first (BFS
+breadth growing as the suffix shortens: ``min_bfs_breadth`` .. ``max_bfs_breadth``), merged into
+one tree of ``num_draft_tokens - 1`` nodes, as SGLang's ngram drafts; the shorter suffixes are
+the ones whose stored windows reach past the longest's end.
+
 A node's score is its path's share of the trie's continuations (child frequencies) plus the
 learned log-probability that the target's path reaches its depth in the draft
-(``calibration.py``, per length of the matched suffix), so the draft policy's confidence pruning
-can tell a likely first token from an unlikely tenth: on a CPU, where every verified row costs
-time, it verifies only the part of the trie's tree that is expected to pay.
+(``calibration.py``, per length of the longest matched suffix), so the draft policy's confidence
+pruning can tell a likely first token from an unlikely tenth: on a CPU, where every verified row
+costs time, it verifies only the part of the trie's tree that is expected to pay.
 """
 
 from __future__ import annotations
