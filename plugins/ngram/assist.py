@@ -8,9 +8,9 @@ continued where it ends by the shorter matching suffixes' (SGLang's NGRAM matchi
 1), as long as the step's budget. Its node scores are calibrated online, so that the draft
 policy can weigh them against the drafter's cumulative log-probabilities: after each step the
 chain is compared with the tokens the target produced (the accepted tokens and the bonus token,
-which are the target's own), and depth d scores
-``sum_{j <= d} log P(token j right | tokens before it right)`` (``calibration.py``, per length of
-the matched context suffix): the drafter's own candidates should win over a guess.
+which are the target's own), and depth d scores ``sum_{j <= d} log P(token j right | tokens
+before it right)`` (``calibration.py``, per length of the longest matched context suffix): the
+drafter's own candidates should win over a guess.
 """
 
 from __future__ import annotations

@@ -216,7 +216,7 @@ class NgramTrie:
                     j = index[(idx, self.token[c])] = len(tokens)
                     tokens.append(self.token[c])
                     parents.append(idx)
-                    scores.append(min(-neg, scores[idx]) if idx >= 0 else -neg)
+                    scores.append(-neg)  # the parent's score (its own, where merged) + this child's log-frequency
                 push_children(c, j, scores[j])
             if len(tokens) >= budget:
                 break
