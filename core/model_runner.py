@@ -27,6 +27,7 @@ class ModelRunner:
         backend: Backend | None = None,
         timed_rows: tuple[int, ...] = (1, PLAIN_BATCH_ROWS),
         tp=None,
+        kv: KVPool | None = None,
     ):
         """``backend`` (``specfw.backends``) owns every kernel choice; default: the best for the
         model's device, not batch invariant. ``timed_rows``: the row counts of typical forwards,
@@ -34,7 +35,10 @@ class ModelRunner:
         decode steps and either a batch of concurrent ones (plain decoding) or a draft tree
         (speculative: ``num_draft_tokens``). The runner works on the device the model's weights are on.
         ``tp``: the leader's ``TPGroup`` when the model is a shard (``model.tp_size`` > 1): every
-        forward and KV move then runs on every rank (``specfw.tp``)."""
+        forward and KV move then runs on every rank (``specfw.tp``). ``kv``: another runner's pool
+        to read and write instead of a new one of ``num_slots`` (a draft of the target's own
+        architecture on the target's KV: the standalone self-draft); its slots come from that
+        pool's allocator."""
         self.device = next(model.parameters()).device
         self.backend = backend or plain_or_kernels(self.device)
         self.backend.prepare_target(model)
@@ -50,7 +54,14 @@ class ModelRunner:
         layer0 = model.layers[0]
         self.tp = tp
         pool = KVPool if tp is None else ShardedKVPool
-        self.kv = pool(model.num_layers, layer0.n_kv, layer0.head_dim, num_slots, dtype=dtype, device=self.device)
+        if kv is not None:
+            shape = (model.num_layers, layer0.n_kv, layer0.head_dim)
+            theirs = (kv.num_layers, kv.num_kv_heads, kv.head_dim)
+            if tp is not None or shape != theirs or kv.dtype != dtype:
+                raise ValueError(f"a shared KV pool needs one rank, the same layers, KV heads and head dim {theirs} and dtype {kv.dtype}: got {shape}, {dtype}")
+            self.kv = kv
+        else:
+            self.kv = pool(model.num_layers, layer0.n_kv, layer0.head_dim, num_slots, dtype=dtype, device=self.device)
         if tp is not None:
             self.kv.group = tp
         self.vocab_size = hf_config.vocab_size

@@ -9,11 +9,18 @@ from specfw.sdk import hookimpl
 
 from .config import StandaloneConfig, StandaloneTrainConfig
 from .drafter import DEMO_DRAFT, StandaloneDrafter
+from .self_draft import TARGET, SelfDrafter
+
+
+def make_drafter(ctx):
+    """A draft LLM with its own KV pool, or the target's own checkpoint quantized on the target's
+    KV pool (``speculative.draft_model_path=target``)."""
+    return SelfDrafter(ctx) if ctx.config.draft_model_path == TARGET else StandaloneDrafter(ctx)
 
 
 @hookimpl
 def specfw_register_algorithms(register):
-    register("standalone", StandaloneConfig, StandaloneDrafter, "small draft LLM (same tokenizer), drafting num_steps deep with topk branching")
+    register("standalone", StandaloneConfig, make_drafter, "small draft LLM (same tokenizer), drafting num_steps deep with topk branching")
 
 
 def _make_trainer(cfg, teacher, examples):

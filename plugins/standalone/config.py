@@ -9,6 +9,7 @@ from specfw.sdk import ConfigError, DraftTrainConfig, SpecAlgoConfig, TreeShape
 
 @dataclass
 class StandaloneConfig(SpecAlgoConfig):
+    draft_model_path: Optional[str] = None  # draft weights (HF dir / hub id); null = the committed demo draft for the demo target; target = the target's own checkpoint, quantized by draft_model_quantization (gguf or w8a8_int8), drafting on the target's KV cache (self-speculation)
     draft_kv_tokens: Optional[int] = None   # draft KV pool size in tokens; null = same as the target's pool
     sample_draft: bool = True               # topk=1 + sampled requests: sample drafts and verify by rejection sampling
     token_map: Optional[str] = None         # FR-Spec: .pt file of target token ids the draft's lm_head is restricted to; null = the committed demo draft's map (8,192 ids) with that draft, else the full vocabulary; full = the full vocabulary
