@@ -32,6 +32,8 @@ def test_self_draft_on_the_target_kv_equals_plain(tiny_model_dir, topk):
     assert [eng.generate([p], GREEDY)[0].token_ids for p in RAW] == ref
     assert [o.token_ids for o in eng.generate(RAW, GREEDY)] == ref
     assert eng.stats.verify_forwards > 0 and eng.stats.accepted_draft_tokens > 0
+    sampled = SamplingParams(max_new_tokens=12, temperature=0.8, seed=7, ignore_eos=True)  # drafts sampled (topk 1), verified by rejection
+    assert [len(o.token_ids) for o in eng.generate(RAW, sampled)] == [12] * len(RAW)
     assert eng.flush_cache()
     assert eng.runner.allocator.num_used == 0  # every root and beam slot the draft took came back
 
