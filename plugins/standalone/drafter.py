@@ -87,11 +87,7 @@ class StandaloneDrafter:
         check_same_tokenizer(ctx.tokenizer, loaded.tokenizer, ref)
         if loaded.hf_config.vocab_size != ctx.runner.vocab_size:
             raise ConfigError("speculative.draft_model_path", f"draft vocab_size {loaded.hf_config.vocab_size} != target vocab_size {ctx.runner.vocab_size}")
-        self.to_target = None  # draft lm_head row -> target id (FR-Spec token map), None = the whole vocabulary
-        token_map = resolve_token_map(cfg.token_map, None if cfg.draft_model_path else DEMO_DRAFT)
-        if token_map:
-            self.to_target = load_token_map(token_map, ctx.runner.vocab_size)
-            loaded.model.lm_head = restricted_lm_head(loaded.model.lm_head.weight, self.to_target)
+        self.to_target = restrict_to_token_map(ctx, loaded.model, resolve_token_map(cfg.token_map, None if cfg.draft_model_path else DEMO_DRAFT))
         slots = draft_kv_slots(ctx, cfg)
         self.draft = ModelRunner(loaded.model, loaded.hf_config, slots, target_dtype(ctx), backend=ctx.runner.backend.for_drafting())
         self.shape = ctx.shape
@@ -160,23 +156,39 @@ class StandaloneDrafter:
 
     def _draft(self, reqs, plan):
         logits = self._extend(reqs)  # up to the root token; its logits start the beams
+        return draft_beams(self, reqs, plan, logits, lambda r: self._state(r).slots.slots())
 
-        def step(step_chunks, _parent_hidden):
-            return self.draft.forward(build_forward_batch(step_chunks)).logits, None
 
-        return beam_search(
-            reqs,
-            logits,
-            None,
-            self.shape.topk,
-            plan.depth,
-            lambda r: self._state(r).slots.slots(),
-            self.draft.allocator,
-            step,
-            self._sampled,
-            to_target=self.to_target,
-            score_floor=plan.score_floor,
-            keep=plan.size - 1,
-            vocab_size=self.ctx.runner.vocab_size,
-            top_logprobs=self.draft.backend.top_logprobs,
-        )
+def restrict_to_token_map(ctx, model, token_map) -> torch.Tensor | None:
+    """FR-Spec: ``model``'s lm_head cut to the target ids of ``token_map`` (a resolved path, or
+    None: the whole vocabulary); returns the draft row -> target id map (None without one)."""
+    if not token_map:
+        return None
+    to_target = load_token_map(token_map, ctx.runner.vocab_size)
+    model.lm_head = restricted_lm_head(model.lm_head.weight, to_target)
+    return to_target
+
+
+def draft_beams(drafter, reqs, plan, logits, committed_slots) -> list[DraftCandidates]:
+    """The beam search over a draft LLM's own forwards, from its ``logits`` at each root;
+    ``drafter``: a ``StandaloneDrafter`` or a ``SelfDrafter`` (its runner, shape, token map)."""
+
+    def step(step_chunks, _parent_hidden):
+        return drafter.draft.forward(build_forward_batch(step_chunks)).logits, None
+
+    return beam_search(
+        reqs,
+        logits,
+        None,
+        drafter.shape.topk,
+        plan.depth,
+        committed_slots,
+        drafter.draft.allocator,
+        step,
+        drafter._sampled,
+        to_target=drafter.to_target,
+        score_floor=plan.score_floor,
+        keep=plan.size - 1,
+        vocab_size=drafter.ctx.runner.vocab_size,
+        top_logprobs=drafter.draft.backend.top_logprobs,
+    )

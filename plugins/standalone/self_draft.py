@@ -24,17 +24,16 @@ from specfw.sdk import (
     ConfigError,
     DraftCandidates,
     ModelRunner,
-    beam_search,
     build_forward_batch,
     draft_load_format,
     hookimpl,
     load_model,
-    load_token_map,
     resolve_token_map,
-    restricted_lm_head,
     target_device,
     target_dtype,
 )
+
+from .drafter import draft_beams, restrict_to_token_map
 
 logger = logging.getLogger(__name__)
 
@@ -83,11 +82,7 @@ class SelfDrafter:
                 raise
             msg = f"gguf: the target has no GGUF blocks to draft with ({e}); w8a8_int8 works on any target"
             raise ConfigError("speculative.draft_model_quantization", msg) from e
-        self.to_target = None  # draft lm_head row -> target id (FR-Spec token map), None = the whole vocabulary
-        token_map = resolve_token_map(cfg.token_map, None)
-        if token_map:
-            self.to_target = load_token_map(token_map, ctx.runner.vocab_size)
-            loaded.model.lm_head = restricted_lm_head(loaded.model.lm_head.weight, self.to_target)
+        self.to_target = restrict_to_token_map(ctx, loaded.model, resolve_token_map(cfg.token_map, None))  # None: the whole vocabulary
         self.draft = ModelRunner(loaded.model, loaded.hf_config, 0, target_dtype(ctx), backend=ctx.runner.backend.for_drafting(), kv=ctx.runner.kv)
         self.shape = ctx.shape
         self.sample_draft = cfg.sample_draft and not ctx.force_greedy
@@ -115,23 +110,4 @@ class SelfDrafter:
         ]
         logits = self.draft.forward(build_forward_batch(chunks, last_only=True)).logits
         committed = {r.rid: torch.cat([c[3], c[2]]) for r, c in zip(reqs, chunks)}
-
-        def step(step_chunks, _parent_hidden):
-            return self.draft.forward(build_forward_batch(step_chunks)).logits, None
-
-        return beam_search(
-            reqs,
-            logits,
-            None,
-            self.shape.topk,
-            plan.depth,
-            lambda r: committed[r.rid],
-            self.draft.allocator,
-            step,
-            self._sampled,
-            to_target=self.to_target,
-            score_floor=plan.score_floor,
-            keep=plan.size - 1,
-            vocab_size=self.ctx.runner.vocab_size,
-            top_logprobs=self.draft.backend.top_logprobs,
-        )
+        return draft_beams(self, reqs, plan, logits, lambda r: committed[r.rid])
