@@ -64,12 +64,14 @@ class CpuBackend(Backend):
         draft = quantization if draft_quantization is None else draft_quantization.replace("unquant", "none")
         self.draft_quantization = "int8" if draft == "w8a8_int8" else draft
         # the drafts' activations: a per-token target's int8 drafts take its per-token kernels too;
-        # a draft asked for gguf (the standalone self-draft: blocks of its own) runs them with int8 activations, the
-        # fast CPU path for codes (a draft's rounding changes what is accepted, never the output)
+        # a draft asked for quantized weights (gguf: blocks of its own, as the standalone self-draft's;
+        # int8, int4) runs them with int8 activations, the fast CPU path for codes (weight-only int8
+        # made the EAGLE-3 head's draft 1.7x slower than w8a8_int8, session 44; a draft's rounding
+        # changes what is accepted, never the output)
         if draft_quantization is None and activation_quantization == "int8_per_token":
             self.draft_activations = "int8_per_token"
         else:
-            self.draft_activations = "int8" if draft_quantization in ("w8a8_int8", "gguf") or activation_quantization == "int8" else "none"
+            self.draft_activations = "int8" if draft_quantization not in (None, "none", "unquant") or activation_quantization == "int8" else "none"
         self.qops = None
         if "none" != self.quantization or "none" != self.draft_quantization:
             from ..kernels import quant_ops

@@ -18,13 +18,13 @@ def _self_draft(**kw):
     return StandaloneConfig(algorithm="standalone", draft_model_path="target", **kw)
 
 
-@pytest.mark.parametrize("topk", [1, 2])
-def test_self_draft_on_the_target_kv_equals_plain(tiny_model_dir, topk):
+@pytest.mark.parametrize("topk,scheme", [(1, "w8a8_int8"), (2, "int4")])
+def test_self_draft_on_the_target_kv_equals_plain(tiny_model_dir, topk, scheme):
     from specfw.engine import Engine
 
     kw = dict(model_path=str(tiny_model_dir), max_total_tokens=4096, max_running_requests=4)
     ref = plain_reference(Engine(make_cfg(**kw)))
-    spec = _self_draft(num_steps=3, topk=topk, num_draft_tokens=5, draft_model_quantization="w8a8_int8", adaptive_draft="false")
+    spec = _self_draft(num_steps=3, topk=topk, num_draft_tokens=5, draft_model_quantization=scheme, adaptive_draft="false")
     eng = Engine(make_cfg(**kw, speculative=spec))
     draft = eng.worker.runtime.draft
     assert draft.kv is eng.runner.kv  # no pool of its own: the committed prefix's KV is the target's
@@ -32,6 +32,7 @@ def test_self_draft_on_the_target_kv_equals_plain(tiny_model_dir, topk):
     assert [eng.generate([p], GREEDY)[0].token_ids for p in RAW] == ref
     assert [o.token_ids for o in eng.generate(RAW, GREEDY)] == ref
     assert eng.stats.verify_forwards > 0 and eng.stats.accepted_draft_tokens > 0
+    assert "int8 draft activations" in eng.backend.describe()  # int4 codes too: a draft's quantized weights take int8 activations
     sampled = SamplingParams(max_new_tokens=12, temperature=0.8, seed=7, ignore_eos=True)  # drafts sampled (topk 1), verified by rejection
     assert [len(o.token_ids) for o in eng.generate(RAW, sampled)] == [12] * len(RAW)
     assert eng.flush_cache()
