@@ -48,6 +48,8 @@ def check_self_draft(ctx) -> str:
         raise ConfigError("speculative.draft_model_path", "target (a self-draft) needs the CPU kernels' quantized linears: model.device=cpu")
     if ctx.runner.tp is not None:
         raise ConfigError("speculative.draft_model_path", "target (a self-draft) reads the target's KV pool on one rank: not with model.tp_size > 1")
+    if getattr(ctx.config, "draft_kv_tokens", None) is not None:
+        raise ConfigError("speculative.draft_kv_tokens", "a self-draft (draft_model_path=target) drafts on the target's KV pool: leave it null")
     if ctx.target_path is None:
         raise ConfigError("speculative.draft_model_path", "target (a self-draft) needs the target's checkpoint directory")
     same = (scheme, getattr(backend, "draft_activations", "none")) == (str(model.quantization), str(model.activation_quantization))

@@ -47,6 +47,8 @@ def test_self_draft_config_errors(tiny_model_dir):
         Engine(make_cfg(**kw, speculative=_self_draft()))
     with pytest.raises(ConfigError, match=r"speculative\.draft_model_quantization: gguf: the target has no GGUF blocks"):
         Engine(make_cfg(**kw, speculative=_self_draft(draft_model_quantization="gguf")))
+    with pytest.raises(ConfigError, match=r"speculative\.draft_kv_tokens: a self-draft .* target's KV pool"):
+        Engine(make_cfg(**kw, speculative=_self_draft(draft_model_quantization="w8a8_int8", draft_kv_tokens=512)))
     # a target on int8 weights and activations: the same scheme for the draft is the target again
     with pytest.raises(ConfigError, match=r"speculative\.draft_model_quantization"):
         Engine(make_cfg(**kw, model_quantization="int8", model_activation_quantization="int8", speculative=_self_draft()))
