@@ -111,5 +111,5 @@ class SelfDrafter:
             (torch.tensor(r.seq_ids[-1:], dtype=torch.long), torch.tensor([r.seq_len - 1]), roots[i : i + 1], r.slots.slots(), None) for i, r in enumerate(reqs)
         ]
         logits = self.draft.forward(build_forward_batch(chunks, last_only=True)).logits
-        committed = {r.rid: torch.cat([c[3], c[2]]) for r, c in zip(reqs, chunks)}
+        committed = {r.rid: torch.cat([c[3], c[2]]) for r, c in zip(reqs, chunks)}  # prefix slots, then the root's: made once, read every depth
         return draft_beams(self, reqs, plan, logits, lambda r: committed[r.rid])
