@@ -30,8 +30,9 @@ def _weights(kind, n=70, k=192, seed=0):
     """Per-weight codes, d, m (None) and the bits of one weight of a kind."""
     g = torch.Generator().manual_seed(seed)
     d = torch.rand(n, k // 32, generator=g) * 0.02 + 1e-3
-    if kind == "q8":
-        return torch.randint(-128, 128, (n, k), generator=g), d, None, 8
+    if kind in ("q8", "q8_m"):  # q8_m: 8-bit codes with an m (no scheme makes one; the kernel takes it)
+        m = -torch.rand(n, k // 32, generator=g) * 0.1 if kind == "q8_m" else None
+        return torch.randint(-128, 128, (n, k), generator=g), d, m, 8
     m = -torch.rand(n, k // 32, generator=g) * 0.1 if kind == "q4_1" else None
     return torch.randint(0, 16, (n, k), generator=g), d, m, 4
 
@@ -70,7 +71,7 @@ def test_quantize_rows_matches_the_reference(isa):
 
 
 @pytest.mark.parametrize("isa", Q8_ISAS)
-@pytest.mark.parametrize("kind", ["q4_1", "q4_0", "q8"])
+@pytest.mark.parametrize("kind", ["q4_1", "q4_0", "q8", "q8_m"])
 def test_kernel_matches_float64_reference_and_rows_are_independent(isa, kind):
     ops = _ops(isa)
     q, d, m, bits = _weights(kind)
@@ -88,7 +89,7 @@ def test_kernel_matches_float64_reference_and_rows_are_independent(isa, kind):
 
 
 @pytest.mark.parametrize("isa", [i for i in Q8_ISAS if i != "portable"])
-@pytest.mark.parametrize("kind", ["q4_1", "q8"])
+@pytest.mark.parametrize("kind", ["q4_1", "q4_0", "q8", "q8_m"])
 def test_simd_builds_give_the_portable_builds_bits(isa, kind):
     ops, portable = _ops(isa), _ops("portable")
     q, d, m, bits = _weights(kind, n=40, k=256, seed=1)
