@@ -253,6 +253,24 @@ inline __m256i bcast4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
+// block b's 8 scales of a group (H: fp16, converted exactly)
+template <bool H>
+inline __m256 scales8(const uint8_t* p, int64_t b) {
+  return H ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + b * 16))) : _mm256_loadu_ps(reinterpret_cast<const float*>(p + b * 32));
+}
+
+// the fp32 steps of block b for R rows from their int32 sums P: acc = fma(d * dx, P, acc), then
+// acc = fma(m, sx, acc) (M); dx and sx the first row's (a row's lie KB on)
+template <int R, bool M, bool H>
+inline void scale_block(const __m256i* P, const uint8_t* dp, const uint8_t* mp, int64_t b, const float* dx, const float* sx, int64_t KB, __m256* acc) {
+  const __m256 db = scales8<H>(dp, b);
+  const __m256 mb = M ? scales8<H>(mp, b) : _mm256_setzero_ps();
+  for (int r = 0; r < R; ++r) {
+    acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(db, _mm256_set1_ps(dx[r * KB + b])), _mm256_cvtepi32_ps(P[r]), acc[r]);
+    if (M) acc[r] = _mm256_fmadd_ps(mb, _mm256_set1_ps(sx[r * KB + b]), acc[r]);
+  }
+}
+
 // tile_one's 4-bit case with the scale kinds fixed at compile time (M: an m; H: fp16 scales) and
 // the 4 steps of a block unrolled: a block of one row is ~50 instructions instead of ~80 (no
 // per-block tests of bits, half or m, no loop counter per step), and the two products of a step
@@ -288,16 +306,9 @@ void tile_q4(const Span& sp, const Rows& x, int64_t r0, float* out) {
         s16[r] = p == 0 ? t : _mm256_add_epi16(s16[r], t);
       }
     }
-    const __m256 db = H ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dp + b * sb)))
-                        : _mm256_loadu_ps(reinterpret_cast<const float*>(dp + b * sb));
-    __m256 mb = _mm256_setzero_ps();
-    if (M) mb = H ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mp + b * sb)))
-                  : _mm256_loadu_ps(reinterpret_cast<const float*>(mp + b * sb));
-    for (int r = 0; r < R; ++r) {
-      const __m256 dd = _mm256_mul_ps(db, _mm256_set1_ps(dx[r * KB + b]));
-      acc[r] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(_mm256_madd_epi16(s16[r], ones)), acc[r]);
-      if (M) acc[r] = _mm256_fmadd_ps(mb, _mm256_set1_ps(sx[r * KB + b]), acc[r]);
-    }
+    __m256i P[R];
+    for (int r = 0; r < R; ++r) P[r] = _mm256_madd_epi16(s16[r], ones);
+    scale_block<R, M, H>(P, dp, mp, b, dx, sx, KB, acc);
   }
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * kSpan * kG, acc[r]);
 }
@@ -333,16 +344,7 @@ void tile_q8(const Span& sp, const Rows& x, int64_t r0, float* out) {
         P[r] = st == 0 ? t : _mm256_add_epi32(P[r], t);
       }
     }
-    const __m256 db = H ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(dp + b * sb)))
-                        : _mm256_loadu_ps(reinterpret_cast<const float*>(dp + b * sb));
-    __m256 mb = _mm256_setzero_ps();
-    if (M) mb = H ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(mp + b * sb)))
-                  : _mm256_loadu_ps(reinterpret_cast<const float*>(mp + b * sb));
-    for (int r = 0; r < R; ++r) {
-      const __m256 dd = _mm256_mul_ps(db, _mm256_set1_ps(dx[r * KB + b]));
-      acc[r] = _mm256_fmadd_ps(dd, _mm256_cvtepi32_ps(P[r]), acc[r]);
-      if (M) acc[r] = _mm256_fmadd_ps(mb, _mm256_set1_ps(sx[r * KB + b]), acc[r]);
-    }
+    scale_block<R, M, H>(P, dp, mp, b, dx, sx, KB, acc);
   }
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * kSpan * kG, acc[r]);
 }
