@@ -55,6 +55,10 @@ def test_auto_defaults():
     from specfw_plugins.standalone.config import StandaloneConfig
 
     assert StandaloneConfig(algorithm="standalone").resolve_shape("LlamaForCausalLM") == TreeShape(3, 1, 4)
+    # the self-draft (the target's own checkpoint, quantized) agrees ~0.97 a token: a chain of 5
+    self_draft = StandaloneConfig(algorithm="standalone", draft_model_path="target")
+    assert self_draft.resolve_shape("LlamaForCausalLM") == TreeShape(5, 1, 6)
+    assert StandaloneConfig(algorithm="standalone", draft_model_path="target", topk=1, num_steps=3).resolve_shape("LlamaForCausalLM") == TreeShape(3, 1, 4)
 
 
 def test_topk1_forces_chain_size():
