@@ -9,9 +9,12 @@ It joins the two learners that sit on the measured cost of verification:
   draft's calibrated confidence and the measured seconds per node.
 
 Per step: ``plan(batch)`` → a :class:`StepPlan` (size, useful depth, score floor) the drafter
-receives; with a draft assist, ``assist_suffices(proposal)`` → whether the assist's proposal
-alone is expected to yield what a drafted step yields (then the drafter is not run for that
-request); ``select(candidates, plan)`` → the candidates the tree is built from (the best
+receives; with a draft assist, ``assist_suffices(proposal, batch)`` → whether the assist's
+proposal alone is expected to yield what a drafted step yields (then the drafter is not run for
+that request): with one request in flight, tokens per second against the drafter's measured
+steps (an assist-only step saves the draft's seconds: a self-draft's 5 forwards are half its
+step, so an n-gram match of ~2 expected tokens beats its ~5), else expected tokens against the
+drafted steps' mean; ``select(candidates, plan)`` → the candidates the tree is built from (the best
 ``size - 1`` by score, closed under ancestors, then confidence-pruned: the one cut);
 ``observe(...)`` → both learners see the step's time and what every smaller size would have
 yielded. Greedy output never depends on any of this: any tree verifies to the same tokens.
@@ -74,6 +77,8 @@ class DraftPolicy:
         self._rng = random.Random(seed)
         self._plain_before = False  # the last decode step did not draft
         self.accepted_mean = None  # accepted draft tokens per drafted request-step (moving average)
+        self._draft_seconds = None  # the drafter's hook time this step (drafter_ran), until observe()
+        self.drafter_steps = None  # (tokens, step seconds, draft seconds) of one-request steps the drafter ran, moving averages
         self.explore_budget = explore_budget
         self._spent = 0.0  # decode seconds, decayed
         self._excess = 0.0  # seconds exploring steps took beyond the best size's time for their tokens, decayed
@@ -104,15 +109,27 @@ class DraftPolicy:
         """Whether the step after an untimed switching step replays ``size`` to time it."""
         return not self.budget.times_known(batch, size, RETIME_KNOWN) or self._rng.random() < self.retime_share
 
-    def assist_suffices(self, proposal: DraftCandidates) -> bool:
-        """Whether a draft assist's proposal alone is expected to yield at least what a drafted
-        step has been accepting on average (its expected accepted tokens: the sum over its nodes
-        of ``exp(score)``, scores being calibrated path log-probabilities), so the drafter's
-        forward would be spent on the rare step where the assist is wrong. False until a few
-        steps have been seen."""
+    def assist_suffices(self, proposal: DraftCandidates, batch: int = 1) -> bool:
+        """Whether a draft assist's proposal alone is expected to pay at least what a drafted step
+        does, so the drafter's forwards would be spent on the rare step where the assist is wrong.
+        Its expected accepted tokens: the sum over its nodes of ``exp(score)``, scores being
+        calibrated path log-probabilities. With one request in flight, once drafter steps have
+        been timed: its tokens (+ the target's own) in a step without the draft's seconds, against
+        the drafter steps' tokens per second. Else (a batch's draft forward is shared: skipping it
+        for one request saves little) its expected tokens against the drafted steps' mean. False
+        until a few steps have been seen."""
         if not len(proposal) or self.accepted_mean is None:
             return False
-        return float(proposal.scores.clamp(max=0.0).exp().sum()) >= self.accepted_mean
+        expected = float(proposal.scores.clamp(max=0.0).exp().sum())
+        if batch == 1 and self.drafter_steps is not None:
+            tokens, step, draft = self.drafter_steps
+            return (expected + 1.0) * step >= tokens * max(step - draft, 1e-3 * step)
+        return expected >= self.accepted_mean
+
+    def drafter_ran(self, seconds: float) -> None:
+        """The drafter's hook took ``seconds`` this step (the worker times it; observe() folds it
+        into ``drafter_steps`` for one-request steps)."""
+        self._draft_seconds = seconds
 
     def select(self, cands: DraftCandidates, plan: StepPlan) -> DraftCandidates:
         """The candidates this step verifies: the best ``plan.size - 1`` (closed under
@@ -130,6 +147,11 @@ class DraftPolicy:
         if drafted and accepted:
             mean = sum(len(a) for a in accepted) / len(accepted)
             self.accepted_mean = mean if self.accepted_mean is None else 0.9 * self.accepted_mean + 0.1 * mean
+        if self._draft_seconds is not None and batch == 1 and len(accepted) == 1:
+            now = (len(accepted[0]) + 1.0, seconds, self._draft_seconds)
+            last = self.drafter_steps
+            self.drafter_steps = now if last is None else tuple(0.9 * a + 0.1 * b for a, b in zip(last, now))
+        self._draft_seconds = None
         if self.budget.adaptive and drafted:
             timed = None if self._plain_before else seconds
             self._retime = plan.size if self._plain_before and self._replay(batch, plan.size) else 0

@@ -162,8 +162,11 @@ class SpeculativeWorker:
         if not plan.drafts:  # the policy says drafting does not pay right now: a plain step
             return False, [DraftCandidates.empty() for _ in reqs]
         extra = self._assist_draft(reqs, plan)  # None without speculative.draft_assist
-        drafting = reqs if extra is None else [r for r, e in zip(reqs, extra) if not self.policy.assist_suffices(e)]
+        drafting = reqs if extra is None else [r for r, e in zip(reqs, extra) if not self.policy.assist_suffices(e, len(reqs))]
+        t0 = time.perf_counter()
         candidates = self.hook.specfw_draft(ctx=self.ctx, reqs=drafting, plan=plan) if drafting else []
+        if drafting:
+            self.policy.drafter_ran(time.perf_counter() - t0)
         if candidates is None or len(candidates) != len(drafting):
             raise RuntimeError(f"algorithm '{self.algorithm}': specfw_draft must return one DraftCandidates per request")
         if extra is not None:

@@ -282,3 +282,51 @@ def test_exploring_costs_at_most_its_budget_where_drafting_does_not_pay():
     assert _exploring_cost(0.02, seed=0)[1] > 10  # it still explores
     share, drafted = _exploring_cost(0.02, draft_pays=True)
     assert drafted > 0.9 * 3000 and share < 0
+
+
+def _chain_proposal(p: float, n: int) -> DraftCandidates:
+    """An assist's chain of ``n`` tokens, each accepted with probability ``p`` given its parent."""
+    return DraftCandidates(torch.arange(n), torch.arange(-1, n - 1), torch.log(torch.tensor([p ** (i + 1) for i in range(n)])))
+
+
+def _drafter_steps(policy, accepted: int, step: float, draft: float, n: int = 30, batch: int = 1):
+    """``n`` steps on which the drafter ran for ``draft`` seconds of a ``step``-second step and
+    each request kept ``accepted`` draft tokens."""
+    plan = policy.plan(batch)
+    cands = [DraftCandidates.chain(list(range(accepted + 1)))] * batch
+    for _ in range(n):
+        policy.drafter_ran(draft)
+        policy.observe(batch, plan, True, cands, [list(range(accepted))] * batch, step)
+
+
+def test_an_assist_skips_the_drafter_where_its_tokens_per_second_beat_the_drafters():
+    from specfw.speculative.config import TreeShape
+    from specfw.speculative.policy import DraftPolicy
+
+    proposal = _chain_proposal(0.9, 3)  # expected 0.9 + 0.81 + 0.73 = 2.44 tokens, + the target's own
+    # a self-draft: 5 accepted (6 tokens) in 60 ms, 33 of them drafting -> 0.1 tokens/ms; the
+    # proposal alone: 3.44 tokens in ~27 ms -> 0.13 tokens/ms: skip the drafter
+    expensive = DraftPolicy(TreeShape(5, 1, 6), adaptive=False)
+    _drafter_steps(expensive, accepted=5, step=0.060, draft=0.033)
+    assert expensive.assist_suffices(proposal, 1)
+    # a cheap head: 2 accepted (3 tokens) in 30 ms, 3 drafting -> 0.1 tokens/ms; the proposal alone
+    # 3.44 in 27 ms -> 0.127: skip too; but one worth 1.18 tokens (2.18 in 27 ms: 0.081) does not
+    cheap = DraftPolicy(TreeShape(5, 1, 6), adaptive=False)
+    _drafter_steps(cheap, accepted=2, step=0.030, draft=0.003)
+    assert cheap.assist_suffices(proposal, 1)
+    assert not cheap.assist_suffices(_chain_proposal(0.6, 3), 1)  # 0.6 + 0.36 + 0.22 = 1.18 expected
+    # the expected-tokens rule (2.44 < 5 accepted) kept the expensive drafter running every step
+    assert proposal.scores.exp().sum() < expensive.accepted_mean
+    # no proposal never suffices
+    assert not expensive.assist_suffices(DraftCandidates.empty(), 1)
+
+
+def test_with_a_batch_an_assist_must_match_the_drafted_steps_mean():
+    from specfw.speculative.config import TreeShape
+    from specfw.speculative.policy import DraftPolicy
+
+    policy = DraftPolicy(TreeShape(5, 1, 6), adaptive=False)
+    _drafter_steps(policy, accepted=5, step=0.060, draft=0.033, batch=2)
+    assert policy.drafter_steps is None  # a batch's steps are not one request's drafter rate
+    assert not policy.assist_suffices(_chain_proposal(0.9, 3), 2)  # 2.44 expected < 5
+    assert policy.assist_suffices(_chain_proposal(0.99, 6), 2)  # 5.8 expected >= 5
