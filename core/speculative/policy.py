@@ -79,7 +79,6 @@ class DraftPolicy:
         self.accepted_mean = None  # accepted draft tokens per drafted request-step (moving average)
         self._draft_seconds = None  # the drafter's hook time this step (drafter_ran), until observe()
         self.drafter_steps = None  # (tokens, step seconds, draft seconds) of one-request steps the drafter ran, moving averages
-        self.assist_steps = None  # (tokens, step seconds) of one-request steps the assist's proposal alone made, moving averages
         self.explore_budget = explore_budget
         self._spent = 0.0  # decode seconds, decayed
         self._excess = 0.0  # seconds exploring steps took beyond the best size's time for their tokens, decayed
@@ -116,8 +115,7 @@ class DraftPolicy:
         Its expected accepted tokens: the sum over its nodes of ``exp(score)``, scores being
         calibrated path log-probabilities. With one request in flight, once drafter steps have
         been timed: its tokens (+ the target's own) in a step without the draft's seconds, against
-        the drafter steps' tokens per second, while the steps it made alone have paid so (else
-        its tokens against the drafter steps' own). Else (a batch's draft forward is shared: skipping it
+        the drafter steps' tokens per second. Else (a batch's draft forward is shared: skipping it
         for one request saves little) its expected tokens against the drafted steps' mean. False
         until a few steps have been seen."""
         if not len(proposal) or self.accepted_mean is None:
@@ -125,21 +123,8 @@ class DraftPolicy:
         expected = float(proposal.scores.clamp(max=0.0).exp().sum())
         if batch == 1 and self.drafter_steps is not None:
             tokens, step, draft = self.drafter_steps
-            if self._assist_steps_pay():
-                return (expected + 1.0) * step >= tokens * max(step - draft, 1e-3 * step)
-            return expected + 1.0 >= tokens  # its steps have not paid: only where it expects the drafter's tokens
+            return (expected + 1.0) * step >= tokens * max(step - draft, 1e-3 * step)
         return expected >= self.accepted_mean
-
-    def _assist_steps_pay(self) -> bool:
-        """Whether the steps the assist made alone have yielded at least the drafter's steps'
-        tokens per second (true until some were seen). Its calibrated expectation is an average
-        over all its proposals, and the steps it takes from the drafter are those where the
-        drafter would have done well too: on chat (MT-bench 1-40, a self-draft with the n-gram
-        assist) trusting it cut 1.41x to 1.26x, on code (HumanEval) it made 1.44x 1.81x."""
-        if self.assist_steps is None:
-            return True
-        (a_tokens, a_step), (d_tokens, d_step, _) = self.assist_steps, self.drafter_steps
-        return a_tokens * d_step >= d_tokens * a_step
 
     def drafter_ran(self, seconds: float) -> None:
         """The drafter's hook took ``seconds`` this step (the worker times it; observe() folds it
@@ -162,11 +147,10 @@ class DraftPolicy:
         if drafted and accepted:
             mean = sum(len(a) for a in accepted) / len(accepted)
             self.accepted_mean = mean if self.accepted_mean is None else 0.9 * self.accepted_mean + 0.1 * mean
-        if batch == 1 and len(accepted) == 1 and (drafted or self._draft_seconds is not None):
-            if self._draft_seconds is not None:
-                self.drafter_steps = _average(self.drafter_steps, (len(accepted[0]) + 1.0, seconds, self._draft_seconds))
-            else:  # the assist's proposal alone
-                self.assist_steps = _average(self.assist_steps, (len(accepted[0]) + 1.0, seconds))
+        if self._draft_seconds is not None and batch == 1 and len(accepted) == 1:
+            now = (len(accepted[0]) + 1.0, seconds, self._draft_seconds)
+            last = self.drafter_steps
+            self.drafter_steps = now if last is None else tuple(0.9 * a + 0.1 * b for a, b in zip(last, now))
         self._draft_seconds = None
         if self.budget.adaptive and drafted:
             timed = None if self._plain_before else seconds
@@ -182,8 +166,3 @@ class DraftPolicy:
         excess = seconds - tokens / self._best_rate if self._best_rate else 0.0
         self._spent = self._spent * EXPLORE_MEMORY + seconds
         self._excess = self._excess * EXPLORE_MEMORY + excess
-
-
-def _average(last: tuple | None, now: tuple) -> tuple:
-    """A moving average of tuples (0.9 old, 0.1 new), or ``now`` first."""
-    return now if last is None else tuple(0.9 * a + 0.1 * b for a, b in zip(last, now))

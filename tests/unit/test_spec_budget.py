@@ -319,16 +319,6 @@ def test_an_assist_skips_the_drafter_where_its_tokens_per_second_beat_the_drafte
     assert proposal.scores.exp().sum() < expensive.accepted_mean
     # no proposal never suffices
     assert not expensive.assist_suffices(DraftCandidates.empty(), 1)
-    # steps the assist made alone that yielded less per second than the drafter's (2 tokens in 27 ms:
-    # 0.074 tokens/ms against 0.1) turn the rule back to expected tokens against the mean
-    plan = expensive.plan(1)
-    for _ in range(30):
-        expensive.observe(1, plan, True, [proposal], [[0]], 0.027)
-    assert expensive.assist_steps is not None and not expensive.assist_suffices(proposal, 1)
-    # ... and steps that yielded more (4 tokens in 27 ms) trust the rate again
-    for _ in range(30):
-        expensive.observe(1, plan, True, [proposal], [[0, 1, 2]], 0.027)
-    assert expensive.assist_suffices(proposal, 1)
 
 
 def test_with_a_batch_an_assist_must_match_the_drafted_steps_mean():
