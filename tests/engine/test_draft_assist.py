@@ -56,6 +56,9 @@ def test_ngram_assist_keeps_greedy_output(name, tiny_model_dir, tiny_draft_dir, 
     assert sum(c.tried[0] for c in calib if c.tried) > 0, "the assist never proposed a chain that was judged"
     assert sum(c.right[0] for c in calib if c.right) > 0, "the assist's chains were never right on these repetitive prompts"
     assert not eng.worker.assist.proposed and not eng.worker.assist.cache.open  # released with the requests
+    # one-request steps timed the drafter's hook inside the step: what the assist's skip rule weighs
+    tokens, step, draft = eng.worker.policy.drafter_steps
+    assert tokens >= 1 and 0 < draft < step
 
 
 class _ScriptedAssist:
