@@ -83,7 +83,7 @@ constexpr int64_t kAhead = 8;  // blocks of codes prefetched ahead (a prefetch p
 // session 29). The AVX2 tile (one group at a time) streams at 20 and 33 with kAhead, and gained
 // nothing from this.
 constexpr int64_t kAheadL2 = 96;
-// the AVX2 tiles' (tile_q4, tile_q8): 32 blocks ahead into L2 (4 KB of 4-bit codes a group). 8 blocks
+// the AVX2 one-group tiles' (tile_codes): 32 blocks ahead into L2 (4 KB of 4-bit codes a group). 8 blocks
 // into L1 read the demo's 120 layer linears for one row at 22 GB/s, 32 into L2 at 25 (2 threads;
 // 1 thread 15 and 16: AMD EPYC Zen 3, session 46).
 constexpr int64_t kAheadQ4 = 32;
@@ -271,80 +271,55 @@ inline void scale_block(const __m256i* P, const uint8_t* dp, const uint8_t* mp, 
   }
 }
 
-// tile_one's 4-bit case with the scale kinds fixed at compile time (M: an m; H: fp16 scales) and
-// the 4 steps of a block unrolled: a block of one row is ~50 instructions instead of ~80 (no
-// per-block tests of bits, half or m, no loop counter per step), and the two products of a step
-// go into one vpaddw before the block's sum (the same exact int16 sums: at most 8 x 2 x 15 x 127).
-template <int R, bool M, bool H>
-void tile_q4(const Span& sp, const Rows& x, int64_t r0, float* out) {
-  const uint8_t* codes = sp.codes;
+// tile_one with the code width and scale kinds fixed at compile time (BITS: 4 or 8; M: an m;
+// H: fp16 scales) and a block's steps unrolled: a 4-bit block of one row is ~50 instructions
+// instead of ~80 (no per-block tests of bits, half or m, no loop counter per step). A 4-bit step's
+// two products go into one vpaddw before the block's sum (the same exact int16 sums: at most
+// 8 x 2 x 15 x 127); 8-bit codes have no m in any scheme that makes them, but an m is honoured.
+template <int BITS, int R, bool M, bool H>
+void tile_codes(const Span& sp, const Rows& x, int64_t r0, float* out) {
+  constexpr int64_t step = BITS == 4 ? 128 : 256;  // bytes of one block's codes of a group
+  constexpr int64_t sb = H ? 16 : 32;               // bytes of one block's 8 scales
   const uint8_t *dp = sp.d.p, *mp = sp.m.p;
   const int64_t K = x.K, KB = x.KB;
   const int8_t* q0 = x.q + r0 * K;
-  const float *dx = x.dx + r0 * KB, *sx = x.sx + r0 * KB;
   const bool lead = r0 == 0;  // the first tile streams the codes: fetch ahead
   const __m256i ones = _mm256_set1_epi16(1), mask = _mm256_set1_epi8(0x0F);
-  constexpr int64_t sb = H ? 16 : 32;  // bytes of one block's 8 scales
   __m256 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
   for (int64_t b = 0; b < KB; ++b) {
-    const uint8_t* c = codes + b * 128;
+    const uint8_t* c = sp.codes + b * step;
     if (lead) {
-      _mm_prefetch(reinterpret_cast<const char*>(c + kAheadQ4 * 128), _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(c + kAheadQ4 * 128 + 64), _MM_HINT_T1);
+      for (int64_t o = 0; o < step; o += 64) _mm_prefetch(reinterpret_cast<const char*>(c + kAheadQ4 * step + o), _MM_HINT_T1);
       _mm_prefetch(reinterpret_cast<const char*>(dp + (b + kAheadQ4) * sb), _MM_HINT_T1);
       if (M) _mm_prefetch(reinterpret_cast<const char*>(mp + (b + kAheadQ4) * sb), _MM_HINT_T1);
     }
-    __m256i s16[R];
+    __m256i P[R];
+    if constexpr (BITS == 4) {
+      __m256i s16[R];
 #pragma GCC unroll 4
-    for (int p = 0; p < 4; ++p) {
-      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + p * 32));
-      const __m256i w0 = _mm256_and_si256(v, mask), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
-      for (int r = 0; r < R; ++r) {
-        const int8_t* q = q0 + r * K + b * kQ + p * 8;
-        const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(w0, bcast4(q)), _mm256_maddubs_epi16(w1, bcast4(q + 4)));
-        s16[r] = p == 0 ? t : _mm256_add_epi16(s16[r], t);
+      for (int p = 0; p < 4; ++p) {
+        const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + p * 32));
+        const __m256i w0 = _mm256_and_si256(v, mask), w1 = _mm256_and_si256(_mm256_srli_epi16(v, 4), mask);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* q = q0 + r * K + b * kQ + p * 8;
+          const __m256i t = _mm256_add_epi16(_mm256_maddubs_epi16(w0, bcast4(q)), _mm256_maddubs_epi16(w1, bcast4(q + 4)));
+          s16[r] = p == 0 ? t : _mm256_add_epi16(s16[r], t);
+        }
       }
-    }
-    __m256i P[R];
-    for (int r = 0; r < R; ++r) P[r] = _mm256_madd_epi16(s16[r], ones);
-    scale_block<R, M, H>(P, dp, mp, b, dx, sx, KB, acc);
-  }
-  for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * kSpan * kG, acc[r]);
-}
-
-// tile_one's 8-bit case likewise (H: fp16 scales; 8-bit codes have no m in any scheme that makes
-// them, and an m is still honoured): the 8 steps unrolled, no per-block tests.
-template <int R, bool M, bool H>
-void tile_q8(const Span& sp, const Rows& x, int64_t r0, float* out) {
-  const uint8_t* codes = sp.codes;
-  const uint8_t *dp = sp.d.p, *mp = sp.m.p;
-  const int64_t K = x.K, KB = x.KB;
-  const int8_t* q0 = x.q + r0 * K;
-  const float *dx = x.dx + r0 * KB, *sx = x.sx + r0 * KB;
-  const bool lead = r0 == 0;
-  const __m256i ones = _mm256_set1_epi16(1);
-  constexpr int64_t sb = H ? 16 : 32;
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  for (int64_t b = 0; b < KB; ++b) {
-    const uint8_t* c = codes + b * 256;
-    if (lead) {
-      for (int o = 0; o < 256; o += 64) _mm_prefetch(reinterpret_cast<const char*>(c + kAheadQ4 * 256 + o), _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(dp + (b + kAheadQ4) * sb), _MM_HINT_T1);
-      if (M) _mm_prefetch(reinterpret_cast<const char*>(mp + (b + kAheadQ4) * sb), _MM_HINT_T1);
-    }
-    __m256i P[R];
+      for (int r = 0; r < R; ++r) P[r] = _mm256_madd_epi16(s16[r], ones);
+    } else {
 #pragma GCC unroll 8
-    for (int st = 0; st < 8; ++st) {
-      const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + st * 32)), aw = _mm256_abs_epi8(w);
-      for (int r = 0; r < R; ++r) {
-        const __m256i xs = _mm256_sign_epi8(bcast4(q0 + r * K + b * kQ + st * 4), w);
-        const __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), ones);
-        P[r] = st == 0 ? t : _mm256_add_epi32(P[r], t);
+      for (int st = 0; st < 8; ++st) {
+        const __m256i w = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + st * 32)), aw = _mm256_abs_epi8(w);
+        for (int r = 0; r < R; ++r) {
+          const __m256i xs = _mm256_sign_epi8(bcast4(q0 + r * K + b * kQ + st * 4), w);
+          const __m256i t = _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xs), ones);
+          P[r] = st == 0 ? t : _mm256_add_epi32(P[r], t);
+        }
       }
     }
-    scale_block<R, M, H>(P, dp, mp, b, dx, sx, KB, acc);
+    scale_block<R, M, H>(P, dp, mp, b, x.dx + r0 * KB, x.sx + r0 * KB, KB, acc);
   }
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * kSpan * kG, acc[r]);
 }
@@ -353,11 +328,11 @@ void tile_q8(const Span& sp, const Rows& x, int64_t r0, float* out) {
 template <int R>
 void tile_one(const Span& sp, const Rows& x, int64_t r0, float* out) {
   if (sp.bits == 4) {
-    if (sp.m) return sp.d.half ? tile_q4<R, true, true>(sp, x, r0, out) : tile_q4<R, true, false>(sp, x, r0, out);
-    return sp.d.half ? tile_q4<R, false, true>(sp, x, r0, out) : tile_q4<R, false, false>(sp, x, r0, out);
+    if (sp.m) return sp.d.half ? tile_codes<4, R, true, true>(sp, x, r0, out) : tile_codes<4, R, true, false>(sp, x, r0, out);
+    return sp.d.half ? tile_codes<4, R, false, true>(sp, x, r0, out) : tile_codes<4, R, false, false>(sp, x, r0, out);
   }
-  if (sp.m) return sp.d.half ? tile_q8<R, true, true>(sp, x, r0, out) : tile_q8<R, true, false>(sp, x, r0, out);
-  return sp.d.half ? tile_q8<R, false, true>(sp, x, r0, out) : tile_q8<R, false, false>(sp, x, r0, out);
+  if (sp.m) return sp.d.half ? tile_codes<8, R, true, true>(sp, x, r0, out) : tile_codes<8, R, true, false>(sp, x, r0, out);
+  return sp.d.half ? tile_codes<8, R, false, true>(sp, x, r0, out) : tile_codes<8, R, false, false>(sp, x, r0, out);
 }
 
 
