@@ -7,15 +7,15 @@ from __future__ import annotations
 
 from specfw.sdk import hookimpl
 
-from .config import StandaloneConfig, StandaloneTrainConfig
+from .config import SELF_DRAFT, StandaloneConfig, StandaloneTrainConfig
 from .drafter import DEMO_DRAFT, StandaloneDrafter
-from .self_draft import TARGET, SelfDrafter
+from .self_draft import SelfDrafter
 
 
 def make_drafter(ctx):
     """A draft LLM with its own KV pool, or the target's own checkpoint quantized on the target's
     KV pool (``speculative.draft_model_path=target``)."""
-    return SelfDrafter(ctx) if ctx.config.draft_model_path == TARGET else StandaloneDrafter(ctx)
+    return SelfDrafter(ctx) if ctx.config.draft_model_path == SELF_DRAFT else StandaloneDrafter(ctx)
 
 
 @hookimpl

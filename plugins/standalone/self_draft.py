@@ -33,12 +33,9 @@ from specfw.sdk import (
     target_dtype,
 )
 
-from .config import SELF_DRAFT
 from .drafter import draft_beams, restrict_to_token_map
 
 logger = logging.getLogger(__name__)
-
-TARGET = SELF_DRAFT  # the draft_model_path value that names the target's own checkpoint
 
 
 def check_self_draft(ctx) -> str:
