@@ -86,7 +86,7 @@ constexpr int64_t kAheadL2 = 96;
 // the AVX2 one-group tiles' (tile_codes): 32 blocks ahead into L2 (4 KB of 4-bit codes a group). 8 blocks
 // into L1 read the demo's 120 layer linears for one row at 22 GB/s, 32 into L2 at 25 (2 threads;
 // 1 thread 15 and 16: AMD EPYC Zen 3, session 46).
-constexpr int64_t kAheadQ4 = 32;
+constexpr int64_t kAheadAvx2 = 32;
 
 // one row: codes q [K], scales dx/sx [K/32]. The SIMD blocks give the scalar loop's bits: max is
 // exact in any order, vcvtps2dq rounds half to even as nearbyint does (the default MXCSR mode),
@@ -139,6 +139,14 @@ void quantize_row(const float* x, int64_t K, int8_t* q, float* dx, float* sx, in
   }
 }
 
+#if defined(SPECFW_Q8_SIMD)
+// the 8 scales from element i (H: fp16, converted exactly)
+template <bool H>
+inline __m256 scales8(const uint8_t* p, int64_t i) {
+  return H ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i * 2))) : _mm256_loadu_ps(reinterpret_cast<const float*>(p) + i);
+}
+#endif
+
 // per-(block, output) scales d or m: fp32, or fp16 where that changes no value (GGUF's own scales
 // are fp16: a sixth of a Q4_1 weight's bytes saved); converted exactly to fp32 on load
 struct Scales {
@@ -151,9 +159,7 @@ struct Scales {
     return half ? static_cast<float>(reinterpret_cast<const c10::Half*>(p)[i]) : reinterpret_cast<const float*>(p)[i];
   }
 #if defined(SPECFW_Q8_SIMD)
-  __m256 load8(int64_t i) const {
-    return half ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i * 2))) : _mm256_loadu_ps(reinterpret_cast<const float*>(p) + i);
-  }
+  __m256 load8(int64_t i) const { return half ? scales8<true>(p, i) : scales8<false>(p, i); }
 #endif
 };
 
@@ -253,18 +259,12 @@ inline __m256i bcast4(const int8_t* p) {
   return _mm256_set1_epi32(v);
 }
 
-// block b's 8 scales of a group (H: fp16, converted exactly)
-template <bool H>
-inline __m256 scales8(const uint8_t* p, int64_t b) {
-  return H ? _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + b * 16))) : _mm256_loadu_ps(reinterpret_cast<const float*>(p + b * 32));
-}
-
 // the fp32 steps of block b for R rows from their int32 sums P: acc = fma(d * dx, P, acc), then
 // acc = fma(m, sx, acc) (M); dx and sx the first row's (a row's lie KB on)
 template <int R, bool M, bool H>
 inline void scale_block(const __m256i* P, const uint8_t* dp, const uint8_t* mp, int64_t b, const float* dx, const float* sx, int64_t KB, __m256* acc) {
-  const __m256 db = scales8<H>(dp, b);
-  const __m256 mb = M ? scales8<H>(mp, b) : _mm256_setzero_ps();
+  const __m256 db = scales8<H>(dp, b * kG);
+  const __m256 mb = M ? scales8<H>(mp, b * kG) : _mm256_setzero_ps();
   for (int r = 0; r < R; ++r) {
     acc[r] = _mm256_fmadd_ps(_mm256_mul_ps(db, _mm256_set1_ps(dx[r * KB + b])), _mm256_cvtepi32_ps(P[r]), acc[r]);
     if (M) acc[r] = _mm256_fmadd_ps(mb, _mm256_set1_ps(sx[r * KB + b]), acc[r]);
@@ -283,6 +283,7 @@ void tile_codes(const Span& sp, const Rows& x, int64_t r0, float* out) {
   const uint8_t *dp = sp.d.p, *mp = sp.m.p;
   const int64_t K = x.K, KB = x.KB;
   const int8_t* q0 = x.q + r0 * K;
+  const float *dx = x.dx + r0 * KB, *sx = x.sx + r0 * KB;
   const bool lead = r0 == 0;  // the first tile streams the codes: fetch ahead
   const __m256i ones = _mm256_set1_epi16(1), mask = _mm256_set1_epi8(0x0F);
   __m256 acc[R];
@@ -290,9 +291,9 @@ void tile_codes(const Span& sp, const Rows& x, int64_t r0, float* out) {
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t* c = sp.codes + b * step;
     if (lead) {
-      for (int64_t o = 0; o < step; o += 64) _mm_prefetch(reinterpret_cast<const char*>(c + kAheadQ4 * step + o), _MM_HINT_T1);
-      _mm_prefetch(reinterpret_cast<const char*>(dp + (b + kAheadQ4) * sb), _MM_HINT_T1);
-      if (M) _mm_prefetch(reinterpret_cast<const char*>(mp + (b + kAheadQ4) * sb), _MM_HINT_T1);
+      for (int64_t o = 0; o < step; o += 64) _mm_prefetch(reinterpret_cast<const char*>(c + kAheadAvx2 * step + o), _MM_HINT_T1);
+      _mm_prefetch(reinterpret_cast<const char*>(dp + (b + kAheadAvx2) * sb), _MM_HINT_T1);
+      if (M) _mm_prefetch(reinterpret_cast<const char*>(mp + (b + kAheadAvx2) * sb), _MM_HINT_T1);
     }
     __m256i P[R];
     if constexpr (BITS == 4) {
@@ -319,7 +320,7 @@ void tile_codes(const Span& sp, const Rows& x, int64_t r0, float* out) {
         }
       }
     }
-    scale_block<R, M, H>(P, dp, mp, b, x.dx + r0 * KB, x.sx + r0 * KB, KB, acc);
+    scale_block<R, M, H>(P, dp, mp, b, dx, sx, KB, acc);
   }
   for (int r = 0; r < R; ++r) _mm256_storeu_ps(out + r * kSpan * kG, acc[r]);
 }

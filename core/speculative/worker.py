@@ -165,7 +165,7 @@ class SpeculativeWorker:
         drafting = reqs if extra is None else [r for r, e in zip(reqs, extra) if not self.policy.assist_suffices(e, len(reqs))]
         t0 = time.perf_counter()
         candidates = self.hook.specfw_draft(ctx=self.ctx, reqs=drafting, plan=plan) if drafting else []
-        if drafting:
+        if drafting and extra is not None:  # what the assist's skip rule weighs
             self.policy.drafter_ran(time.perf_counter() - t0)
         if candidates is None or len(candidates) != len(drafting):
             raise RuntimeError(f"algorithm '{self.algorithm}': specfw_draft must return one DraftCandidates per request")
