@@ -13,7 +13,8 @@ costs, and the step itself is slower than unsynchronised by the few microseconds
 Prints milliseconds per decode step for each phase, tokens per step and ms per token; names the
 device (and the CPU). After each speculative row (with a ``plain`` row first): its decode speedup
 over plain, the same if drafting were free, the draft's share of a plain step and the tokens per
-step ``--bar`` (1.8x) would need at this step's cost. ``name+key=value`` sets a speculative key for
+step ``--bar`` (1.8x) would need at this step's cost; then the draft's cost per *drafted* step (the
+steps that called the draft hook), which is what issue 17's draft bar measures. ``name+key=value`` sets a speculative key for
 one row (``eagle3+draft_assist=ngram``).
 """
 
@@ -259,6 +260,7 @@ def main():
             plain_ms_per_token, plain_step_ms = per_token, step_ms
         elif plain_ms_per_token:
             print(bounds(plain_ms_per_token, plain_step_ms, step_ms, 1e3 * phases.seconds["draft (hook)"] / max(steps, 1), per_step, a.bar))
+            print(drafted_steps(phases, steps, plain_step_ms))
 
 
 def _key_value(item: str) -> tuple[str, object]:
@@ -279,6 +281,17 @@ def bounds(plain_mpt: float, plain_step: float, step: float, draft: float, token
         f"draft {100 * draft / plain_step:.0f}% of a plain step; {bar}x needs {bar * step / plain_mpt:.2f} tokens per step at this step's cost "
         f"({bar * (step - draft) / plain_mpt:.2f} with a free draft)"
     )
+
+
+def drafted_steps(phases: Phases, steps: int, plain_step: float) -> str:
+    """The draft's cost on the steps that drafted (the hook runs only there: a step the policy
+    played plain, or one whose every request took the draft assist's proposal, never calls it):
+    issue 17's draft bar is per drafted step, not averaged over plain-played ones."""
+    n = phases.calls.get("draft (hook)", 0)
+    if not n:
+        return f"drafted steps: 0 of {steps}"
+    ms = 1e3 * phases.seconds["draft (hook)"] / n
+    return f"drafted steps: {n} of {steps}; draft {ms:.2f} ms a drafted step, {100 * ms / plain_step:.0f}% of a plain step"
 
 
 if __name__ == "__main__":

@@ -88,6 +88,25 @@ def test_exploring_steps_keep_a_random_number_of_the_best_nodes():
     assert p.prune(_tree(), Cut(keep=2)).tokens.tolist() == [10, 11]
 
 
+def test_exploring_steps_draft_below_the_floor_so_its_bins_keep_learning():
+    # a draft whose low scores are accepted anyway (a self-draft: the target quantized, confident
+    # in its argmax but flat in its probabilities): pruning's floor stops drafting at the bins the
+    # prior rates low, so only exploring steps can show the calibration those nodes pay
+    p = ConfidencePruning(explore=1.0)
+    p.costs[1] = NodeCost()
+    for i in range(50):
+        p.costs[1].observe(i % 8, 0.030 + 0.004 * (i % 8))
+    exploring = p.plan(1, 50.0, 7)
+    assert exploring.keep is not None and exploring.threshold == pytest.approx(0.2)
+    assert p.score_floor(exploring) == -math.inf
+    steady = Cut(threshold=0.2)
+    assert p.score_floor(steady) == pytest.approx(math.log(0.2))  # the prior's lowest passing bin: 0.2-0.3
+    for _ in range(200):  # what exploring steps verify below the floor, at every depth: accepted
+        for prob in (0.05, 0.08, 0.12, 0.17):
+            p.calibration.observe(math.log(prob), True)
+    assert p.score_floor(steady) <= math.log(0.05)  # the floor moved down: steady steps now draft those nodes too
+
+
 def _tree():
     # a(0.8) -> b(0.42) -> c(0.11); a sibling x(0.05) of a; d(0.33) under a
     return DraftCandidates(torch.tensor([10, 11, 12, 99, 13]), torch.tensor([-1, 0, 1, -1, 0]), torch.log(torch.tensor([0.8, 0.42, 0.11, 0.05, 0.33])))
