@@ -249,12 +249,16 @@ class AsyncEngine:
         self._post("call", fn)
 
     async def run(self, fn: Callable[[Engine], Any]) -> Any:
+        """``fn(engine)`` on the engine thread; its result once it ran. The metrics snapshot is
+        taken again before the caller resumes, so what it reads next (``/metrics`` after
+        ``/flush_cache``) shows what ``fn`` did (the loop's own snapshot comes after the reply)."""
         loop = asyncio.get_running_loop()
         fut = loop.create_future()
 
         def wrapped(engine):
             try:
                 res = fn(engine)
+                self._take_snapshot()
             except BaseException as e:  # noqa: BLE001 - handed to the awaiting coroutine
                 loop.call_soon_threadsafe(_settle, fut, None, e)
             else:

@@ -46,3 +46,24 @@ def test_failed_build_raises_in_the_caller():
 
     with pytest.raises(ValueError, match="no such model"):
         AsyncEngine.build(factory)
+
+
+def test_metrics_snapshot_shows_what_a_run_command_did(tiny_model_dir, monkeypatch):
+    # /flush_cache then /metrics: the reply to the first must not outrun the loop's snapshot (a
+    # server test read 867 cached tokens after a flush). The loop's own snapshot is held back
+    # here, as a slow loop iteration would hold it.
+    from specfw.engine import Engine
+
+    bridge = AsyncEngine.build(lambda: Engine(make_cfg(model_path=str(tiny_model_dir), max_total_tokens=1024)))
+    try:
+        params = SamplingParams(max_new_tokens=2, temperature=0, ignore_eos=True)
+        asyncio.run(bridge.run(lambda eng: eng.generate([[5, 6, 7, 8, 9, 10]], params)))
+        cached = asyncio.run(bridge.run(lambda eng: eng.scheduler.cache.size))
+        assert cached > 0 and bridge.snapshot.prefix_cache_tokens == cached
+        slow = threading.Event()
+        monkeypatch.setattr(bridge, "_reclaim_idle_draft_slots", lambda: slow.wait(2.0))
+        assert asyncio.run(bridge.run(lambda eng: eng.flush_cache()))
+        assert bridge.snapshot.prefix_cache_tokens == 0
+        slow.set()
+    finally:
+        bridge.stop()
