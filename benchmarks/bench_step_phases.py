@@ -13,9 +13,9 @@ costs, and the step itself is slower than unsynchronised by the few microseconds
 Prints milliseconds per decode step for each phase, tokens per step and ms per token; names the
 device (and the CPU). After each speculative row (with a ``plain`` row first): its decode speedup
 over plain, the same if drafting were free, the draft's share of a plain step and the tokens per
-step ``--bar`` (1.8x) would need at this step's cost; then the draft's cost per *drafted* step (the
-steps that called the draft hook), which is what issue 17's draft bar measures. ``name+key=value`` sets a speculative key for
-one row (``eagle3+draft_assist=ngram``).
+step ``--bar`` (1.8x) would need at this step's cost; then the draft's cost per *drafted* step
+(the steps that called the draft hook): what issue 17's draft bar measures. ``name+key=value``
+sets a speculative key for one row (``eagle3+draft_assist=ngram``).
 """
 
 from __future__ import annotations
