@@ -18,7 +18,8 @@ drafted steps' mean; ``select(candidates, plan)`` → the candidates the tree is
 ``size - 1`` by score, closed under ancestors, then confidence-pruned: the one cut);
 ``observe(...)`` → both learners see the step's time and what every smaller size would have
 yielded (the budget only where the cut was the policy's, not a random one: an exploring or
-pre-fit step that kept a random part of the tree yields what the cut let through). Greedy output never depends on any of this: any tree verifies to the same tokens.
+pre-fit step that kept a random part of the tree yields what the cut let through). Greedy
+output never depends on any of this: any tree verifies to the same tokens.
 
 Timing rule: a drafted step right after plain steps also pays for the drafter catching up on
 the tokens those steps produced (a switching cost, not what a drafted step costs), so it is not
