@@ -332,7 +332,6 @@ def test_with_a_batch_an_assist_must_match_the_drafted_steps_mean():
     assert policy.assist_suffices(_chain_proposal(0.99, 6), 2)  # 5.8 expected >= 5
 
 
-
 def test_steps_cut_short_before_the_cost_fit_do_not_teach_the_budget_that_drafting_loses():
     """Until the node-cost fit has data, half the drafted steps keep a random smaller number of the
     drafted nodes (for the fit's spread). Such a step's yield is the cut's, not the size's: fed to
