@@ -37,12 +37,6 @@ from dataclasses import dataclass
 from .budget import accepted_path
 from .types import DraftCandidates
 
-# before the cost fit: the share of steps that verify the whole tree. The rest keep a random
-# smaller count, for the fit's spread; those cut-short steps were every early step once, and their
-# yields (a self-draft accepting all of a random 1-4 of its 5 nodes) taught the draft budget that
-# drafting lost to plain steps: a fresh engine played ~100 of its first 130 MT-bench steps plain
-WHOLE_TREE_SHARE = 0.5
-
 # bin edges on the draft probability exp(score); finer where the pruning decision usually falls
 PROB_EDGES = (0.0, 0.01, 0.02, 0.04, 0.07, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9)
 
@@ -166,18 +160,17 @@ class ConfidencePruning:
         """This step's cut. An exploring step keeps a random number (0..max_nodes) of the best
         drafted nodes instead: the calibration sees nodes below the threshold and the cost fit
         sees every tree size (and it drafts below the score floor: ``score_floor``). Until the
-        cost fit for this batch size has data, steps keep the whole tree (``WHOLE_TREE_SHARE``
-        of them) or 1..max_nodes-1 nodes (a one-node chain never gets a fit, and is never
-        pruned). A step cut short this way says nothing of what drafting yields: the draft
-        policy keeps it from the draft budget (``DraftPolicy.observe``)."""
+        cost fit for this batch size has data, steps keep 1..max_nodes nodes (a one-node
+        chain is never cut). A step cut at random says nothing of what the steady cut yields
+        and costs: the draft policy keeps it from the draft budget (``DraftPolicy.observe``)."""
         if not self.enabled:
             return Cut()
         threshold = self.threshold(batch, tokens_per_s)
         cost = self.costs.get(batch)
-        if cost is None or cost.slope is None:  # no cost fit yet: whole trees, and trees of every smaller non-empty size
-            if max_nodes <= 1 or self._rng.random() < WHOLE_TREE_SHARE:
-                return Cut(keep=max_nodes)
-            return Cut(keep=self._rng.randint(1, max_nodes - 1))
+        if max_nodes <= 1:  # one node: nothing to prune, and no tree sizes for a fit to tell apart
+            return Cut()
+        if cost is None or cost.slope is None:  # no cost fit yet: trees of every non-empty size
+            return Cut(keep=self._rng.randint(1, max_nodes))
         if self._rng.random() < self.explore:
             return Cut(threshold=threshold, keep=self._rng.randint(0, max_nodes))
         self.last_threshold[batch] = threshold

@@ -17,9 +17,10 @@ step, so an n-gram match of ~2 expected tokens beats its ~5), else expected toke
 drafted steps' mean; ``select(candidates, plan)`` → the candidates the tree is built from (the best
 ``size - 1`` by score, closed under ancestors, then confidence-pruned: the one cut);
 ``observe(...)`` → both learners see the step's time and what every smaller size would have
-yielded (the budget only where the cut was the policy's, not a random one: an exploring or
-pre-fit step that kept a random part of the tree yields what the cut let through). Greedy
-output never depends on any of this: any tree verifies to the same tokens.
+yielded (the budget only from steps cut by confidence, not at random: an exploring step, or one
+before the node-cost fit, yields and costs what its random cut let through, and the budget
+weighs drafting as the steady cut does it against plain steps). Greedy output never depends on
+any of this: any tree verifies to the same tokens.
 
 Timing rule: a drafted step right after plain steps also pays for the drafter catching up on
 the tokens those steps produced (a switching cost, not what a drafted step costs), so it is not
@@ -85,7 +86,6 @@ class DraftPolicy:
         self._spent = 0.0  # decode seconds, decayed
         self._excess = 0.0  # seconds exploring steps took beyond the best size's time for their tokens, decayed
         self._best_rate = None  # this step explores: the best size's tokens/s to charge it against
-        self._cut_short = False  # this step's cut kept a random count of nodes, fewer than were drafted
 
     @property
     def adaptive(self) -> bool:
@@ -99,7 +99,6 @@ class DraftPolicy:
         explore = self.may_explore()
         size = (self._retime if explore else 0) or self.budget.choose(batch, explore=explore)
         self._retime = 0
-        self._cut_short = False
         rates = self.budget.rates(batch) if self.budget.adaptive else {}
         best = self.budget.best(batch, rates) if rates else None
         self._best_rate = rates[best] if best is not None and size != best else None
@@ -142,11 +141,7 @@ class DraftPolicy:
         ancestors), cut by confidence."""
         if not plan.drafts:
             return DraftCandidates.empty()
-        best = cands.best(plan.size - 1)
-        kept = self.pruning.prune(best, plan.cut or Cut())
-        if plan.cut is not None and plan.cut.keep is not None and len(kept) < len(best):
-            self._cut_short = True
-        return kept
+        return self.pruning.prune(cands.best(plan.size - 1), plan.cut or Cut())
 
     def observe(self, batch: int, plan: StepPlan, drafted: bool, verified: list[DraftCandidates], accepted: list[list[int]], seconds: float) -> None:
         """One decode step played ``plan`` in ``seconds``; ``drafted``: the drafter proposed
@@ -165,7 +160,7 @@ class DraftPolicy:
         if self.budget.adaptive and drafted:
             timed = None if self._plain_before else seconds
             self._retime = plan.size if self._plain_before and self._replay(batch, plan.size) else 0
-            if not self._cut_short:  # a random cut's yield is not what the size yields
+            if plan.cut is None or plan.cut.keep is None:  # a random cut's yield and cost are not the steady cut's
                 self.budget.observe(batch, plan.size, timed, counterfactual_yields(self.budget.sizes, plan.size, verified, accepted))
             self.pruning.observe(batch, verified, accepted, timed)
         elif self.budget.adaptive and plan.size == 1:
