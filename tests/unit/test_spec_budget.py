@@ -332,6 +332,11 @@ def test_with_a_batch_an_assist_must_match_the_drafted_steps_mean():
     assert policy.assist_suffices(_chain_proposal(0.99, 6), 2)  # 5.8 expected >= 5
 
 
+def _yield_table(policy, size: int) -> tuple[float, float] | None:
+    entry = policy.budget.yields.get(1, {}).get(size)
+    return None if entry is None else (entry.total, entry.weight)
+
+
 def test_steps_cut_at_random_do_not_teach_the_budget():
     """Before the node-cost fit has data, and on exploring steps, confidence pruning keeps a random
     number of the best nodes (for the fit's spread and the calibration). Such a step yields and
@@ -352,17 +357,14 @@ def test_steps_cut_at_random_do_not_teach_the_budget():
             policy.observe(1, plan, False, [DraftCandidates.empty()], [[]], 0.018)
             continue
         kept = policy.select(chain, plan)
-        random_cuts += plan.cut.keep is not None
-        steady += plan.cut.keep is None
-        if plan.cut.keep is None:
+        at_random = plan.cut.keep is not None
+        random_cuts, steady = random_cuts + at_random, steady + (not at_random)
+        if not at_random:
             steady_total, steady_weight = steady_total * policy.budget.decay + len(kept) + 1, steady_weight * policy.budget.decay + 1
-        if plan.cut.keep is not None:
-            yields_before = policy.budget.yields.get(1, {}).get(6)
-            yields_before = None if yields_before is None else (yields_before.total, yields_before.weight)
+        table_before = _yield_table(policy, 6)
         policy.observe(1, plan, True, [kept], [kept.tokens.tolist()], 0.030 + 0.004 * len(kept))
-        if plan.cut.keep is not None:  # a random cut: the budget's table of the size is as it was
-            after = policy.budget.yields.get(1, {}).get(6)
-            assert (None if after is None else (after.total, after.weight)) == yields_before
+        if at_random:  # the budget's table of the size is as it was
+            assert _yield_table(policy, 6) == table_before
     assert random_cuts >= 3 and steady >= 10
     assert policy.budget.played[1][6] == steady  # only the steady steps taught the budget
     assert policy.budget.yields[1][6].mean == pytest.approx(steady_total / steady_weight)
