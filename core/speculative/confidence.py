@@ -136,6 +136,12 @@ class Cut:
     threshold: float = 0.0
     keep: int | None = None
 
+    @property
+    def at_random(self) -> bool:
+        """A random number of nodes kept (an exploring step, or one before the cost fit): what
+        it yields and costs is not what the steady cut's steps do."""
+        return self.keep is not None
+
 
 class ConfidencePruning:
     def __init__(self, enabled: bool = True, explore: float = 0.05, seed: int = 1):
@@ -165,10 +171,10 @@ class ConfidencePruning:
         and costs: the draft policy keeps it from the draft budget (``DraftPolicy.observe``)."""
         if not self.enabled:
             return Cut()
-        threshold = self.threshold(batch, tokens_per_s)
-        cost = self.costs.get(batch)
         if max_nodes <= 1:  # one node: nothing to prune, and no tree sizes for a fit to tell apart
             return Cut()
+        threshold = self.threshold(batch, tokens_per_s)
+        cost = self.costs.get(batch)
         if cost is None or cost.slope is None:  # no cost fit yet: trees of every non-empty size
             return Cut(keep=self._rng.randint(1, max_nodes))
         if self._rng.random() < self.explore:
@@ -177,7 +183,7 @@ class ConfidencePruning:
         return Cut(threshold=threshold)
 
     def score_floor(self, cut: "Cut") -> float:
-        if cut.keep is not None:  # exploring: draft the whole depth, so nodes below the floor get verified
+        if cut.at_random:  # exploring: draft the whole depth, so nodes below the floor get verified
             return -math.inf
         return self.calibration.score_floor(cut.threshold) if cut.threshold > 0 else -math.inf
 

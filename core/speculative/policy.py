@@ -160,7 +160,7 @@ class DraftPolicy:
         if self.budget.adaptive and drafted:
             timed = None if self._plain_before else seconds
             self._retime = plan.size if self._plain_before and self._replay(batch, plan.size) else 0
-            if plan.cut is None or plan.cut.keep is None:  # a random cut's yield and cost are not the steady cut's
+            if plan.cut is None or not plan.cut.at_random:  # a random cut's yield and cost are not the steady cut's
                 self.budget.observe(batch, plan.size, timed, counterfactual_yields(self.budget.sizes, plan.size, verified, accepted))
             self.pruning.observe(batch, verified, accepted, timed)
         elif self.budget.adaptive and plan.size == 1:
