@@ -13,7 +13,10 @@ docs/quantization.md):
 * ``gguf`` -- the GGUF file's own blocks (Q8_0, Q4_0, Q4_1, Q4_K, Q5_K), kept as they are: each weight is
   dequantized in registers to exactly the fp32 value of the fp32 checkpoint specfw converts the
   file to, so outputs are bit-identical to ``none`` on that checkpoint (``attach_gguf_blocks``
-  verifies every tensor at load).
+  verifies every tensor at load). A bf16 model keeps the blocks where they round to its bf16
+  weights; its linears then compute with the file's values, which are closer than bf16, so its
+  outputs differ from ``none`` in bf16. Plain and speculative decoding still agree exactly, since
+  both run the same scheme.
 
 Every output is accumulated in fp32 in k order whatever the rows (batch invariant by
 construction, like ``KernelLinear``), so greedy speculation stays exact within each scheme.
@@ -216,8 +219,9 @@ _NAMES = {"qkv_proj": ("attn_q", "attn_k", "attn_v"), "o_proj": ("attn_output",)
 
 def attach_gguf_blocks(model: nn.Module, gguf_path, n_heads: int, n_kv_heads: int) -> int:
     """Give each linear of ``model`` whose GGUF tensors are of ``GGUF_TYPES`` a ``gguf_weight``
-    (``QuantWeight``) -- only where dequantizing the blocks gives exactly the fp32 weight loaded
-    (else the linear stays fp32 and a warning says which). Returns how many got blocks."""
+    (``QuantWeight``) -- only where dequantizing the blocks gives exactly the weight loaded, in the
+    loaded dtype (fp32: the same bits; bf16: the blocks' values round to the loaded weight). Else
+    the linear keeps its loaded weight and a warning says which. Returns how many got blocks."""
     from gguf import GGUFReader
 
     reader = GGUFReader(str(gguf_path))
@@ -242,9 +246,9 @@ def attach_gguf_blocks(model: nn.Module, gguf_path, n_heads: int, n_kv_heads: in
         if not parts or len({p[1][3:] for p in parts}) != 1:
             logger.info("gguf: %s stays fp32 (block types %s)", names, [tensors[n].tensor_type.name for n in names if n in tensors])
             continue
-        qw = _match(linear.weight.detach().float(), parts, n_heads, n_kv_heads)
+        qw = _match(linear.weight.detach(), parts, n_heads, n_kv_heads)
         if qw is None:
-            logger.warning("gguf: %s blocks do not dequantize to the loaded weight; it stays fp32", names)
+            logger.warning("gguf: %s blocks do not dequantize to the loaded %s weight; it stays so", names, str(linear.weight.dtype).removeprefix("torch."))
             continue
         linear.gguf_weight = qw
         done += 1
@@ -252,6 +256,8 @@ def attach_gguf_blocks(model: nn.Module, gguf_path, n_heads: int, n_kv_heads: in
 
 
 def _match(w: torch.Tensor, parts, n_heads: int, n_kv_heads: int) -> QuantWeight | None:
+    """The blocks of ``parts`` (row-stacked, q/k rows possibly in GGUF's permuted order) as one
+    ``QuantWeight`` if they dequantize to ``w`` rounded to ``w``'s dtype; else None."""
     qs, ds, ms = [], [], []
     row = 0
     for name, (q, d, m, bits, offset) in parts:
@@ -262,7 +268,7 @@ def _match(w: torch.Tensor, parts, n_heads: int, n_kv_heads: int) -> QuantWeight
         perms = [None] + ([_reverse_permute(n, heads)] if name.endswith(("attn_q.weight", "attn_k.weight")) else [])
         for p in perms:
             qp, dp, mp = (q, d, m) if p is None else (q[p], d[p], m[p] if m is not None else None)
-            if torch.equal(dequantize_reference(qp, dp, mp, bits, offset), target):
+            if torch.equal(dequantize_reference(qp, dp, mp, bits, offset).to(w.dtype), target):
                 qs.append(qp), ds.append(dp), ms.append(mp)
                 break
         else:

@@ -123,6 +123,25 @@ def test_gguf_block_parsing_matches_gguf_py(kind):
     assert torch.equal(dequantize_reference(q, d, m, bits, offset), expect)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gguf_blocks_match_the_weight_loaded_in_its_dtype(dtype):
+    """A linear keeps its GGUF blocks where they dequantize to the loaded weight rounded to its
+    dtype (a bf16 model loads the fp32 values rounded); one changed weight refuses them."""
+    from specfw.backends.quant_linear import _match
+
+    n, k = 8, 64
+    q, d, m, bits, offset = gguf_blocks(random_blocks("Q4_1", n, k), "Q4_1", n, k)
+    loaded = dequantize_reference(q, d, m, bits, offset).to(dtype)
+    parts = [("blk.0.ffn_down.weight", (q, d, m, bits, offset))]
+    qw = _match(loaded, parts, 1, 1)
+    assert qw is not None and torch.equal(qw.codes, pack(q, d, m, bits, offset, 32).codes)
+    off = loaded.clone()
+    off[3, 5] = off[3, 5] * 2 + 1
+    assert _match(off, parts, 1, 1) is None
+    if dtype == torch.bfloat16:  # the blocks' fp32 values are not the bf16 weights themselves
+        assert not torch.equal(dequantize_reference(q, d, m, bits, offset), loaded.float())
+
+
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("kind", ["Q4_K", "Q5_K"])
 def test_k_quant_blocks_give_the_fp32_kernels_bits(isa, kind):
