@@ -27,9 +27,12 @@ torch::Tensor pack(torch::Tensor w) {
 
 // MR rows x NT blocks of 16 outputs; x rows are k-pair arrays (uint32 = two bf16)
 // OUT: uint16_t (bf16, rounded once) or float (the fp32 sums as they are)
+// pf (not null): the next work item's NT blocks, requested one line per block per pair while this
+// tile computes, so that they stream in under its arithmetic (without it a multi-row call waited for
+// each item's weights, then computed: memory and arithmetic added up)
 template <int MR, int NT, typename OUT>
 inline void tile(const uint16_t* w, int64_t KP, const uint32_t* x, int64_t x_stride, const float* bias,
-                 OUT* y, int64_t y_stride, int64_t n_valid) {
+                 OUT* y, int64_t y_stride, int64_t n_valid, const uint16_t* pf) {
   __m512 acc[MR][NT];
   for (int m = 0; m < MR; ++m)
     for (int t = 0; t < NT; ++t) acc[m][t] = _mm512_setzero_ps();
@@ -37,6 +40,8 @@ inline void tile(const uint16_t* w, int64_t KP, const uint32_t* x, int64_t x_str
     __m512bh wv[NT];
     for (int t = 0; t < NT; ++t)
       wv[t] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(w + (t * KP + p) * 2 * kLanes));
+    if (pf)
+      for (int t = 0; t < NT; ++t) _mm_prefetch(reinterpret_cast<const char*>(pf + (t * KP + p) * 2 * kLanes), _MM_HINT_T0);
     for (int m = 0; m < MR; ++m) {
       const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[m * x_stride + p]));
       for (int t = 0; t < NT; ++t) acc[m][t] = _mm512_dpbf16_ps(acc[m][t], wv[t], xv);
@@ -61,17 +66,18 @@ inline void tile(const uint16_t* w, int64_t KP, const uint32_t* x, int64_t x_str
 
 template <int NT, typename OUT>
 void rows(int64_t M, const uint16_t* w, int64_t KP, const uint32_t* x, const float* bias, OUT* y,
-          int64_t N, int64_t n_valid) {
+          int64_t N, int64_t n_valid, const uint16_t* pf) {
   int64_t m = 0;
-  for (; m + 8 <= M; m += 8) tile<8, NT, OUT>(w, KP, x + m * KP, KP, bias, y + m * N, N, n_valid);
+  for (; m + 8 <= M; m += 8) tile<8, NT, OUT>(w, KP, x + m * KP, KP, bias, y + m * N, N, n_valid, m ? nullptr : pf);
+  const uint16_t* p = m ? nullptr : pf;   // the first tile alone prefetches
   switch (M - m) {
-    case 7: tile<7, NT, OUT>(w, KP, x + m * KP, KP, bias, y + m * N, N, n_valid); break;
-    case 6: tile<6, NT, OUT>(w, KP, x + m * KP, KP, bias, y + m * N, N, n_valid); break;
-    case 5: tile<5, NT, OUT>(w, KP, x + m * KP, KP, bias, y + m * N, N, n_valid); break;
-    case 4: tile<4, NT, OUT>(w, KP, x + m * KP, KP, bias, y + m * N, N, n_valid); break;
-    case 3: tile<3, NT, OUT>(w, KP, x + m * KP, KP, bias, y + m * N, N, n_valid); break;
-    case 2: tile<2, NT, OUT>(w, KP, x + m * KP, KP, bias, y + m * N, N, n_valid); break;
-    case 1: tile<1, NT, OUT>(w, KP, x + m * KP, KP, bias, y + m * N, N, n_valid); break;
+    case 7: tile<7, NT, OUT>(w, KP, x + m * KP, KP, bias, y + m * N, N, n_valid, p); break;
+    case 6: tile<6, NT, OUT>(w, KP, x + m * KP, KP, bias, y + m * N, N, n_valid, p); break;
+    case 5: tile<5, NT, OUT>(w, KP, x + m * KP, KP, bias, y + m * N, N, n_valid, p); break;
+    case 4: tile<4, NT, OUT>(w, KP, x + m * KP, KP, bias, y + m * N, N, n_valid, p); break;
+    case 3: tile<3, NT, OUT>(w, KP, x + m * KP, KP, bias, y + m * N, N, n_valid, p); break;
+    case 2: tile<2, NT, OUT>(w, KP, x + m * KP, KP, bias, y + m * N, N, n_valid, p); break;
+    case 1: tile<1, NT, OUT>(w, KP, x + m * KP, KP, bias, y + m * N, N, n_valid, p); break;
     default: break;
   }
 }
@@ -84,10 +90,12 @@ void linear_rows(int64_t M, const uint16_t* W, int64_t KP, int64_t NB, const uin
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t b = 2 * i, n0 = b * kLanes, n_valid = std::min<int64_t>(N - n0, 2 * kLanes);
       const float* bb = B ? B + n0 : nullptr;
+      const uint16_t* wb = W + b * KP * 2 * kLanes;
+      const uint16_t* next = i + 1 < i1 && b + 3 < NB ? wb + 2 * KP * 2 * kLanes : nullptr;   // this thread's next item
       if (b + 1 < NB)
-        rows<2>(M, W + b * KP * 2 * kLanes, KP, X, bb, Y + n0, N, n_valid);
+        rows<2>(M, wb, KP, X, bb, Y + n0, N, n_valid, next);
       else
-        rows<1>(M, W + b * KP * 2 * kLanes, KP, X, bb, Y + n0, N, n_valid);
+        rows<1>(M, wb, KP, X, bb, Y + n0, N, n_valid, next);
     }
   });
 }
