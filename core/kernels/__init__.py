@@ -57,6 +57,15 @@ def default_spread_prefetch() -> bool:
     return cpu_vendor() != "GenuineIntel"
 
 
+def default_prefetch_rows(isa: str) -> int:
+    """From how many rows a multi-row fp32 linear of ``cpu_ops`` built for ``isa`` prefetches the
+    next work item: AVX-512 on Intel from 2 (3-4 rows 1.1x faster from DRAM, session 49), on other
+    CPUs from 5; 8-lane builds from 3 (docs/benchmarks.md, sessions 41 and 49)."""
+    if isa != "avx512":
+        return 3
+    return 2 if cpu_vendor() == "GenuineIntel" else 5
+
+
 ISAS = ("avx512", "avx2", "portable")
 _ISA_FLAGS = {"avx512": ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mavx2", "-mfma"], "avx2": ["-mavx2", "-mfma"], "portable": []}
 _ISA_NEEDS = {"avx512": {"avx512f", "avx512bw", "avx512vl", "avx512dq", "avx2", "fma", "f16c"}, "avx2": {"avx2", "fma", "f16c"}, "portable": set()}
@@ -95,6 +104,7 @@ def cpu_ops(isa: str | None = None):
         ops = _load(_OPS_SOURCE, f"specfw_cpu_ops_{isa}", [*_ISA_FLAGS[isa], *dot, *amx], label)
         if ops is not None:  # this CPU's defaults for every user of the build (engine.cpu_linear_prefetch overrides one)
             ops.set_spread_prefetch(default_spread_prefetch())
+            ops.set_linear_prefetch_rows(default_prefetch_rows(isa))
             ops.set_amx_attention(os.environ.get("SPECFW_AMX_ATTENTION", "1") != "0")
         _cache[key] = ops
     return _cache[key]

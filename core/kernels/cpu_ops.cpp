@@ -293,11 +293,16 @@ bool g_spread_prefetch = W == 16;
 
 void set_spread_prefetch(bool on) { g_spread_prefetch = on && W == 16; }
 bool spread_prefetch() { return g_spread_prefetch; }
-// Multi-row calls prefetch the next work item from this many rows. 8-lane builds (AVX2, portable):
-// from 3 (the demo's 120 layer linears from DRAM on AVX2, 3 rows 1.04-1.12x, 4 rows 1.05-1.11x
-// faster than from 5, 1-2 and 6-16 rows unchanged; AMD EPYC Zen 3, session 41); AVX-512 (one tile
-// up to 8 rows) as measured before.
-constexpr int64_t kPrefetchRows = W == 16 ? 5 : 3;
+// Multi-row calls prefetch the next work item from this many rows (set_linear_prefetch_rows: the default by
+// CPU, kernels/__init__.py's default_prefetch_rows). 8-lane builds (AVX2, portable): from 3 (the
+// demo's 120 layer linears from DRAM on AVX2, 3 rows 1.04-1.12x, 4 rows 1.05-1.11x faster than from
+// 5, 1-2 and 6-16 rows unchanged; AMD EPYC Zen 3, session 41). AVX-512: from 5 as measured on an
+// AMD EPYC before; from 2 on Intel (the demo's fp32 linears from DRAM, Xeon family 6 model 207,
+// session 49: 3 rows 22.8 -> 20.8 ms, 4 rows 23.4 -> 20.4, 2 rows 20.6 -> 19.6, one row unchanged).
+int64_t g_prefetch_rows = W == 16 ? 5 : 3;
+
+void set_linear_prefetch_rows(int64_t rows) { g_prefetch_rows = std::max<int64_t>(rows, 1); }
+int64_t linear_prefetch_rows() { return g_prefetch_rows; }
 constexpr int64_t kChunk = 64;   // k per pass: 4-8 KB of weight stay in L1 for every row tile (-7% at 8-12 rows)
 
 // the tile with its prefetch loop compiled in only where it prefetches (one or two rows never do)
@@ -391,8 +396,8 @@ void linear_impl(int64_t M, const WT* W_, int64_t K, int64_t NB, const float* X,
       const int64_t n_valid = std::min<int64_t>(N - n0, 2 * kBlock);
       const WT* wb = W_ + b * K * kBlock;
       const float* bb = B ? B + n0 : nullptr;
-      // the next work item's two blocks, from kPrefetchRows rows (fewer: the hardware prefetcher keeps up alone)
-      const WT* next = M >= kPrefetchRows && b + 3 < NB ? wb + 2 * K * kBlock : nullptr;
+      // the next work item's two blocks, from g_prefetch_rows rows (fewer: the hardware prefetcher keeps up alone)
+      const WT* next = M >= g_prefetch_rows && b + 3 < NB ? wb + 2 * K * kBlock : nullptr;
       if (b + 1 < NB && pair_tiles) {
         block_rows<2>(M, wb, K, X, bb, Y + n0, N, n_valid, next, part.data());
       } else {
@@ -1803,6 +1808,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("isa", &isa, "the instruction set this build was compiled for");
   m.def("pack", &pack, "pack a [N, K] fp32/bf16 weight for linear()");
   m.def("set_spread_prefetch", &set_spread_prefetch, "multi-tile linears: every row tile prefetches in turn (true) or the first alone (false); AVX-512 builds only");
+  m.def("set_linear_prefetch_rows", &set_linear_prefetch_rows, "multi-row fp32/bf16 linears (pack layout) prefetch the next work item from this many rows");
+  m.def("linear_prefetch_rows", &linear_prefetch_rows, "the row count from which multi-row linears prefetch the next work item");
   m.def("spread_prefetch", &spread_prefetch, "whether multi-tile linears spread their prefetches over the row tiles");
   m.def("linear", &linear, "batch-invariant linear over a packed weight (pack or pack_dot)", nogil);
   m.def("pack_dot", &pack_dot, "pack a [N, K] bf16 weight in bf16_dot's pair layout (AVX512-BF16 builds)");

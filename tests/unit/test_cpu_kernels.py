@@ -176,6 +176,38 @@ def test_the_prefetch_setting_changes_no_bit(isa, dtype):
         ops.set_spread_prefetch(was)
 
 
+@isas
+def test_the_prefetch_row_count_changes_no_bit(isa):
+    """``set_linear_prefetch_rows``: from how many rows a linear prefetches the next work item. Every row
+    count gives the same bits with prefetching from one row or never; the default follows the CPU."""
+    from specfw import kernels
+
+    ops = _ops(isa)
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(200, 576, generator=g)
+    packed, was = ops.pack(w), ops.linear_prefetch_rows()
+    assert was == kernels.default_prefetch_rows(isa)
+    try:
+        for rows in range(1, 10):
+            x = torch.randn(rows, 576, generator=g)
+            ops.set_linear_prefetch_rows(1)
+            early = ops.linear(x, packed, 200, torch.empty(0))
+            ops.set_linear_prefetch_rows(64)
+            assert ops.linear_prefetch_rows() == 64
+            assert torch.equal(early, ops.linear(x, packed, 200, torch.empty(0)))
+    finally:
+        ops.set_linear_prefetch_rows(was)
+
+
+def test_prefetch_rows_default_by_cpu(monkeypatch):
+    from specfw import kernels
+
+    monkeypatch.setattr(kernels, "cpu_vendor", lambda: "GenuineIntel")
+    assert [kernels.default_prefetch_rows(i) for i in ("avx512", "avx2", "portable")] == [2, 3, 3]
+    monkeypatch.setattr(kernels, "cpu_vendor", lambda: "AuthenticAMD")
+    assert [kernels.default_prefetch_rows(i) for i in ("avx512", "avx2", "portable")] == [5, 3, 3]
+
+
 def test_linear_prefetch_follows_the_config_and_the_cpu_vendor(monkeypatch):
     """``auto``: the first tile alone on an Intel CPU, every tile in turn elsewhere (also the
     build's own setting when it loads, for users without a config); a value not allowed names the
