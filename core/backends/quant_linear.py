@@ -244,11 +244,12 @@ def attach_gguf_blocks(model: nn.Module, gguf_path, n_heads: int, n_kv_heads: in
             n, k = int(t.shape[1]), int(t.shape[0])
             parts.append((name, gguf_blocks(t.data, qtype, n, k)))
         if not parts or len({p[1][3:] for p in parts}) != 1:
-            logger.info("gguf: %s stays fp32 (block types %s)", names, [tensors[n].tensor_type.name for n in names if n in tensors])
+            logger.info("gguf: %s keeps its loaded weight (block types %s)", names, [tensors[n].tensor_type.name for n in names if n in tensors])
             continue
         qw = _match(linear.weight.detach(), parts, n_heads, n_kv_heads)
         if qw is None:
-            logger.warning("gguf: %s blocks do not dequantize to the loaded %s weight; it stays so", names, str(linear.weight.dtype).removeprefix("torch."))
+            dtype = str(linear.weight.dtype).removeprefix("torch.")
+            logger.warning("gguf: %s blocks do not dequantize to the loaded %s weight; the linear keeps that weight", names, dtype)
             continue
         linear.gguf_weight = qw
         done += 1

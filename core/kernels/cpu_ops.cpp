@@ -305,7 +305,7 @@ void set_linear_prefetch_rows(int64_t rows) { g_prefetch_rows = std::max<int64_t
 int64_t linear_prefetch_rows() { return g_prefetch_rows; }
 constexpr int64_t kChunk = 64;   // k per pass: 4-8 KB of weight stay in L1 for every row tile (-7% at 8-12 rows)
 
-// the tile with its prefetch loop compiled in only where it prefetches (one or two rows never do)
+// the tile with its prefetch loop compiled in only where a call prefetches (below g_prefetch_rows rows none does)
 template <int MR, int NT, typename WT>
 inline void tile_pf(const WT* w, int64_t K, int64_t k0, int64_t k1, const float* x, float* part, const WT* pf, int pe, int pw) {
   if (pf) tile<MR, NT, true>(w, K, k0, k1, x, part, pf, pe, pw);
