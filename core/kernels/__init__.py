@@ -59,8 +59,9 @@ def default_spread_prefetch() -> bool:
 
 def default_prefetch_rows(isa: str) -> int:
     """From how many rows a multi-row linear of ``cpu_ops`` built for ``isa`` (fp32 weights, or bf16
-    in the ``pack`` layout; ``pack_dot``'s tiles always prefetch) requests the next work item: AVX-512 on Intel from 2 (3-4 rows 1.1x faster from DRAM, session 49), on other
-    CPUs from 5; 8-lane builds from 3 (docs/benchmarks.md, sessions 41 and 49)."""
+    in the ``pack`` layout; ``pack_dot``'s tiles always prefetch) requests the next work item:
+    AVX-512 on Intel from 2 (3-4 rows 1.1x faster from DRAM, session 49), on other CPUs from 5;
+    8-lane builds from 3 (docs/benchmarks.md, sessions 41 and 49)."""
     if isa != "avx512":
         return 3
     return 2 if cpu_vendor() == "GenuineIntel" else 5
