@@ -263,8 +263,11 @@ def test_server_fails_only_the_poisoned_request_in_a_running_batch(server, http)
     body = {"prompt": [5, 6, 7], "max_tokens": 40, "temperature": 0, "ignore_eos": True}
     alone = http.post(COMPL, json=body).json()["choices"][0]["text"]
     eng, bridge = server.engine, server.state.bridge
-    gate = threading.Event()
-    bridge.call(lambda engine: gate.wait(60))  # hold the engine thread so the 4 streams are admitted together
+    gate, held = threading.Event(), threading.Event()
+    bridge.call(lambda engine: (held.set(), gate.wait(60)))  # hold the engine thread so the 4 streams are admitted together
+    # before the streams are sent: a submit taken in the same batch of commands as the hold would
+    # leave the queue before the count below sees it (a loaded machine was slow to take the hold)
+    assert held.wait(30)
     socks = []
     for i in range(4):
         s = socket.create_connection(("127.0.0.1", server.port), timeout=60)
