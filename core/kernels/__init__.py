@@ -59,12 +59,15 @@ def default_spread_prefetch() -> bool:
 
 def default_prefetch_rows(isa: str) -> int:
     """From how many rows a multi-row linear of ``cpu_ops`` built for ``isa`` (fp32 weights, or bf16
-    in the ``pack`` layout; ``pack_dot``'s tiles always prefetch) requests the next work item:
-    AVX-512 on Intel from 2 (3-4 rows 1.1x faster from DRAM, session 49), on other CPUs from 5;
-    8-lane builds from 3 (docs/benchmarks.md, sessions 41 and 49)."""
-    if isa != "avx512":
+    in the ``pack`` layout; ``pack_dot``'s tiles always prefetch) requests the next work item: on
+    Intel from 2 with AVX-512 (3-4 rows 1.1x faster from DRAM, session 49) and AVX2 (2 rows of bf16
+    weights 1.45x faster, of fp32 1.1x, session 51), elsewhere AVX-512 from 5; the portable build
+    and AVX2 on other CPUs from 3 (docs/benchmarks.md, sessions 41, 49 and 51)."""
+    if isa == "portable":
         return 3
-    return 2 if cpu_vendor() == "GenuineIntel" else 5
+    if cpu_vendor() == "GenuineIntel":
+        return 2
+    return 5 if isa == "avx512" else 3
 
 
 ISAS = ("avx512", "avx2", "portable")

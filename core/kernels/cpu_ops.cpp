@@ -254,6 +254,12 @@ inline void tile(const WT* w, int64_t K, int64_t k0, int64_t k1, const float* x,
   // blocks' lines are requested evenly over the whole chunk's arithmetic (memory and arithmetic
   // overlap; with the first tile alone prefetching, its requests came in bursts and 16 rows cost
   // 1.5-1.8x a row instead of 1.3-1.5x; without any, a multi-row tile waited for DRAM, then computed)
+  // The hint is prefetcht1 (into L2), not prefetcht0: a burst of L1 prefetches holds the L1 miss
+  // buffers that the tile's own loads need, and the next item's lines (2 blocks x K x 64 B, more than
+  // L1) were evicted from L1 before use anyway. On the AMX Xeon (family 6 model 167, session 51) the
+  // demo's 120 fp32 layer linears from DRAM on the AVX2 build took 17.7-17.8 ms at 3-4 rows against
+  // 19.5-20.1 with prefetcht0, 8 rows 22.5 / 24.8, 16 rows 28.0 / 30.9; AVX-512 2-5% faster; bf16
+  // weights 1.00-1.05x. Prefetching never changes a bit.
   constexpr int64_t PW = NT * kBlock;
   V acc[MR][NT * VB];
   for (int m = 0; m < MR; ++m)
@@ -264,7 +270,7 @@ inline void tile(const WT* w, int64_t K, int64_t k0, int64_t k1, const float* x,
       for (int v = 0; v < VB; ++v) wv[b * VB + v] = vload(w + (b * K + k) * kBlock + v * W);
     if constexpr (PF) {
       if (pf_wait == 0)
-        for (int b = 0; b < NT; ++b) __builtin_prefetch(pf + (b * K + k) * kBlock, 0, 3);
+        for (int b = 0; b < NT; ++b) __builtin_prefetch(pf + (b * K + k) * kBlock, 0, 2);   // to L2 (prefetcht1)
       if (--pf_wait < 0) pf_wait = pf_every - 1;
     }
     for (int m = 0; m < MR; ++m) {
@@ -299,6 +305,8 @@ bool spread_prefetch() { return g_spread_prefetch; }
 // 5, 1-2 and 6-16 rows unchanged; AMD EPYC Zen 3, session 41). AVX-512: from 5 as measured on an
 // AMD EPYC before; from 2 on Intel (the demo's fp32 linears from DRAM, Xeon family 6 model 207,
 // session 49: 3 rows 22.8 -> 20.8 ms, 4 rows 23.4 -> 20.4, 2 rows 20.6 -> 19.6, one row unchanged).
+// AVX2 on Intel: from 2 too (Xeon family 6 model 167, session 51: 2 rows of bf16 weights 11.4 -> 7.7 ms,
+// of fp32 17.7 -> 15.7, with the L2 prefetch hint). The build's own default below; the loader sets the CPU's.
 int64_t g_prefetch_rows = W == 16 ? 5 : 3;
 
 void set_linear_prefetch_rows(int64_t rows) { g_prefetch_rows = std::max<int64_t>(rows, 1); }
@@ -351,6 +359,43 @@ void block_rows(int64_t M, const WT* w, int64_t K, const float* x, const float* 
     for (int64_t n = 0; n < n_valid; ++n) y[m * N + n] = bias ? part[m * PW + n] + bias[n] : part[m * PW + n];
 }
 
+// Two blocks side by side (w and w + K * kBlock), each with its own row tiles of one block (AVX2 with
+// more than two rows: 16 registers hold no wider tile), their k-chunks interleaved so that both
+// blocks' weights stream at once. Run one block after the other, a thread read one stream, and a
+// stream's hardware prefetch alone did not keep up with DRAM: 3-4 rows of the demo's fp32 linears
+// from DRAM took 1.2-1.3x a 2-row call on AVX2, where 2 rows (both blocks in one tile) cost what one
+// row costs. Each output still takes one FMA per k in k order: the same bits.
+template <typename WT>
+void block_rows_split(int64_t M, const WT* w, int64_t K, const float* x, const float* bias, float* y, int64_t N, int64_t n_valid,
+                      const WT* pf, float* part) {
+  constexpr int64_t PW = kBlock;
+  const int64_t tiles = (M + kTileRows - 1) / kTileRows, base = M / tiles, extra = M % tiles;
+  const bool spread = g_spread_prefetch;
+  for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
+    const int64_t k1 = std::min(K, k0 + kChunk);
+    for (int64_t blk = 0; blk < 2; ++blk) {
+      const WT* wb = w + blk * K * kBlock;
+      const WT* pb = pf ? pf + blk * K * kBlock : nullptr;
+      float* sums = part + blk * M * PW;
+      int64_t m = 0;
+      for (int64_t t = 0; t < tiles; ++t) {
+        const int mr = int(base + (t < extra));
+        if (spread)
+          tile_rows<1>(mr, wb, K, k0, k1, x + m * K, sums + m * PW, pb, int(tiles), int(t));
+        else
+          tile_rows<1>(mr, wb, K, k0, k1, x + m * K, sums + m * PW, t == 0 ? pb : nullptr, 1, 0);
+        m += mr;
+      }
+    }
+  }
+  for (int64_t blk = 0; blk < 2; ++blk) {
+    const float* sums = part + blk * M * PW;
+    const int64_t n0 = blk * kBlock, nv = std::min<int64_t>(n_valid - n0, kBlock);
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t n = 0; n < nv; ++n) y[m * N + n0 + n] = bias ? sums[m * PW + n] + bias[n0 + n] : sums[m * PW + n];
+  }
+}
+
 // One row of bf16 weights: four blocks per tile in one pass over k. Each output's sum is one FMA
 // chain in k order (the same bits as in any multi-row tile); four independent chains instead of
 // two keep the FMA latency under the weight's streaming time (half the bytes a k of fp32's: the
@@ -400,6 +445,8 @@ void linear_impl(int64_t M, const WT* W_, int64_t K, int64_t NB, const float* X,
       const WT* next = M >= g_prefetch_rows && b + 3 < NB ? wb + 2 * K * kBlock : nullptr;
       if (b + 1 < NB && pair_tiles) {
         block_rows<2>(M, wb, K, X, bb, Y + n0, N, n_valid, next, part.data());
+      } else if (b + 1 < NB) {
+        block_rows_split(M, wb, K, X, bb, Y + n0, N, n_valid, next, part.data());
       } else {
         block_rows<1>(M, wb, K, X, bb, Y + n0, N, std::min<int64_t>(n_valid, kBlock), next, part.data());
         if (b + 1 < NB)

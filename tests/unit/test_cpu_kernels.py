@@ -203,7 +203,7 @@ def test_prefetch_rows_default_by_cpu(monkeypatch):
     from specfw import kernels
 
     monkeypatch.setattr(kernels, "cpu_vendor", lambda: "GenuineIntel")
-    assert [kernels.default_prefetch_rows(i) for i in ("avx512", "avx2", "portable")] == [2, 3, 3]
+    assert [kernels.default_prefetch_rows(i) for i in ("avx512", "avx2", "portable")] == [2, 2, 3]
     monkeypatch.setattr(kernels, "cpu_vendor", lambda: "AuthenticAMD")
     assert [kernels.default_prefetch_rows(i) for i in ("avx512", "avx2", "portable")] == [5, 3, 3]
 
