@@ -41,7 +41,7 @@ inline void tile(const uint16_t* w, int64_t KP, const uint32_t* x, int64_t x_str
     for (int t = 0; t < NT; ++t)
       wv[t] = (__m512bh)_mm512_loadu_si512(reinterpret_cast<const void*>(w + (t * KP + p) * 2 * kLanes));
     if (pf)
-      for (int t = 0; t < NT; ++t) _mm_prefetch(reinterpret_cast<const char*>(pf + (t * KP + p) * 2 * kLanes), _MM_HINT_T0);
+      for (int t = 0; t < NT; ++t) _mm_prefetch(reinterpret_cast<const char*>(pf + (t * KP + p) * 2 * kLanes), _MM_HINT_T1);
     for (int m = 0; m < MR; ++m) {
       const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[m * x_stride + p]));
       for (int t = 0; t < NT; ++t) acc[m][t] = _mm512_dpbf16_ps(acc[m][t], wv[t], xv);
