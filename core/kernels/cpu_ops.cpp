@@ -287,6 +287,13 @@ constexpr int kTileRows = 8;   // 16 accumulators of two blocks
 #else
 constexpr int kTileRows = 6;   // 12 accumulators of one block
 #endif
+// Row tiles of a call of M rows: one up to 8 rows, else near-equal tiles of at most kTileRows. On
+// AVX2 a tile of 7-8 rows has 14-16 accumulators, more than the registers left (the compiler keeps
+// some in L1: 83 against 89 GFMA/s hot at 8 rows), yet from DRAM it beat 4 + 4 / 4 + 3 (the demo's
+// fp32 layer linears, Xeon family 6 model 167, session 51: 7 rows 22.0-23.3 -> 20.1 ms, 8 rows
+// 22.5-24.4 -> 22.0): each chunk's weights pass through the FMAs once. Past 8 rows the wide tiles
+// lost (16 rows as 8 + 8: 31.3 against 29.4-30.8 as 6 + 5 + 5). Tiling never changes a bit.
+inline int64_t row_tiles(int64_t M) { return M <= 8 ? 1 : (M + kTileRows - 1) / kTileRows; }
 // Which row tiles of a chunk prefetch the next blocks, for more than one tile (9+ rows on AVX-512).
 // Spread: every tile takes its turn. On an AMD EPYC (family 26 model 2, session 22) that made 16 rows
 // 1.33x a row instead of 1.46x with the first tile alone, 24 rows 1.41x instead of 1.71x; on an Intel
@@ -335,13 +342,13 @@ inline void tile_rows(int mr, const WT* w, int64_t K, int64_t k0, int64_t k1, co
   }
 }
 
-// All M rows against NT blocks: rows split into near-equal tiles of at most kTileRows (8 rows on
-// AVX2 run as 4 + 4, not 6 + 2: every tile keeps enough independent accumulators), k in chunks
+// All M rows against NT blocks: rows split into tiles as row_tiles says (past 8 rows near-equal
+// tiles, 16 on AVX2 as 6 + 5 + 5, not 6 + 6 + 4: every tile keeps enough independent accumulators), k in chunks
 template <int NT, typename WT>
 void block_rows(int64_t M, const WT* w, int64_t K, const float* x, const float* bias, float* y, int64_t N,
                 int64_t n_valid, const WT* pf, float* part) {
   constexpr int64_t PW = NT * kBlock;
-  const int64_t tiles = (M + kTileRows - 1) / kTileRows, base = M / tiles, extra = M % tiles;
+  const int64_t tiles = row_tiles(M), base = M / tiles, extra = M % tiles;
   const bool spread = g_spread_prefetch;
   for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
     const int64_t k1 = std::min(K, k0 + kChunk);
@@ -369,7 +376,7 @@ template <typename WT>
 void block_rows_split(int64_t M, const WT* w, int64_t K, const float* x, const float* bias, float* y, int64_t N, int64_t n_valid,
                       const WT* pf, float* part) {
   constexpr int64_t PW = kBlock;
-  const int64_t tiles = (M + kTileRows - 1) / kTileRows, base = M / tiles, extra = M % tiles;
+  const int64_t tiles = row_tiles(M), base = M / tiles, extra = M % tiles;
   const bool spread = g_spread_prefetch;
   for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
     const int64_t k1 = std::min(K, k0 + kChunk);
