@@ -342,9 +342,15 @@ inline void tile_rows(int mr, const WT* w, int64_t K, int64_t k0, int64_t k1, co
   }
 }
 
-// All M rows against NT blocks: rows split into tiles as row_tiles says (past 8 rows near-equal
-// tiles, 16 on AVX2 as 6 + 5 + 5, not 6 + 6 + 4: every tile keeps enough independent accumulators), k in chunks
-template <int NT, typename WT>
+// All M rows against G groups of NT blocks (group g at w + g * NT * K * kBlock): rows split into
+// tiles as row_tiles says (past 8 rows near-equal tiles, 16 on AVX2 as 6 + 5 + 5, not 6 + 6 + 4:
+// every tile keeps enough independent accumulators), k in chunks, each chunk through every group
+// in turn. Two groups of one block (AVX2 with more than two rows: 16 registers hold no wider tile)
+// so stream both blocks' weights at once: run one block after the other, a thread read one stream,
+// and a stream's hardware prefetch alone did not keep up with DRAM (3-4 rows of the demo's fp32
+// linears from DRAM took 1.2-1.3x a 2-row call on AVX2, where 2 rows, both blocks in one tile, cost
+// what one row costs; session 51). Each output still takes one FMA per k in k order: the same bits.
+template <int NT, int G, typename WT>
 void block_rows(int64_t M, const WT* w, int64_t K, const float* x, const float* bias, float* y, int64_t N,
                 int64_t n_valid, const WT* pf, float* part) {
   constexpr int64_t PW = NT * kBlock;
@@ -352,52 +358,24 @@ void block_rows(int64_t M, const WT* w, int64_t K, const float* x, const float* 
   const bool spread = g_spread_prefetch;
   for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
     const int64_t k1 = std::min(K, k0 + kChunk);
-    int64_t m = 0;
-    for (int64_t t = 0; t < tiles; ++t) {
-      const int mr = int(base + (t < extra));
-      if (spread)
-        tile_rows<NT>(mr, w, K, k0, k1, x + m * K, part + m * PW, pf, int(tiles), int(t));
-      else
-        tile_rows<NT>(mr, w, K, k0, k1, x + m * K, part + m * PW, t == 0 ? pf : nullptr, 1, 0);
-      m += mr;
-    }
-  }
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t n = 0; n < n_valid; ++n) y[m * N + n] = bias ? part[m * PW + n] + bias[n] : part[m * PW + n];
-}
-
-// Two blocks side by side (w and w + K * kBlock), each with its own row tiles of one block (AVX2 with
-// more than two rows: 16 registers hold no wider tile), their k-chunks interleaved so that both
-// blocks' weights stream at once. Run one block after the other, a thread read one stream, and a
-// stream's hardware prefetch alone did not keep up with DRAM: 3-4 rows of the demo's fp32 linears
-// from DRAM took 1.2-1.3x a 2-row call on AVX2, where 2 rows (both blocks in one tile) cost what one
-// row costs. Each output still takes one FMA per k in k order: the same bits.
-template <typename WT>
-void block_rows_split(int64_t M, const WT* w, int64_t K, const float* x, const float* bias, float* y, int64_t N, int64_t n_valid,
-                      const WT* pf, float* part) {
-  constexpr int64_t PW = kBlock;
-  const int64_t tiles = row_tiles(M), base = M / tiles, extra = M % tiles;
-  const bool spread = g_spread_prefetch;
-  for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
-    const int64_t k1 = std::min(K, k0 + kChunk);
-    for (int64_t blk = 0; blk < 2; ++blk) {
-      const WT* wb = w + blk * K * kBlock;
-      const WT* pb = pf ? pf + blk * K * kBlock : nullptr;
-      float* sums = part + blk * M * PW;
+    for (int g = 0; g < G; ++g) {
+      const WT* wg = w + g * NT * K * kBlock;
+      const WT* pg = pf ? pf + g * NT * K * kBlock : nullptr;
+      float* sums = part + g * M * PW;
       int64_t m = 0;
       for (int64_t t = 0; t < tiles; ++t) {
         const int mr = int(base + (t < extra));
         if (spread)
-          tile_rows<1>(mr, wb, K, k0, k1, x + m * K, sums + m * PW, pb, int(tiles), int(t));
+          tile_rows<NT>(mr, wg, K, k0, k1, x + m * K, sums + m * PW, pg, int(tiles), int(t));
         else
-          tile_rows<1>(mr, wb, K, k0, k1, x + m * K, sums + m * PW, t == 0 ? pb : nullptr, 1, 0);
+          tile_rows<NT>(mr, wg, K, k0, k1, x + m * K, sums + m * PW, t == 0 ? pg : nullptr, 1, 0);
         m += mr;
       }
     }
   }
-  for (int64_t blk = 0; blk < 2; ++blk) {
-    const float* sums = part + blk * M * PW;
-    const int64_t n0 = blk * kBlock, nv = std::min<int64_t>(n_valid - n0, kBlock);
+  for (int g = 0; g < G; ++g) {
+    const float* sums = part + g * M * PW;
+    const int64_t n0 = g * PW, nv = std::min<int64_t>(n_valid - n0, PW);
     for (int64_t m = 0; m < M; ++m)
       for (int64_t n = 0; n < nv; ++n) y[m * N + n0 + n] = bias ? sums[m * PW + n] + bias[n0 + n] : sums[m * PW + n];
   }
@@ -450,16 +428,12 @@ void linear_impl(int64_t M, const WT* W_, int64_t K, int64_t NB, const float* X,
       const float* bb = B ? B + n0 : nullptr;
       // the next work item's two blocks, from g_prefetch_rows rows (fewer: the hardware prefetcher keeps up alone)
       const WT* next = M >= g_prefetch_rows && b + 3 < NB ? wb + 2 * K * kBlock : nullptr;
-      if (b + 1 < NB && pair_tiles) {
-        block_rows<2>(M, wb, K, X, bb, Y + n0, N, n_valid, next, part.data());
-      } else if (b + 1 < NB) {
-        block_rows_split(M, wb, K, X, bb, Y + n0, N, n_valid, next, part.data());
-      } else {
-        block_rows<1>(M, wb, K, X, bb, Y + n0, N, std::min<int64_t>(n_valid, kBlock), next, part.data());
-        if (b + 1 < NB)
-          block_rows<1>(M, wb + K * kBlock, K, X, bb ? bb + kBlock : nullptr, Y + n0 + kBlock, N, n_valid - kBlock,
-                        next ? next + K * kBlock : nullptr, part.data());
-      }
+      if (b + 1 == NB)   // a last lone block
+        block_rows<1, 1>(M, wb, K, X, bb, Y + n0, N, n_valid, next, part.data());
+      else if (pair_tiles)
+        block_rows<2, 1>(M, wb, K, X, bb, Y + n0, N, n_valid, next, part.data());
+      else
+        block_rows<1, 2>(M, wb, K, X, bb, Y + n0, N, n_valid, next, part.data());
     }
   });
 }
