@@ -124,13 +124,19 @@ def quant_ops(isa: str | None = None):
     return _cache[key]
 
 
-Q8_ISAS = ("amx", "avx512", "avx2", "portable")  # q8_ops' builds: AMX-INT8 tiles from 16 rows, AVX-512 (VNNI where present), AVX2, none
+# q8_ops' builds: AMX-INT8 tiles from 16 rows, AVX-512 (VNNI where present), AVX-512 without VNNI
+# (what a CPU without it runs as avx512; forced on one with it so that the path is tested there too),
+# AVX2, none
+Q8_ISAS = ("amx", "avx512", "avx512bw", "avx2", "portable")
 
 
 def q8_isa_supported(isa: str) -> bool:
-    """Whether this CPU runs ``q8_ops``' ``isa`` build (``amx``: AVX512-VNNI and AMX-INT8)."""
+    """Whether this CPU runs ``q8_ops``' ``isa`` build (``amx``: AVX512-VNNI and AMX-INT8;
+    ``avx512bw``: the avx512 build without VNNI, on any AVX-512 CPU)."""
     if isa == "amx":
         return isa_supported("avx512") and {"avx512_vnni", "amx_tile", "amx_int8"} <= _cpu_flags()
+    if isa == "avx512bw":
+        return isa_supported("avx512")
     return isa_supported(isa)
 
 
@@ -145,15 +151,18 @@ def q8_isa(isa: str | None = None) -> str:
 def q8_ops(isa: str | None = None):
     """``q8_ops.cpp`` (linears with int8 activations x 4/8-bit weight codes, integer dot products)
     built for ``isa`` (one of ``Q8_ISAS``; default ``cpu_isa()``), or None. ``-ffp-contract=off``:
-    its builds must round alike (bit-equal)."""
+    its builds must round alike (bit-equal). ``avx512bw`` is the avx512 build without VNNI (on a
+    CPU without VNNI it is the avx512 build itself)."""
     isa = isa or cpu_isa()
+    if isa == "avx512bw" and "avx512_vnni" not in _cpu_flags():
+        return q8_ops("avx512")  # the same code: one build
     key = f"q8_ops_{isa}"
     if key not in _cache:
-        base = "avx512" if isa == "amx" else isa
+        base = "avx512" if isa in ("amx", "avx512bw") else isa
         f16c = ["-mf16c"] if isa != "portable" else []  # fp16 scales (vcvtph2ps): every AVX2 CPU has F16C
         # AVX512-VNNI where the CPU has it (vpdpbusd: the same integer sums, one instruction): the
         # avx512 build's isa() then says "avx512_vnni"
-        vnni = ["-mavx512vnni"] if base == "avx512" and "avx512_vnni" in _cpu_flags() else []
+        vnni = ["-mavx512vnni"] if isa in ("avx512", "amx") and "avx512_vnni" in _cpu_flags() else []
         amx = ["-mamx-tile", "-mamx-int8", "-DSPECFW_Q8_AMX"] if isa == "amx" else []
         flags = [*_ISA_FLAGS[base], *f16c, *vnni, *amx, "-ffp-contract=off"]
         _cache[key] = _load(_Q8_SOURCE, f"specfw_q8_ops_{isa}", flags, "int8-activation kernels " + isa + ("+vnni" if vnni else ""))

@@ -50,8 +50,11 @@
 #include <immintrin.h>
 #define SPECFW_Q8_SIMD 1
 #endif
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
-#define SPECFW_Q8_VNNI 1
+#if defined(__AVX512BW__) && defined(__AVX512DQ__)
+#define SPECFW_Q8_ZMM 1  // zmm tiles: two groups' 8 outputs in one register
+#if defined(__AVX512VNNI__)
+#define SPECFW_Q8_VNNI 1  // ... summed on vpdpbusd; without it on vpmaddubsw + vpmaddwd (AVX-512BW)
+#endif
 #endif
 #if defined(SPECFW_Q8_AMX)
 #if !defined(SPECFW_Q8_VNNI) || !defined(__AMX_INT8__)
@@ -64,7 +67,7 @@ namespace {
 
 constexpr int64_t kQ = 32;  // inputs per block
 constexpr int64_t kG = 8;   // outputs per group
-#if defined(SPECFW_Q8_VNNI)
+#if defined(SPECFW_Q8_ZMM)
 constexpr int64_t kSpan = 2;  // groups per work item: one zmm holds two groups' 8 outputs
 constexpr int kTile = 8;      // rows per register tile (32 zmm registers)
 #elif defined(SPECFW_Q8_SIMD)
@@ -181,78 +184,10 @@ struct Span {
   bool pair = false;     // AVX2, 4-bit codes: both groups in one tile (tile_two; calls of kPairRows+ rows)
 };
 
-#if defined(SPECFW_Q8_VNNI)
-// AVX512-VNNI: one zmm holds two groups' 8 outputs (low half group g, high half g + 1), and
-// vpdpbusd does vpmaddubsw + vpmaddwd + vpaddd in one instruction. 4-bit codes (0..15) are its
-// unsigned operand as they are; 8-bit codes w go in as w + 128 (w ^ 0x80), and the 128 x sum of
-// the row's codes that adds is where the sum starts from. Integer sums are exact, the fp32 steps
-// per output are the ones above: the same bits as every other build.
-inline __m512i pair_codes(const uint8_t* c, int64_t next, bool two) {
-  const __m512i lo = _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c)));
-  return two ? _mm512_inserti64x4(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + next)), 1) : lo;
-}
-
-inline __m512 pair_scales(const Scales& s, int64_t i, int64_t next, bool two) {
-  const __m512 lo = _mm512_zextps256_ps512(s.load8(i));
-  return two ? _mm512_insertf32x8(lo, s.load8(i + next), 1) : lo;
-}
-
-inline __m512i bcast4(const int8_t* p) {
-  int32_t v;
-  std::memcpy(&v, p, 4);
-  return _mm512_set1_epi32(v);
-}
-
-// R rows (r0..r0+R-1) x the span's groups -> out [R, 16] (columns of a missing second group: 0)
-template <int R>
-void tile(const Span& sp, const Rows& x, int64_t r0, float* out) {
-  const bool two = sp.groups == 2;
-  const int64_t step = sp.bits == 4 ? 128 : 256, snext = x.KB * kG;
-  const __m512i mask = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(char(0x80));
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < x.KB; ++b) {
-    if (r0 == 0) {  // the first tile streams the codes of both groups: fetch ahead
-      for (int g = 0; g < sp.groups; ++g) {
-        const char* c = reinterpret_cast<const char*>(sp.codes + g * sp.per_group + (b + kAheadL2) * step);
-        for (int64_t o = 0; o < step; o += 64) _mm_prefetch(c + o, _MM_HINT_T1);
-        _mm_prefetch(sp.d.addr(g * snext + (b + kAheadL2) * kG), _MM_HINT_T1);
-        if (sp.m) _mm_prefetch(sp.m.addr(g * snext + (b + kAheadL2) * kG), _MM_HINT_T1);
-      }
-    }
-    __m512i P[R];
-    const int8_t* qb = x.q + r0 * x.K + b * kQ;
-    const uint8_t* c = sp.codes + b * step;
-    if (sp.bits == 4) {
-      for (int r = 0; r < R; ++r) P[r] = _mm512_setzero_si512();
-#pragma GCC unroll 1
-      for (int p = 0; p < 4; ++p) {
-        const __m512i v = pair_codes(c + p * 32, sp.per_group, two);
-        const __m512i w0 = _mm512_and_si512(v, mask), w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
-        for (int r = 0; r < R; ++r) {
-          P[r] = _mm512_dpbusd_epi32(P[r], w0, bcast4(qb + r * x.K + p * 8));
-          P[r] = _mm512_dpbusd_epi32(P[r], w1, bcast4(qb + r * x.K + p * 8 + 4));
-        }
-      }
-    } else {
-      for (int r = 0; r < R; ++r) P[r] = _mm512_set1_epi32(-128 * x.qs[(r0 + r) * x.KB + b]);
-#pragma GCC unroll 1
-      for (int st = 0; st < 8; ++st) {
-        const __m512i w = _mm512_xor_si512(pair_codes(c + st * 32, sp.per_group, two), flip);
-        for (int r = 0; r < R; ++r) P[r] = _mm512_dpbusd_epi32(P[r], w, bcast4(qb + r * x.K + st * 4));
-      }
-    }
-    const __m512 db = pair_scales(sp.d, b * kG, snext, two);
-    const __m512 mb = sp.m ? pair_scales(sp.m, b * kG, snext, two) : _mm512_setzero_ps();
-    for (int r = 0; r < R; ++r) {
-      const __m512 dd = _mm512_mul_ps(db, _mm512_set1_ps(x.dx[(r0 + r) * x.KB + b]));
-      acc[r] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(P[r]), acc[r]);
-      if (sp.m) acc[r] = _mm512_fmadd_ps(mb, _mm512_set1_ps(x.sx[(r0 + r) * x.KB + b]), acc[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kSpan * kG, acc[r]);
-}
-#elif defined(SPECFW_Q8_SIMD)
+#if defined(SPECFW_Q8_SIMD)
+// AVX2 tiles (one ymm: one group's 8 outputs). The avx512 build without VNNI keeps them for calls
+// of up to kYmmRows rows (see tile_rows).
+namespace ymm {
 inline __m256i bcast4(const int8_t* p) {
   int32_t v;
   std::memcpy(&v, p, 4);
@@ -408,6 +343,115 @@ void tile(const Span& sp, const Rows& x, int64_t r0, float* out) {
     tile_one<R>(Span{sp.codes + sp.per_group, sp.per_group, 1, sp.d.at(snext), sp.m.at(snext), sp.bits}, x, r0, out + kG);
   }
 }
+}  // namespace ymm
+#endif
+
+#if defined(SPECFW_Q8_ZMM)
+// AVX-512: one zmm holds two groups' 8 outputs (low half group g, high half g + 1).
+// With VNNI, vpdpbusd does vpmaddubsw + vpmaddwd + vpaddd in one instruction: 4-bit codes (0..15)
+// are its unsigned operand as they are; 8-bit codes w go in as w + 128 (w ^ 0x80), and the 128 x
+// sum of the row's codes that adds is where the sum starts from.
+// Without VNNI (AVX-512BW: Skylake-SP / Cascade Lake-less Xeons), the AVX2 build's arithmetic on
+// twice the lanes: 4-bit products via vpmaddubsw summed in int16 over a block (8 x 2 x 15 x 127 <
+// 32768: exact), then one vpmaddwd into int32; 8-bit ones as |w| x (x negated where w < 0; a
+// masked subtract, AVX-512 has no vpsignb), vpmaddwd, int32 adds. On the Xeon family 6 model 85
+// (no VNNI, session 52) the AVX2 tiles this replaces were instruction-bound from 4 rows.
+// Integer sums are exact, the fp32 steps per output are the ones above: the same bits as every
+// other build.
+inline __m512i pair_codes(const uint8_t* c, int64_t next, bool two) {
+  const __m512i lo = _mm512_zextsi256_si512(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(c)));
+  return two ? _mm512_inserti64x4(lo, _mm256_loadu_si256(reinterpret_cast<const __m256i*>(c + next)), 1) : lo;
+}
+
+inline __m512 pair_scales(const Scales& s, int64_t i, int64_t next, bool two) {
+  const __m512 lo = _mm512_zextps256_ps512(s.load8(i));
+  return two ? _mm512_insertf32x8(lo, s.load8(i + next), 1) : lo;
+}
+
+inline __m512i bcast4(const int8_t* p) {
+  int32_t v;
+  std::memcpy(&v, p, 4);
+  return _mm512_set1_epi32(v);
+}
+
+// R rows (r0..r0+R-1) x the span's groups -> out [R, 16] (columns of a missing second group: 0)
+template <int R>
+void tile(const Span& sp, const Rows& x, int64_t r0, float* out) {
+  const bool two = sp.groups == 2;
+  const int64_t step = sp.bits == 4 ? 128 : 256, snext = x.KB * kG;
+  const __m512i mask = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(char(0x80));
+#if !defined(SPECFW_Q8_VNNI)
+  const __m512i ones = _mm512_set1_epi16(1);
+#endif
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < x.KB; ++b) {
+    if (r0 == 0) {  // the first tile streams the codes of both groups: fetch ahead
+      for (int g = 0; g < sp.groups; ++g) {
+        const char* c = reinterpret_cast<const char*>(sp.codes + g * sp.per_group + (b + kAheadL2) * step);
+        for (int64_t o = 0; o < step; o += 64) _mm_prefetch(c + o, _MM_HINT_T1);
+        _mm_prefetch(sp.d.addr(g * snext + (b + kAheadL2) * kG), _MM_HINT_T1);
+        if (sp.m) _mm_prefetch(sp.m.addr(g * snext + (b + kAheadL2) * kG), _MM_HINT_T1);
+      }
+    }
+    __m512i P[R];
+    const int8_t* qb = x.q + r0 * x.K + b * kQ;
+    const uint8_t* c = sp.codes + b * step;
+    if (sp.bits == 4) {
+      for (int r = 0; r < R; ++r) P[r] = _mm512_setzero_si512();
+#pragma GCC unroll 1
+      for (int p = 0; p < 4; ++p) {
+        const __m512i v = pair_codes(c + p * 32, sp.per_group, two);
+        const __m512i w0 = _mm512_and_si512(v, mask), w1 = _mm512_and_si512(_mm512_srli_epi16(v, 4), mask);
+        for (int r = 0; r < R; ++r) {
+#if defined(SPECFW_Q8_VNNI)
+          P[r] = _mm512_dpbusd_epi32(P[r], w0, bcast4(qb + r * x.K + p * 8));
+          P[r] = _mm512_dpbusd_epi32(P[r], w1, bcast4(qb + r * x.K + p * 8 + 4));
+#else  // int16 sums over the block (P holds them until the vpmaddwd below)
+          const __m512i t = _mm512_add_epi16(_mm512_maddubs_epi16(w0, bcast4(qb + r * x.K + p * 8)),
+                                             _mm512_maddubs_epi16(w1, bcast4(qb + r * x.K + p * 8 + 4)));
+          P[r] = _mm512_add_epi16(P[r], t);
+#endif
+        }
+      }
+#if !defined(SPECFW_Q8_VNNI)
+      for (int r = 0; r < R; ++r) P[r] = _mm512_madd_epi16(P[r], ones);
+#endif
+    } else {
+#if defined(SPECFW_Q8_VNNI)
+      for (int r = 0; r < R; ++r) P[r] = _mm512_set1_epi32(-128 * x.qs[(r0 + r) * x.KB + b]);
+#pragma GCC unroll 1
+      for (int st = 0; st < 8; ++st) {
+        const __m512i w = _mm512_xor_si512(pair_codes(c + st * 32, sp.per_group, two), flip);
+        for (int r = 0; r < R; ++r) P[r] = _mm512_dpbusd_epi32(P[r], w, bcast4(qb + r * x.K + st * 4));
+      }
+#else
+      for (int r = 0; r < R; ++r) P[r] = _mm512_setzero_si512();
+#pragma GCC unroll 1
+      for (int st = 0; st < 8; ++st) {
+        const __m512i w = pair_codes(c + st * 32, sp.per_group, two), aw = _mm512_abs_epi8(w);
+        const __mmask64 neg = _mm512_movepi8_mask(w);
+        for (int r = 0; r < R; ++r) {
+          const __m512i xb = bcast4(qb + r * x.K + st * 4);
+          const __m512i xs = _mm512_mask_sub_epi8(xb, neg, _mm512_setzero_si512(), xb);  // |w| x sign(w) x
+          P[r] = _mm512_add_epi32(P[r], _mm512_madd_epi16(_mm512_maddubs_epi16(aw, xs), ones));
+        }
+      }
+      (void)flip;
+#endif
+    }
+    const __m512 db = pair_scales(sp.d, b * kG, snext, two);
+    const __m512 mb = sp.m ? pair_scales(sp.m, b * kG, snext, two) : _mm512_setzero_ps();
+    for (int r = 0; r < R; ++r) {
+      const __m512 dd = _mm512_mul_ps(db, _mm512_set1_ps(x.dx[(r0 + r) * x.KB + b]));
+      acc[r] = _mm512_fmadd_ps(dd, _mm512_cvtepi32_ps(P[r]), acc[r]);
+      if (sp.m) acc[r] = _mm512_fmadd_ps(mb, _mm512_set1_ps(x.sx[(r0 + r) * x.KB + b]), acc[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(out + r * kSpan * kG, acc[r]);
+}
+#elif defined(SPECFW_Q8_SIMD)
+using ymm::tile;
 #else
 // the weight code of (output o, input j of block b)
 inline int32_t code_at(const uint8_t* codes, int bits, int64_t b, int o, int j) {
@@ -442,9 +486,20 @@ void tile(const Span& sp, const Rows& x, int64_t r0, float* out) {
 }
 #endif
 
+#if defined(SPECFW_Q8_ZMM) && !defined(SPECFW_Q8_VNNI)
+// Without VNNI, calls of up to this many rows stay on the AVX2 tiles: one group's codes streamed at a
+// time read DRAM faster at one or two rows (the demo's 120 Q4_1 layer linears: 1 row 7.8 against
+// 8.5 ms on the zmm tile, 2 rows 9.6 / 10.5; 3 rows 13.3 / 12.1, 4 rows 16.0 / 13.1, 8 rows 31.8 /
+// 21.5, 16 rows 60.4 / 37.3; Xeon family 6 model 85, session 52). The same bits either way.
+constexpr int kYmmRows = 2;
+#endif
+
 inline void tile_rows(int R, const Span& sp, const Rows& x, int64_t r0, float* out) {
+#if defined(SPECFW_Q8_ZMM) && !defined(SPECFW_Q8_VNNI)
+  if (R <= kYmmRows) return R == 2 ? ymm::tile<2>(sp, x, r0, out) : ymm::tile<1>(sp, x, r0, out);
+#endif
   switch (R) {
-#if defined(SPECFW_Q8_VNNI)
+#if defined(SPECFW_Q8_ZMM)
     case 8: tile<8>(sp, x, r0, out); break;
     case 7: tile<7>(sp, x, r0, out); break;
     case 6: tile<6>(sp, x, r0, out); break;
@@ -701,7 +756,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torc
   }
 #endif
   const int64_t tiles = (M + kTile - 1) / kTile, base = M / tiles, extra = M % tiles;
-#if defined(SPECFW_Q8_SIMD) && !defined(SPECFW_Q8_VNNI)
+#if defined(SPECFW_Q8_SIMD) && !defined(SPECFW_Q8_ZMM)
   const bool pair = M >= kPairRows;
 #else
   const bool pair = false;

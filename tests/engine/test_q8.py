@@ -222,12 +222,15 @@ def test_fp16_scales_give_the_bits_of_fp32_scales(isa, kind):
 
 
 def test_avx512_build_takes_vnni_where_the_cpu_has_it():
-    """On an AVX512-VNNI CPU the avx512 build is the vpdpbusd one (which the bit tests above then
-    cover); elsewhere it runs the AVX2 code."""
+    """On an AVX512-VNNI CPU the avx512 build is the vpdpbusd one and the avx512bw build its
+    vpmaddubsw twin (the bit tests above cover both); elsewhere the two are one build, the
+    vpmaddubsw one."""
     from specfw.kernels import _cpu_flags
 
-    ops = _ops("avx512")
-    assert ops.isa() == ("avx512_vnni" if "avx512_vnni" in _cpu_flags() else "avx512")
+    ops, bw = _ops("avx512"), _ops("avx512bw")
+    vnni = "avx512_vnni" in _cpu_flags()
+    assert ops.isa() == ("avx512_vnni" if vnni else "avx512")
+    assert bw.isa() == "avx512" and (bw is not ops) == vnni
 
 
 def test_amx_build_where_the_cpu_has_amx_int8():
