@@ -182,6 +182,7 @@ struct Span {
   Scales d, m;           // the first group's scales; the next group's lie KB * 8 on
   int bits;
   bool pair = false;     // AVX2, 4-bit codes: both groups in one tile (tile_two; calls of kPairRows+ rows)
+  bool narrow = false;   // avx512 without VNNI: a call of few rows, on the AVX2 tiles (ymm_rows)
 };
 
 #if defined(SPECFW_Q8_SIMD)
@@ -487,16 +488,24 @@ void tile(const Span& sp, const Rows& x, int64_t r0, float* out) {
 #endif
 
 #if defined(SPECFW_Q8_ZMM) && !defined(SPECFW_Q8_VNNI)
-// Without VNNI, calls of up to this many rows stay on the AVX2 tiles: one group's codes streamed at a
-// time read DRAM faster at one or two rows (the demo's 120 Q4_1 layer linears: 1 row 7.8 against
-// 8.5 ms on the zmm tile, 2 rows 9.6 / 10.5; 3 rows 13.3 / 12.1, 4 rows 16.0 / 13.1, 8 rows 31.8 /
-// 21.5, 16 rows 60.4 / 37.3; Xeon family 6 model 85, session 52). The same bits either way.
-constexpr int kYmmRows = 2;
+// Without VNNI, calls of few rows stay on the AVX2 tiles, one group's codes streamed at a time: up
+// to 4 rows of 4-bit codes, up to 2 of 8-bit ones. The demo's 120 Q4_1 layer linears from DRAM
+// (random codes, Xeon family 6 model 85, 2 threads, session 52), AVX2 tiles / zmm tiles: 3 rows
+// 9.5-10.6 / 10.8-12.4 ms, 4 rows 11.9-13.1 / 11.9-13.4, 8 rows 24.9-28.6 / 20.6-22.1, 16 rows
+// 45.5-50.9 / 37.0-38.8; with 8-bit codes 4 rows 20.5 / 17.0, 8 rows 36.6 / 26.3. The same bits.
+inline int64_t ymm_rows(int64_t bits) { return bits == 4 ? 4 : 2; }
 #endif
 
 inline void tile_rows(int R, const Span& sp, const Rows& x, int64_t r0, float* out) {
 #if defined(SPECFW_Q8_ZMM) && !defined(SPECFW_Q8_VNNI)
-  if (R <= kYmmRows) return R == 2 ? ymm::tile<2>(sp, x, r0, out) : ymm::tile<1>(sp, x, r0, out);
+  if (sp.narrow) {
+    switch (R) {
+      case 4: return ymm::tile<4>(sp, x, r0, out);
+      case 3: return ymm::tile<3>(sp, x, r0, out);
+      case 2: return ymm::tile<2>(sp, x, r0, out);
+      default: return ymm::tile<1>(sp, x, r0, out);
+    }
+  }
 #endif
   switch (R) {
 #if defined(SPECFW_Q8_ZMM)
@@ -757,15 +766,17 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torc
 #endif
   const int64_t tiles = (M + kTile - 1) / kTile, base = M / tiles, extra = M % tiles;
 #if defined(SPECFW_Q8_SIMD) && !defined(SPECFW_Q8_ZMM)
-  const bool pair = M >= kPairRows;
+  const bool pair = M >= kPairRows, narrow = false;
+#elif defined(SPECFW_Q8_ZMM) && !defined(SPECFW_Q8_VNNI)
+  const bool pair = false, narrow = M <= ymm_rows(bits);
 #else
-  const bool pair = false;
+  const bool pair = false, narrow = false;
 #endif
   at::parallel_for(0, NS, 1, [&](int64_t s0, int64_t s1) {
     float out[kTile * kSpan * kG];
     for (int64_t s = s0; s < s1; ++s) {
       const int64_t g = s * kSpan, n0 = g * kG;
-      const Span sp{C + g * per_group, per_group, int(std::min<int64_t>(kSpan, NG - g)), D.at(g * KB * kG), Mn.at(g * KB * kG), int(bits), pair};
+      const Span sp{C + g * per_group, per_group, int(std::min<int64_t>(kSpan, NG - g)), D.at(g * KB * kG), Mn.at(g * KB * kG), int(bits), pair, narrow};
       const int64_t nv = std::min<int64_t>(sp.groups * kG, N - n0);
       int64_t r0 = 0;
       for (int64_t t = 0; t < tiles; ++t) {
