@@ -187,7 +187,7 @@ struct Span {
 
 #if defined(SPECFW_Q8_SIMD)
 // AVX2 tiles (one ymm: one group's 8 outputs). The avx512 build without VNNI keeps them for calls
-// of up to kYmmRows rows (see tile_rows).
+// of few rows (ymm_rows, tile_rows).
 namespace ymm {
 inline __m256i bcast4(const int8_t* p) {
   int32_t v;
@@ -352,11 +352,11 @@ void tile(const Span& sp, const Rows& x, int64_t r0, float* out) {
 // With VNNI, vpdpbusd does vpmaddubsw + vpmaddwd + vpaddd in one instruction: 4-bit codes (0..15)
 // are its unsigned operand as they are; 8-bit codes w go in as w + 128 (w ^ 0x80), and the 128 x
 // sum of the row's codes that adds is where the sum starts from.
-// Without VNNI (AVX-512BW: Skylake-SP / Cascade Lake-less Xeons), the AVX2 build's arithmetic on
+// Without VNNI (AVX-512BW only: Skylake-SP Xeons), the AVX2 build's arithmetic on
 // twice the lanes: 4-bit products via vpmaddubsw summed in int16 over a block (8 x 2 x 15 x 127 <
 // 32768: exact), then one vpmaddwd into int32; 8-bit ones as |w| x (x negated where w < 0; a
 // masked subtract, AVX-512 has no vpsignb), vpmaddwd, int32 adds. On the Xeon family 6 model 85
-// (no VNNI, session 52) the AVX2 tiles this replaces were instruction-bound from 4 rows.
+// (no VNNI, session 52) it runs calls of 8-16 rows 1.2-1.6x faster than the AVX2 tiles did.
 // Integer sums are exact, the fp32 steps per output are the ones above: the same bits as every
 // other build.
 inline __m512i pair_codes(const uint8_t* c, int64_t next, bool two) {
