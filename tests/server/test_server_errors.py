@@ -317,6 +317,9 @@ def test_api_key(server):
 
 
 def test_errors_are_counted_and_server_still_healthy(server, http):
+    # its own errors: under pytest-xdist the tests that make others may run on another worker's server
+    _err(http.post(CHAT, json=chat(messages=[])), 400, "messages")
+    _err(http.post(CHAT, json=chat(model="gpt-17")), 404, "model")
     t = http.get("/metrics").text
     assert 'specfw_request_errors_total{endpoint="/v1/chat/completions",status="400"}' in t
     assert 'specfw_request_errors_total{endpoint="/v1/chat/completions",status="404"}' in t
