@@ -380,8 +380,10 @@ template <int R>
 void tile(const Span& sp, const Rows& x, int64_t r0, float* out) {
   const bool two = sp.groups == 2;
   const int64_t step = sp.bits == 4 ? 128 : 256, snext = x.KB * kG;
-  const __m512i mask = _mm512_set1_epi8(0x0F), flip = _mm512_set1_epi8(char(0x80));
-#if !defined(SPECFW_Q8_VNNI)
+  const __m512i mask = _mm512_set1_epi8(0x0F);
+#if defined(SPECFW_Q8_VNNI)
+  const __m512i flip = _mm512_set1_epi8(char(0x80));
+#else
   const __m512i ones = _mm512_set1_epi16(1);
 #endif
   __m512 acc[R];
@@ -438,7 +440,6 @@ void tile(const Span& sp, const Rows& x, int64_t r0, float* out) {
           P[r] = _mm512_add_epi32(P[r], _mm512_madd_epi16(_mm512_maddubs_epi16(aw, xs), ones));
         }
       }
-      (void)flip;
 #endif
     }
     const __m512 db = pair_scales(sp.d, b * kG, snext, two);
