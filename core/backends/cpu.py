@@ -163,7 +163,8 @@ class CpuBackend(Backend):
         prefetch the next weight blocks (``cpu_ops.set_spread_prefetch``; one setting per kernel
         build, so per process). ``auto``: the build's default on this CPU (``default_spread_prefetch``:
         the first tile alone on Intel, every tile in turn elsewhere). Returns whether they spread
-        (AVX-512 builds only; AVX2 builds never do)."""
+        (AVX2 and portable builds spread fp32 weights' prefetches only: bf16 weights are compute-bound
+        there)."""
         from ..kernels import default_spread_prefetch
 
         spread = choice == "spread" or (choice == "auto" and default_spread_prefetch())

@@ -300,11 +300,15 @@ inline int64_t row_tiles(int64_t M) { return M <= 8 ? 1 : (M + kTileRows - 1) / 
 // Xeon with AMX (family 6 model 167, session 34) it is the other way round: the demo's fp32 linears
 // from DRAM took 43.0 ms at 16 rows spread against 35.6 with the first tile alone (12 rows 38.0 / 33.6,
 // 32 rows 55.5 / 51.3). So it is set at run time (set_spread_prefetch: engine.cpu_linear_prefetch, by
-// default from the CPU's vendor). AVX2, compute-bound from ~12 rows, gained nothing from spreading and
-// lost 8% at 24 rows: its first tile prefetches alone on every CPU. Prefetching never changes a bit.
+// default from the CPU's vendor). The AVX2 build, measured then, gained nothing from spreading and lost 8%
+// at 24 rows. On an AVX2-only AMD EPYC (Zen 3, family 25 model 1, session 53) spreading made
+// fp32 weights' multi-tile calls faster (the demo's 120 fp32 layer linears from DRAM, two runs: 12 rows
+// 22.95 / 24.72 -> 22.37 / 21.77 ms, 16 rows 28.4 -> 25.6-25.9, 24 rows 38.1-39.2 -> 34.6-36.0; 10 rows
+// even) but not bf16 weights (compute-bound on AVX2, 1.00-1.03x slower): 8-lane builds spread fp32 weights
+// only. Prefetching never changes a bit.
 bool g_spread_prefetch = W == 16;
 
-void set_spread_prefetch(bool on) { g_spread_prefetch = on && W == 16; }
+void set_spread_prefetch(bool on) { g_spread_prefetch = on; }
 bool spread_prefetch() { return g_spread_prefetch; }
 // Multi-row calls prefetch the next work item from this many rows (set_linear_prefetch_rows: the default by
 // CPU, kernels/__init__.py's default_prefetch_rows). 8-lane builds (AVX2, portable): from 3 (the
@@ -355,7 +359,7 @@ void block_rows(int64_t M, const WT* w, int64_t K, const float* x, const float* 
                 int64_t n_valid, const WT* pf, float* part) {
   constexpr int64_t PW = NT * kBlock;
   const int64_t tiles = row_tiles(M), base = M / tiles, extra = M % tiles;
-  const bool spread = g_spread_prefetch;
+  const bool spread = g_spread_prefetch && (W == 16 || sizeof(WT) == 4);
   for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
     const int64_t k1 = std::min(K, k0 + kChunk);
     for (int g = 0; g < G; ++g) {
@@ -1835,7 +1839,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("isa", &isa, "the instruction set this build was compiled for");
   m.def("pack", &pack, "pack a [N, K] fp32/bf16 weight for linear()");
-  m.def("set_spread_prefetch", &set_spread_prefetch, "multi-tile linears: every row tile prefetches in turn (true) or the first alone (false); AVX-512 builds only");
+  m.def("set_spread_prefetch", &set_spread_prefetch, "multi-tile linears: every row tile prefetches in turn (true) or the first alone (false); 8-lane builds (AVX2, portable) spread fp32 weights only");
   m.def("set_linear_prefetch_rows", &set_linear_prefetch_rows, "multi-row fp32/bf16 linears (pack layout) prefetch the next work item from this many rows");
   m.def("linear_prefetch_rows", &linear_prefetch_rows, "the row count from which multi-row linears prefetch the next work item");
   m.def("spread_prefetch", &spread_prefetch, "whether multi-tile linears spread their prefetches over the row tiles");
