@@ -8,7 +8,10 @@ batch-invariant attention, which runs one attention call per distinct depth). Pr
 for three settings measured interleaved in one run: specfw's CPU kernels (``engine.cpu_isa``,
 default auto; exact by construction), torch's ops batch invariant (``engine.cpu_isa=none``: row
 plans, one-row SDPA calls) and torch's ops loose (``batch_invariant=false``: masked tree attention).
-``--isa avx2`` forces the kernels' AVX2 build (on an AVX-512 CPU too).
+``--isa avx2`` forces the kernels' AVX2 build (on an AVX-512 CPU too). ``--greedy`` runs the
+forwards as greedy verification runs them (``ForwardBatch.greedy_only``: only each row's argmax
+and its logit are exact; an fp32 lm_head goes through ``GreedyHead``); without it every row gets
+full logits (what sampled requests pay).
 
 ``--quantization gguf --activations int8`` (the demo's own blocks, int8 activations: the fastest
 exact setup) times the kernels only; on a CPU with AMX-INT8 it times the backend as it runs (q8_ops'
@@ -46,6 +49,7 @@ def main():
     ap.add_argument("--isa", default="auto", help="engine.cpu_isa of the kernel row (auto|avx512|avx2|portable)")
     ap.add_argument("--quantization", default="none", help="model.quantization (none|int8|int4|gguf)")
     ap.add_argument("--activations", default="none", help="model.activation_quantization (none|int8|int8_per_token)")
+    ap.add_argument("--greedy", action="store_true", help="greedy_only forwards, as greedy verification runs them")
     ap.add_argument("--sizes", default="", help="comma-separated tree sizes (default 1-16, 24, 32)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -89,16 +93,16 @@ def main():
             for name, (runner, prefix) in runners.items():
                 slots = runner.allocator.alloc(T)
                 chunk = [(ids, args.prefix + depth, slots, prefix, mask)]
-                runner.forward(build_forward_batch(chunk))
+                runner.forward(build_forward_batch(chunk, greedy_only=args.greedy))
                 t0 = time.perf_counter()
                 for _ in range(5):
-                    runner.forward(build_forward_batch(chunk))
+                    runner.forward(build_forward_batch(chunk, greedy_only=args.greedy))
                 key = (name, T)
                 best[key] = min(best.get(key, float("inf")), (time.perf_counter() - t0) / 5)
                 runner.allocator.free(slots)
     print(
         f"\nforward cost by tree rows ({args.dtype}, quantization {args.quantization}, activations {args.activations}, "
-        f"prefix {args.prefix}, tree levels of {args.width}, "
+        f"prefix {args.prefix}, tree levels of {args.width}, {'greedy-only' if args.greedy else 'full'} logits, "
         f"kernels {runners['kernels'][0].backend.describe()})\non {cpu_description()}"
     )
     print("rows " + "".join(f"{name:>22s}" for name in runners))
