@@ -36,6 +36,7 @@ PHASES = [
     ("extend pass", "draft (hook)"),
     ("beam search", "draft (hook)"),
     ("head steps (batch + forward)", "beam search"),
+    ("extend + beam search in one kernel call", "draft (hook)"),
     ("device chain: extend + loop, one replay", "draft (hook)"),
     ("build tree (hook)", "worker decode"),
     ("target forward", "worker decode"),
@@ -127,6 +128,8 @@ class Phases:
                 return search(*a, **k)
 
             feature_drafter.beam_search = self.wrap("beam search", beam_search)
+            one_call = feature_drafter.FeatureDrafter._step_in_one_call
+            feature_drafter.FeatureDrafter._step_in_one_call = self.wrap("extend + beam search in one kernel call", one_call)
             device_chain.DeviceChain.draft = self.wrap("device chain: extend + loop, one replay", device_chain.DeviceChain.draft)
 
     def table(self) -> list[tuple[str, float, float]]:
@@ -185,8 +188,13 @@ def main():
     ap.add_argument("--batch", type=int, default=1, help="requests in flight")
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--sync", type=int, default=None, help="wait for the device at phase boundaries (default: on CUDA)")
+    ap.add_argument("--python-draft", action="store_true", help="an EAGLE-3 head's draft step in Python, not in one kernel call (A/B)")
     ap.add_argument("--bar", type=float, default=1.8, help="a speedup over plain to say the tokens per step it needs (issue 17: 1.8)")
     a = ap.parse_args()
+    if a.python_draft:
+        from specfw.backends.cpu import CpuBackend
+
+        CpuBackend.one_call_drafts = False
 
     from specfw import datasets
     from specfw.bench.drive import run_engine

@@ -108,6 +108,14 @@ class Backend:
         as the per-op path), or None: the per-op path."""
         return None
 
+    def eagle3_draft(self, layer: nn.Module, embed: nn.Module, norm: nn.Module, lm_head: nn.Module, to_target: torch.Tensor | None):
+        """A callable running a greedy draft step of an EAGLE-3-layout head (``layer`` with its
+        input and hidden norms, the target's ``embed``, the final ``norm``, ``lm_head`` over the
+        draft vocabulary, ``to_target`` its map to target ids) -- the extend pass, then EAGLE-2's
+        beam search -- in one call, with the Python step's candidates (``KernelDraftStep``), or
+        None: the Python step."""
+        return None
+
     def greedy_head(self, model: nn.Module):
         """A callable for ``model``'s lm_head over rows read only for their argmax
         (``ForwardBatch.greedy_only``): logits whose argmax and the value there are the full

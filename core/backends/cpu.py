@@ -33,6 +33,7 @@ from . import huge_pages
 from .base import Backend, HeadShape
 from .greedy_head import GreedyHead
 from .kernel_attention import KernelAttentionPlan
+from .kernel_draft_step import KernelDraftStep
 from .kernel_layers import KernelDraftLayer, KernelLayers
 from .kernel_linear import KernelLinear
 from .torch_ops import sdpa_plan
@@ -44,6 +45,7 @@ from .quant_linear import QuantLinear, quantize, supports
 class CpuBackend(Backend):
     name = "cpu"
     one_call_layers = True  # decoder_stack: all layers in one kernel call where they qualify (False: per layer, for A/B runs)
+    one_call_drafts = True  # eagle3_draft: an EAGLE-3 head's draft step in one kernel call (False: the Python step, for A/B runs)
     greedy_heads = True  # greedy_head: greedy rows' lm_head through a bf16 copy and exact candidates (engine.cpu_greedy_head)
 
     def __init__(
@@ -184,6 +186,19 @@ class CpuBackend(Backend):
         if not self.one_call_layers:
             return None
         return self._per_model(layer, "_kernel_draft_layer", lambda: KernelDraftLayer(self.ops, layer) if KernelDraftLayer.eligible(self.ops, layer) else None)
+
+    def eagle3_draft(self, layer, embed, norm, lm_head, to_target):
+        # the search's top-k is this build's top_logprobs, as the Python search's is (not portable's)
+        if self.isa == "portable" or not self.one_call_drafts:
+            return None
+        one_call = self.draft_layer(layer)
+
+        def build():
+            if not KernelDraftStep.eligible(self.ops, one_call, embed, norm, lm_head):
+                return None
+            return KernelDraftStep(self.ops, one_call, embed, norm, lm_head, to_target)
+
+        return self._per_model(layer, "_kernel_draft_step", build)
 
     def greedy_head(self, model):
         # 56 MB on the demo target: the bf16 copy of its head

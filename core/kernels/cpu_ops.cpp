@@ -1653,6 +1653,241 @@ torch::Tensor draft_layer(torch::Tensor attn_in, torch::Tensor residual, std::ve
                     prefix_ptr, prefix_slots, row_ptr, row_q, extra_ptr, extra_slots);
 }
 
+// ---------------------------------------------------------------- an EAGLE-3 head's draft step in one call
+// An EAGLE-3-layout draft head: attention input cat(in_norm(embed(t)), h_norm(h)), residual h (the
+// target's projected feature in an extend pass, the parent's output hidden in a beam step); the
+// final norm and an lm_head over the draft vocabulary. forward() is the Python head_forward's kernel
+// functions in its order (embedding rows, add_rms_norm for both input norms, cat, draft_layer,
+// add_rms_norm, linear, widened to fp32), so the same bits.
+struct Eagle3Head {
+  torch::Tensor embed, in_norm, h_norm, final_norm;
+  std::vector<double> norm_eps;   // in_norm's, h_norm's, final_norm's
+  std::vector<torch::Tensor> layer_weights;   // as draft_layer's
+  torch::Tensor k_cache, v_cache, cos_table, sin_table;
+  double eps, scale;
+  int64_t H, Hkv, q8_linear, packed_linear;
+  torch::Tensor lm_packed;
+  int64_t lm_N;
+  torch::Tensor lm_bias;
+
+  // the layer's output hidden of rows (ids, x) at positions, K/V written at out_slots; plan: the
+  // attention kernel's six slot arrays
+  torch::Tensor forward(const torch::Tensor& ids, const torch::Tensor& x, const torch::Tensor& pos, const torch::Tensor& out_slots,
+                        const std::vector<torch::Tensor>& plan) const {
+    const auto none = x.new_empty({0});
+    const auto a = add_rms_norm(embed.index_select(0, ids), none, in_norm, norm_eps[0])[1];
+    const auto b = add_rms_norm(x.contiguous(), none, h_norm, norm_eps[1])[1];
+    return draft_layer(torch::cat({a, b}, -1), x, layer_weights, k_cache, v_cache, cos_table, sin_table, pos, out_slots, eps, scale, H, Hkv,
+                       plan[0], plan[1], plan[2], plan[3], plan[4], plan[5], q8_linear, packed_linear);
+  }
+  torch::Tensor logits(const torch::Tensor& out) const {   // fp32 [rows, V_draft]
+    return linear(add_rms_norm(out, out.new_empty({0}), final_norm, norm_eps[2])[1], lm_packed, lm_N, lm_bias).to(torch::kFloat32);
+  }
+};
+
+// The attention kernel's slot arrays (attention_plan's layout) from per group: its shared prefix
+// (a pointer and a length) and each of its rows' own slots.
+struct PlanBuilder {
+  std::vector<int64_t> pp{0}, ps, rp{0}, rq, ep{0}, es;
+  void group(const int64_t* prefix, int64_t n) {
+    ps.insert(ps.end(), prefix, prefix + n);
+    pp.push_back(int64_t(ps.size()));
+  }
+  void row(int64_t q, const int64_t* own, int64_t n) {
+    rq.push_back(q);
+    es.insert(es.end(), own, own + n);
+    ep.push_back(int64_t(es.size()));
+  }
+  void end_group() { rp.push_back(int64_t(rq.size())); }
+  std::vector<torch::Tensor> tensors() const {
+    auto t = [](const std::vector<int64_t>& v) { return torch::tensor(v, torch::TensorOptions().dtype(torch::kLong)); };
+    return {t(pp), t(ps), t(rp), t(rq), t(ep), t(es)};
+  }
+};
+
+// speculative/feature_drafter.py's greedy draft step over an Eagle3Head in one call instead of
+// ~25 Python-side ops a head forward (0.2-0.3 ms each on the Zen 4 EPYC, next to ~0.4 ms of head
+// kernels; the auto shape makes 3-5 forwards a step): the extend pass over each request's pending
+// pairs (optional), then speculative/beam.py's beam_search. The search is the Python one: a beam's
+// children scored by its score plus their log-prob (double sums, as Python floats), all of a
+// request's children of a depth stably sorted best first (ties: in order of expansion) and kept as
+// candidates, the best topk the next beams, a beam below max(score_floor, the keep-th best
+// candidate score so far) not expanded. So the same candidates in the same order.
+//
+// Extend pass (ext_tokens not empty): request i's ext_rows[i] pending pairs (tokens, projected
+// features, positions, KV slots; requests one after another) attend causally after its earlier
+// pairs, committed[i] minus its last ext_rows[i] slots, in blocks of 32 rows as
+// kernel_attention.py's _causal_blocks cuts them; the first logits and hidden are each request's
+// last pair's. Else first_logits [R, V_draft] fp32 and first_hidden [R, H] give them.
+// Beam steps: a node attends to its request's committed slots (the shared prefix), its forwarded
+// ancestors and itself (its own slots, in depth order: the Python tree mask's order); it takes
+// its KV slot from beam_slots [R, >= topk * (num_steps - 1)]. keep <= 0: no keep cut. to_target
+// [V_draft] int64 (empty: one vocabulary). Returns (tokens int64, parents int64, scores fp32,
+// counts [R] int64): every request's candidates, one request after another.
+std::vector<torch::Tensor> eagle3_draft(torch::Tensor ext_tokens, torch::Tensor ext_features, torch::Tensor ext_positions,
+                                        torch::Tensor ext_slots, std::vector<int64_t> ext_rows, torch::Tensor first_logits,
+                                        torch::Tensor first_hidden, std::vector<torch::Tensor> committed, std::vector<int64_t> root_pos,
+                                        torch::Tensor beam_slots, torch::Tensor embed, torch::Tensor in_norm, torch::Tensor h_norm,
+                                        torch::Tensor final_norm, std::vector<double> norm_eps, std::vector<torch::Tensor> layer_weights,
+                                        torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor cos_table, torch::Tensor sin_table,
+                                        double eps, double scale, int64_t H, int64_t Hkv, int64_t q8_linear, int64_t packed_linear,
+                                        torch::Tensor lm_packed, int64_t lm_N, torch::Tensor lm_bias, torch::Tensor to_target, int64_t topk,
+                                        int64_t num_steps, double score_floor, int64_t keep) {
+  const int64_t R = int64_t(committed.size());
+  const bool extend = ext_tokens.numel() > 0;
+  TORCH_CHECK(int64_t(root_pos.size()) == R && norm_eps.size() == 3, "eagle3_draft: a committed slot list and a root per request, three norm eps");
+  TORCH_CHECK(topk >= 1 && num_steps >= 1, "eagle3_draft: topk >= 1, num_steps >= 1");
+  TORCH_CHECK(beam_slots.dim() == 2 && beam_slots.size(0) == R && beam_slots.size(1) >= topk * (num_steps - 1) && beam_slots.scalar_type() == torch::kLong,
+              "eagle3_draft: beam_slots [R, topk * (num_steps - 1)] int64");
+  TORCH_CHECK(!to_target.numel() || to_target.scalar_type() == torch::kLong, "eagle3_draft: to_target int64");
+  for (auto& c : committed) {
+    c = c.contiguous();
+    TORCH_CHECK(c.dim() == 1 && c.scalar_type() == torch::kLong, "eagle3_draft: committed slots 1-d int64");
+  }
+  const Eagle3Head head{embed, in_norm, h_norm, final_norm, norm_eps, layer_weights, k_cache, v_cache, cos_table, sin_table,
+                        eps, scale, H, Hkv, q8_linear, packed_linear, lm_packed, lm_N, lm_bias};
+  const auto lopt = torch::TensorOptions().dtype(torch::kLong);
+
+  if (extend) {
+    TORCH_CHECK(int64_t(ext_rows.size()) == R, "eagle3_draft: pending pairs per request");
+    int64_t total = 0;
+    std::vector<int64_t> last(R);
+    PlanBuilder plan;
+    for (int64_t i = 0; i < R; ++i) {
+      const int64_t m = ext_rows[i], n = committed[i].numel();
+      TORCH_CHECK(m >= 1 && m <= n, "eagle3_draft: a request's pending pairs are its last committed slots");
+      const int64_t* cs = committed[i].data_ptr<int64_t>();
+      for (int64_t a0 = 0; a0 < m; a0 += 32) {   // kernel_attention.CAUSAL_BLOCK
+        const int64_t q = std::min<int64_t>(32, m - a0), base = n - m + a0;
+        plan.group(cs, base);
+        for (int64_t r = 0; r < q; ++r) plan.row(total + a0 + r, cs + base, r + 1);
+        plan.end_group();
+      }
+      total += m;
+      last[i] = total - 1;
+    }
+    TORCH_CHECK(ext_tokens.numel() == total && ext_features.size(0) == total, "eagle3_draft: one token and feature per pending pair");
+    const auto rows = torch::tensor(last, lopt);
+    const auto out = head.forward(ext_tokens.contiguous(), ext_features, ext_positions.contiguous(), ext_slots.contiguous(), plan.tensors());
+    first_hidden = out.index_select(0, rows);
+    first_logits = head.logits(first_hidden);
+  }
+  TORCH_CHECK(first_logits.dim() == 2 && first_logits.size(0) == R && first_hidden.dim() == 2 && first_hidden.size(0) == R,
+              "eagle3_draft: first logits and hidden, a row per request");
+
+  const auto slots_c = beam_slots.contiguous();
+  const int64_t* bslot = slots_c.data_ptr<int64_t>();
+  const int64_t bstride = slots_c.size(1);
+  const auto map_c = to_target.contiguous();
+  const int64_t* map = map_c.numel() ? map_c.data_ptr<int64_t>() : nullptr;
+
+  struct Beam { int64_t cand; double score; int64_t row; };   // row: its output hidden's row in `hidden`
+  struct Cands { std::vector<int64_t> tok, par; std::vector<double> score; std::vector<std::vector<int64_t>> chain; };
+  std::vector<Cands> cands(R);
+  std::vector<std::vector<Beam>> beams(R);
+  std::vector<int64_t> used(R, 0);   // beam slots taken per request
+
+  // the children of beams bs (their top-k in rows row0.. of a depth's top_logprobs), best first, all
+  // kept as candidates; returns the best topk as the next beams (their parent's output row: out_row0 + b)
+  auto expand = [&](int64_t i, const float* vals, const float* ids, int64_t row0, const std::vector<Beam>& bs, int64_t out_row0) {
+    struct Child { double score; int64_t parent; int64_t tok; int64_t row; };
+    std::vector<Child> ch;
+    ch.reserve(bs.size() * topk);
+    for (size_t b = 0; b < bs.size(); ++b)
+      for (int64_t j = 0; j < topk; ++j) {
+        const int64_t at = (row0 + int64_t(b)) * topk + j;
+        ch.push_back({bs[b].score + double(vals[at]), bs[b].cand, int64_t(ids[at]), out_row0 + int64_t(b)});
+      }
+    std::stable_sort(ch.begin(), ch.end(), [](const Child& a, const Child& b) { return a.score > b.score; });
+    auto& c = cands[i];
+    std::vector<Beam> next;
+    for (size_t j = 0; j < ch.size(); ++j) {
+      c.tok.push_back(map ? map[ch[j].tok] : ch[j].tok);
+      c.par.push_back(ch[j].parent);
+      c.score.push_back(ch[j].score);
+      c.chain.emplace_back();
+      if (int64_t(j) < topk) next.push_back({int64_t(c.tok.size()) - 1, ch[j].score, ch[j].row});
+    }
+    return next;
+  };
+  auto kth_best = [&](const std::vector<double>& s) {   // beam.py's _kth_best
+    if (keep <= 0 || int64_t(s.size()) < keep) return -std::numeric_limits<double>::infinity();
+    std::vector<double> t(s);
+    std::nth_element(t.begin(), t.begin() + (keep - 1), t.end(), std::greater<double>());
+    return t[keep - 1];
+  };
+
+  {
+    const auto top = top_logprobs(first_logits.to(torch::kFloat32), topk);
+    const float* tv = top.data_ptr<float>();
+    for (int64_t i = 0; i < R; ++i) beams[i] = expand(i, tv, tv + R * topk, i, {Beam{-1, 0.0, i}}, i);
+  }
+  torch::Tensor hidden = first_hidden;
+  for (int64_t depth = 1; depth < num_steps; ++depth) {
+    std::vector<int64_t> live;
+    int64_t T = 0;
+    for (int64_t i = 0; i < R; ++i) {
+      const double floor = std::max(score_floor, kth_best(cands[i].score));
+      std::vector<Beam> kept;
+      for (const auto& b : beams[i])
+        if (b.score >= floor) kept.push_back(b);
+      beams[i] = std::move(kept);
+      if (beams[i].empty()) continue;
+      live.push_back(i);
+      T += int64_t(beams[i].size());
+    }
+    if (live.empty()) break;
+    auto ids_t = torch::empty({T}, lopt), pos_t = torch::empty({T}, lopt), out_t = torch::empty({T}, lopt), par_t = torch::empty({T}, lopt);
+    int64_t *ids = ids_t.data_ptr<int64_t>(), *pos = pos_t.data_ptr<int64_t>(), *outs = out_t.data_ptr<int64_t>(), *prow = par_t.data_ptr<int64_t>();
+    PlanBuilder plan;
+    int64_t t = 0;
+    for (int64_t i : live) {
+      auto& c = cands[i];
+      plan.group(committed[i].data_ptr<int64_t>(), committed[i].numel());
+      for (const auto& b : beams[i]) {
+        const int64_t p = c.par[b.cand];
+        std::vector<int64_t> chain = p >= 0 ? c.chain[p] : std::vector<int64_t>();
+        chain.push_back(bslot[i * bstride + used[i]++]);
+        ids[t] = c.tok[b.cand];
+        pos[t] = root_pos[i] + depth;
+        outs[t] = chain.back();
+        prow[t] = b.row;
+        plan.row(t, chain.data(), int64_t(chain.size()));
+        c.chain[b.cand] = std::move(chain);
+        ++t;
+      }
+      plan.end_group();
+    }
+    hidden = head.forward(ids_t, hidden.index_select(0, par_t), pos_t, out_t, plan.tensors());
+    const auto top = top_logprobs(head.logits(hidden), topk);
+    const float* tv = top.data_ptr<float>();
+    int64_t off = 0;
+    for (int64_t i : live) {
+      const int64_t n = int64_t(beams[i].size());
+      beams[i] = expand(i, tv, tv + T * topk, off, beams[i], off);
+      off += n;
+    }
+  }
+
+  int64_t total = 0;
+  for (const auto& c : cands) total += int64_t(c.tok.size());
+  auto tokens = torch::empty({total}, lopt), parents = torch::empty({total}, lopt), counts = torch::empty({R}, lopt);
+  auto scores = torch::empty({total}, torch::TensorOptions().dtype(torch::kFloat32));
+  int64_t *to = tokens.data_ptr<int64_t>(), *pa = parents.data_ptr<int64_t>(), *cn = counts.data_ptr<int64_t>();
+  float* so = scores.data_ptr<float>();
+  int64_t o = 0;
+  for (int64_t i = 0; i < R; ++i) {
+    const auto& c = cands[i];
+    cn[i] = int64_t(c.tok.size());
+    for (size_t j = 0; j < c.tok.size(); ++j, ++o) {
+      to[o] = c.tok[j];
+      pa[o] = c.par[j];
+      so[o] = static_cast<float>(c.score[j]);
+    }
+  }
+  return {tokens, parents, scores, counts};
+}
+
 // Logits of greedy rows from a cheaper copy of an fp32 weight (the lm_head), exact where it
 // matters: y_v = x . w_v is bracketed by the proxy p_v = x . w'_v (w' the weight rounded to bf16:
 // half the bytes) as |y_v - p_v| <= |x| * bound_v, bound_v >= |w_v - w'_v| + gamma * (|w_v| + |w'_v|)
@@ -1856,6 +2091,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("greedy_logits", &greedy_logits, "greedy rows' logits: exact at every possible argmax, -inf elsewhere", nogil);
   m.def("greedy_pick", &greedy_pick, "greedy_logits from a proxy computed on bf16 inputs (bf16_dot)", nogil);
   m.def("draft_layer", &draft_layer, "an EAGLE-family draft head's decoder layer in one call (the per-op path's bits)", nogil);
+  m.def("eagle3_draft", &eagle3_draft, "an EAGLE-3-layout head's greedy draft step (extend pass, EAGLE-2 beam search) in one call: beam_search's candidates", nogil);
   m.def("attention_plan", &attention_plan, "the attention kernel's slot lists from each sequence's slots and tree mask");
   m.def("top_logprobs", &top_logprobs, "each row's k best log-softmax values and ids, [2, rows, k]", nogil);
 }

@@ -53,6 +53,7 @@ class _PairState:
 
 class FeatureDrafter:
     to_target: torch.Tensor | None = None  # draft-vocab index → target id (None = same vocab)
+    rotary = None  # the head's rope tables (specfw.sdk.Rotary), for a backend's one-call beam search
     cache_pairs = True  # keep the head's KV of finished requests (pair_cache.py) for later ones sharing their tokens
 
     def __init__(self, ctx, layer, num_slots: int):
@@ -105,6 +106,12 @@ class FeatureDrafter:
     def head_forward(self, tokens: torch.Tensor, features: torch.Tensor, fb: ForwardBatch, from_target: bool) -> tuple[torch.Tensor, torch.Tensor]:
         """One head forward over pairs → (draft logits [T, V_draft], output hidden [T, H])."""
         raise NotImplementedError
+
+    def kernel_draft_step(self):
+        """The backend's one-call draft step for this head (``Backend.eagle3_draft``: the extend
+        pass and the beam search, the candidates of ``_extend`` + ``beam_search`` over
+        ``head_forward``), or None (default): the Python step."""
+        return None
 
     # ---- hooks ------------------------------------------------------------------------------
     @hookimpl
@@ -241,8 +248,32 @@ class FeatureDrafter:
                 return chains
             logits, hidden, fb = self._run_extend(fb, features)
             return self._beams(reqs, logits, hidden[fb.logits_indices.to(hidden.device)], plan)
+        one_call = self.kernel_draft_step() if self.graphs is None else None
+        if one_call is not None:
+            fb, features = self._extend_batch(reqs)
+            if all(s.prefix_len or s.q_len == 1 for s in fb.seqs):  # (pairs without earlier ones: the Python pass sends them to SDPA)
+                return self._step_in_one_call(one_call, reqs, plan, extend=(fb, features))
+            logits, hidden, fb = self._run_extend(fb, features)
+            return self._step_in_one_call(one_call, reqs, plan, first=(logits, hidden[fb.logits_indices]))
         logits, last_hidden = self._extend(reqs)
         return self._beams(reqs, logits, last_hidden, plan)
+
+    def _step_in_one_call(self, one_call, reqs, plan, extend=None, first=None):
+        """The extend pass (``extend``: its batch and features; else ``first``: its output) and
+        ``_beams`` as one backend call: every beam node's draft KV slot allocated up front (``topk``
+        a depth a request), freed after, as ``beam_search`` frees its own."""
+        k, depth = self.shape.topk, plan.depth
+        per = k * max(depth - 1, 0)
+        slots = self.kv.allocator.alloc(len(reqs) * per)
+        try:
+            committed = [self.states[r.rid].slots.slots() for r in reqs]
+            roots = [r.seq_len - 2 for r in reqs]
+            out = one_call(committed, roots, slots.view(len(reqs), per), self.kv, self.rotary, k, depth, plan.score_floor, plan.size - 1, extend, first)
+        finally:
+            self.kv.allocator.free(slots)
+        tokens, parents, scores, counts = out
+        sizes = counts.tolist()
+        return [DraftCandidates(t, p, s) for t, p, s in zip(tokens.split(sizes), parents.split(sizes), scores.split(sizes))]
 
     def _chain(self, reqs, extend, features, plan):
         """``_beams``' candidates for ``topk=1`` from ``DeviceChain``, the extend pass included

@@ -61,6 +61,12 @@ class Eagle3Drafter(FeatureDrafter):
     def project_features(self, features):
         return self.head.fc(features)
 
+    def kernel_draft_step(self):
+        layer = self.head.midlayer
+        if layer.backend is None:
+            return None
+        return layer.backend.eagle3_draft(layer, self.embed, self.head.norm, self.head.lm_head, self.to_target)
+
     @torch.inference_mode()
     def head_forward(self, tokens, features, fb, from_target):
         layer = self.head.midlayer
