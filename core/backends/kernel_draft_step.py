@@ -13,8 +13,9 @@ The head's layout is EAGLE-3's (``plugins/eagle3/model.py``): attention input
 feature in the extend pass, the parent's output hidden in a beam step), the final ``norm`` and an
 ``lm_head`` over the draft vocabulary, ``to_target`` mapping it to target ids. It applies where
 that layer runs in one ``KernelDraftLayer`` call, the lm_head is an unpadded ``KernelLinear`` of the
-same ``cpu_ops`` build and the embedding a plain table in fp32 / bf16; anything else keeps the
-Python step. The caller allocates the beam nodes' draft KV slots (``topk * (num_steps - 1)`` a
+same ``cpu_ops`` build or a ``Q8Linear`` (``draft_model_quantization=w8a8_int8``: int8 activations,
+called by address as the layer's are) and the embedding a plain table in fp32 / bf16; anything
+else keeps the Python step. The caller allocates the beam nodes' draft KV slots (``topk * (num_steps - 1)`` a
 request) and frees them after the call, as ``beam_search`` frees its own.
 """
 
@@ -25,13 +26,14 @@ from torch import nn
 
 from .kernel_layers import KernelDraftLayer
 from .kernel_linear import KernelLinear
+from .q8_linear import Q8Linear
 
 _NONE = torch.empty(0)
 _NO_IDS = torch.empty(0, dtype=torch.long)
 
 
 class KernelDraftStep:
-    def __init__(self, ops, one_call: KernelDraftLayer, embed: nn.Embedding, norm, lm_head: KernelLinear, to_target: torch.Tensor | None):
+    def __init__(self, ops, one_call: KernelDraftLayer, embed: nn.Embedding, norm, lm_head: KernelLinear | Q8Linear, to_target: torch.Tensor | None):
         self.ops, self.one_call, self.lm_head = ops, one_call, lm_head
         layer = one_call.layer
         self.embed = embed.weight.detach()
@@ -39,11 +41,17 @@ class KernelDraftStep:
         self.norm_eps = [float(n.eps) for n in (layer.input_layernorm, layer.hidden_norm, norm)]
         self.to_target = _NO_IDS if to_target is None else to_target.to(torch.long).contiguous()
         self.generation = KernelLinear.generation
+        if type(lm_head) is Q8Linear:  # fp32 rows in, fp32 sums out (sdk.draft_logits' computes_fp32 path)
+            w = lm_head.q8
+            self.lm = ([w.codes, w.d, w.m, lm_head.bias], w.bits, lm_head.ops.linear_address())
+        else:
+            self.lm = ([lm_head.packed, lm_head.bias], 0, 0)
 
     @staticmethod
     def eligible(ops, one_call, embed, norm, lm_head) -> bool:
         """The layer in one call with an EAGLE-3 layout (input and hidden norms), a plain embedding
-        table in fp32 / bf16 and an unpadded ``KernelLinear`` lm_head on ``ops``."""
+        table in fp32 / bf16 and an unpadded ``KernelLinear`` lm_head on ``ops`` or a ``Q8Linear``
+        one of one build (no tile build: the draft's few rows never reach it)."""
         if not isinstance(one_call, KernelDraftLayer):
             return False
         layer = one_call.layer
@@ -51,7 +59,11 @@ class KernelDraftStep:
             return False
         if type(embed) is not nn.Embedding or "forward" in embed.__dict__ or embed.weight.dtype not in (torch.float32, torch.bfloat16):
             return False
-        return type(lm_head) is KernelLinear and lm_head.ops is ops and not lm_head._padded and "forward" not in lm_head.__dict__
+        if "forward" in lm_head.__dict__:
+            return False
+        if type(lm_head) is Q8Linear:
+            return lm_head.tile_ops is None
+        return type(lm_head) is KernelLinear and lm_head.ops is ops and not lm_head._padded
 
     def current(self) -> bool:
         """No packed weight replaced nor padding verdict changed since this was built."""
@@ -73,5 +85,5 @@ class KernelDraftStep:
         return self.ops.eagle3_draft(
             *ext, committed, roots, beam_slots, self.embed, *self.norms, self.norm_eps,
             oc.weights, kv.k[0], kv.v[0], rotary.cos, rotary.sin, oc.eps, oc.scale, layer.n_heads, layer.n_kv, oc.q8_linear, oc.packed_linear,
-            self.lm_head.packed, self.lm_head.out_features, self.lm_head.bias, self.to_target, topk, num_steps, float(score_floor), keep or 0,
+            self.lm[0], self.lm_head.out_features, self.lm[1], self.lm[2], self.to_target, topk, num_steps, float(score_floor), keep or 0,
         )  # fmt: skip

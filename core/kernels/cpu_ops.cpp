@@ -1666,9 +1666,8 @@ struct Eagle3Head {
   torch::Tensor k_cache, v_cache, cos_table, sin_table;
   double eps, scale;
   int64_t H, Hkv, q8_linear, packed_linear;
-  torch::Tensor lm_packed;
-  int64_t lm_N;
-  torch::Tensor lm_bias;
+  std::vector<torch::Tensor> lm_weights;   // packed, bias (linear()); with lm_q8: codes, d, m, bias
+  int64_t lm_N, lm_bits, lm_q8;   // lm_q8: a q8_ops linear's address (an int8-activation lm_head: fp32 rows in, fp32 sums out), or 0
 
   // the layer's output hidden of rows (ids, x) at positions, K/V written at out_slots; plan: the
   // attention kernel's six slot arrays
@@ -1680,8 +1679,11 @@ struct Eagle3Head {
     return draft_layer(torch::cat({a, b}, -1), x, layer_weights, k_cache, v_cache, cos_table, sin_table, pos, out_slots, eps, scale, H, Hkv,
                        plan[0], plan[1], plan[2], plan[3], plan[4], plan[5], q8_linear, packed_linear);
   }
-  torch::Tensor logits(const torch::Tensor& out) const {   // fp32 [rows, V_draft]
-    return linear(add_rms_norm(out, out.new_empty({0}), final_norm, norm_eps[2])[1], lm_packed, lm_N, lm_bias).to(torch::kFloat32);
+  torch::Tensor logits(const torch::Tensor& out) const {   // fp32 [rows, V_draft], as sdk.draft_logits
+    const auto normed = add_rms_norm(out, out.new_empty({0}), final_norm, norm_eps[2])[1];
+    const auto& w = lm_weights;
+    if (lm_q8) return q8_linear_at(lm_q8)(normed.to(torch::kFloat32), w[0], w[1], w[2], lm_bits, lm_N, w[3]);
+    return linear(normed, w[0], lm_N, w[1]).to(torch::kFloat32);
   }
 };
 
@@ -1731,7 +1733,7 @@ std::vector<torch::Tensor> eagle3_draft(torch::Tensor ext_tokens, torch::Tensor 
                                         torch::Tensor final_norm, std::vector<double> norm_eps, std::vector<torch::Tensor> layer_weights,
                                         torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor cos_table, torch::Tensor sin_table,
                                         double eps, double scale, int64_t H, int64_t Hkv, int64_t q8_linear, int64_t packed_linear,
-                                        torch::Tensor lm_packed, int64_t lm_N, torch::Tensor lm_bias, torch::Tensor to_target, int64_t topk,
+                                        std::vector<torch::Tensor> lm_weights, int64_t lm_N, int64_t lm_bits, int64_t lm_q8, torch::Tensor to_target, int64_t topk,
                                         int64_t num_steps, double score_floor, int64_t keep) {
   const int64_t R = int64_t(committed.size());
   const bool extend = ext_tokens.numel() > 0;
@@ -1745,7 +1747,8 @@ std::vector<torch::Tensor> eagle3_draft(torch::Tensor ext_tokens, torch::Tensor 
     TORCH_CHECK(c.dim() == 1 && c.scalar_type() == torch::kLong, "eagle3_draft: committed slots 1-d int64");
   }
   const Eagle3Head head{embed, in_norm, h_norm, final_norm, norm_eps, layer_weights, k_cache, v_cache, cos_table, sin_table,
-                        eps, scale, H, Hkv, q8_linear, packed_linear, lm_packed, lm_N, lm_bias};
+                        eps, scale, H, Hkv, q8_linear, packed_linear, lm_weights, lm_N, lm_bits, lm_q8};
+  TORCH_CHECK(lm_weights.size() == (lm_q8 ? 4u : 2u), "eagle3_draft: the lm_head's packed weight and bias (q8: codes, d, m, bias)");
   const auto lopt = torch::TensorOptions().dtype(torch::kLong);
 
   if (extend) {

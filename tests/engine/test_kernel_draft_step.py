@@ -2,7 +2,8 @@
 the extend pass and EAGLE-2's beam search): step for step the Python step's candidates (tokens,
 parents, scores, in order), in fp32 and bf16, on each ISA build the CPU has; with three requests in
 flight, the auto shape and a wide tree, a score floor and the keep cut pruning beams, and a
-catch-up extend over more than 32 pending pairs (after plain-played steps). The portable build
+catch-up extend over more than 32 pending pairs (after plain-played steps), and an int8 head
+(``draft_model_quantization=w8a8_int8``). The portable build
 keeps the Python step, and so does a head whose lm_head is not a plain kernel linear."""
 
 import dataclasses
@@ -63,6 +64,7 @@ CASES = {
     "auto shape": {},
     "a wide tree, score floor": {"shape": {"num_steps": 4, "topk": 6, "num_draft_tokens": 12}, "floor": -4.0},
     "a chain after plain steps": {"shape": {"num_steps": 3, "topk": 1, "num_draft_tokens": 3}, "plain_steps": 40},
+    "an int8 head": {"shape": {"draft_model_quantization": "w8a8_int8"}},  # int8 activations: q8_ops' linears by address
 }
 
 
