@@ -130,9 +130,10 @@ class KVPool:
 
             move_kv(self.k_all, self.v_all, src, dst)
             return
-        for layer in range(self.num_layers):
-            self.k[layer].index_copy_(0, dst, self.k[layer].index_select(0, src))
-            self.v[layer].index_copy_(0, dst, self.v[layer].index_select(0, src))
+        # every layer at once (the slot axis of the one buffer): four ops, not four a layer (the
+        # demo's 30 layers made 120 calls, ~0.5 ms a move on a CPU)
+        self.k_all.index_copy_(1, dst, self.k_all.index_select(1, src))
+        self.v_all.index_copy_(1, dst, self.v_all.index_select(1, src))
 
     @property
     def num_slots(self) -> int:
