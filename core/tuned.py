@@ -124,7 +124,20 @@ def given_tree_keys(cfg) -> list[str]:
         names = [o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task]
         return [k for k in TREE_KEYS if f"speculative.{k}" in names]
     spec = cfg.speculative
-    return [k for k in TREE_KEYS if spec.get(k) is not None and not (k == "adaptive_draft" and str(spec.get(k)) == "auto")]
+    defaults = _schema_defaults(spec)
+    return [k for k in TREE_KEYS if spec.get(k) != defaults.get(k)]
+
+
+def _schema_defaults(spec) -> dict:
+    """The algorithm's own defaults of the tree keys (EAGLE-3's ``draft_model_quantization`` is
+    ``auto``; every algorithm's ``adaptive_draft`` is ``auto``, the rest null)."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+
+    schema = OmegaConf.get_type(spec) if OmegaConf.is_config(spec) else type(spec)
+    fields = {f.name: f.default for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else {}
+    return {k: fields.get(k, "auto" if k == "adaptive_draft" else None) for k in TREE_KEYS}
 
 
 def apply_tuned(cfg) -> str | None:

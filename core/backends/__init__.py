@@ -57,6 +57,32 @@ def plain_backend(device: torch.device | str) -> Backend:
     return TorchBackend(device, batch_invariant=False, packed_gemm=False)
 
 
+AUTO_INT8_DRAFT_ISAS = ("avx512", "amx")  # kernel builds where an auto draft runs on int8 weights and activations (with AVX512-VNNI)
+
+
+def resolve_draft_quantization(draft: str | None, device: torch.device | str, cpu_isa: str, quantization: str, activations: str) -> str | None:
+    """``speculative.draft_model_quantization`` with ``auto`` resolved (other values as given).
+
+    ``auto`` (EAGLE-3's default): ``w8a8_int8`` where the draft runs on specfw's CPU kernels' avx512
+    (or amx) build on a CPU with AVX512-VNNI, the int8-activation kernels build and the target
+    itself is unquantized; else null (the target's scheme: a quantized target's drafts follow it, a GPU's
+    stay as the target). An EAGLE-3 step reads its head's 576-wide layer and 8,192-row lm_head
+    once per depth, 5-6 times a step: int8 codes halve a bf16 head's bytes and quarter an fp32
+    one's, and a draft's rounding changes what is accepted, never the output (MT-bench 1-24 x 64 on
+    the Zen 4: 1.385x -> 1.445x plain in bf16, 1.448x -> 1.672x in fp32; on its forced avx2 build,
+    no VNNI, fp32: 1.104x -> 1.099x, no gain, so null there; docs/benchmarks.md, session 56)."""
+    if draft != "auto":
+        return draft
+    if torch.device(device).type != "cpu" or cpu_isa == "none" or quantization != "none" or activations != "none":
+        return None
+    from ..kernels import _cpu_flags, cpu_isa as pick_isa, q8_ops
+
+    isa = pick_isa(cpu_isa)
+    if isa not in AUTO_INT8_DRAFT_ISAS or "avx512_vnni" not in _cpu_flags() or q8_ops(isa) is None:
+        return None
+    return "w8a8_int8"
+
+
 def backend_from_config(engine_cfg, device: torch.device, cfg=None) -> Backend:
     """``cfg`` (the whole config) adds ``model.quantization``, ``model.activation_quantization``,
     ``speculative.draft_model_quantization`` and the attention backends (``model.attention_backend``,
@@ -76,16 +102,9 @@ def backend_from_config(engine_cfg, device: torch.device, cfg=None) -> Backend:
             draft = getattr(cfg.speculative, "draft_model_quantization", None)
         except Exception:
             draft = None
-    backend = make_backend(
-        device,
-        engine_cfg.batch_invariant,
-        str(getattr(engine_cfg, "cpu_isa", "auto")),
-        engine_cfg.cpu_packed_gemm,
-        engine_cfg.cpu_bf16_kernel,
-        quant,
-        None if draft is None else str(draft),
-        act,
-    )
+    isa = str(getattr(engine_cfg, "cpu_isa", "auto"))
+    draft = resolve_draft_quantization(None if draft is None else str(draft), device, isa, quant, act)
+    backend = make_backend(device, engine_cfg.batch_invariant, isa, engine_cfg.cpu_packed_gemm, engine_cfg.cpu_bf16_kernel, quant, draft, act)
     backend.set_attention(attention, None if draft_attention is None else str(draft_attention))
     if hasattr(backend, "set_linear_prefetch"):
         backend.set_linear_prefetch(str(getattr(engine_cfg, "cpu_linear_prefetch", "auto")))
@@ -100,4 +119,4 @@ def backend_from_config(engine_cfg, device: torch.device, cfg=None) -> Backend:
     return backend
 
 
-__all__ = ["AttentionPlan", "Backend", "HeadShape", "backend_from_config", "default_backend", "make_backend", "plain_backend"]
+__all__ = ["AttentionPlan", "Backend", "HeadShape", "backend_from_config", "default_backend", "make_backend", "plain_backend", "resolve_draft_quantization"]

@@ -31,7 +31,8 @@ def _run(model_dir, draft, isa, dtype, one_call, monkeypatch, shape=None, floor=
     real_call = KernelDraftStep.__call__
     monkeypatch.setattr(KernelDraftStep, "__call__", lambda self, *a, **k: calls.append(1) or real_call(self, *a, **k))
     config_class = plugin_manager().algorithms["eagle3"].config_class
-    spec = config_class(algorithm="eagle3", draft_model_path=str(draft), aux_layers=[0, 1, 1], adaptive_draft="false", **(shape or {}))
+    keys = {"draft_model_quantization": None, **(shape or {})}  # the head in the model's dtype unless a case says int8 (EAGLE-3's auto would pick it)
+    spec = config_class(algorithm="eagle3", draft_model_path=str(draft), aux_layers=[0, 1, 1], adaptive_draft="false", **keys)
     cfg = make_cfg(model_path=str(model_dir), model_dtype=dtype, cpu_isa=isa, max_running_requests=3, max_total_tokens=4096, speculative=spec)
     with Engine(cfg) as eng:
         drafter, policy = eng.worker.runtime, eng.worker.policy
