@@ -3,6 +3,7 @@ request in flight or ``--batch`` (issue 23 on a GPU, issue 17 on a CPU).
 
     python benchmarks/bench_step_phases.py --device cuda --attention triton --graphs 1 --algos plain,eagle3,ngram
     python benchmarks/bench_step_phases.py --device cpu --algos plain,eagle3          # the CPU kernels
+    python benchmarks/bench_step_phases.py --device cpu --isa avx2 --algos plain,eagle3   # the AVX2 build (on an AVX-512 CPU too)
 
 Every phase is timed by wrapping the function that does it (the engine's step, the worker's
 decode, the hooks the speculative worker calls, the target forward and, inside it, the host-side
@@ -176,6 +177,7 @@ def main():
     ap.add_argument("--quantization", default="none", help="model.quantization (e.g. gguf: the demo file's blocks)")
     ap.add_argument("--activations", default="none", help="model.activation_quantization (int8: integer dot products)")
     ap.add_argument("--attention", default="auto", help="model.attention_backend")
+    ap.add_argument("--isa", default="auto", help="engine.cpu_isa (auto|avx512|avx2|portable|none): e.g. the AVX2 build on an AVX-512 CPU")
     ap.add_argument("--graphs", type=int, default=1, help="engine.cuda_graph_max_bs (0: no CUDA graphs)")
     ap.add_argument(
         "--algos",
@@ -213,7 +215,7 @@ def main():
     where = torch.cuda.get_device_name() if a.device.startswith("cuda") else "no GPU"
     print(f"{where}; CPU: {cpu_description()}; torch {torch.__version__}; model {a.model} ({dtype}, {a.load_format} weights, "
           f"quantization {a.quantization}, activations {a.activations}); "
-          f"attention {a.attention}; cuda_graph_max_bs {a.graphs}; sync at phase boundaries: {sync}; "
+          f"attention {a.attention}; cpu_isa {a.isa}; cuda_graph_max_bs {a.graphs}; sync at phase boundaries: {sync}; "
           f"{a.dataset} 1-{a.prompts} x {a.new_tokens} tokens, greedy, {a.batch} in flight", flush=True)  # fmt: skip
     texts = (datasets.mtbench_first_turns if a.dataset == "mtbench" else datasets.humaneval_prompts)(a.prompts + a.batch)  # the last batch warm up
     params = SamplingParams(max_new_tokens=a.new_tokens, temperature=0, ignore_eos=True)
@@ -229,7 +231,9 @@ def main():
             if shape:
                 kw.update(num_steps=int(shape[0]), topk=int(shape[1]), num_draft_tokens=int(shape[2]))
             spec = plugin_manager().algorithms[name].config_class(**kw)
-        engine = EngineConfig(max_running_requests=a.batch, cuda_graph_max_bs=a.graphs and max(a.graphs, a.batch), max_total_tokens=32768)
+        engine = EngineConfig(
+            max_running_requests=a.batch, cuda_graph_max_bs=a.graphs and max(a.graphs, a.batch), max_total_tokens=32768, cpu_isa=a.isa
+        )
         model = ModelConfig(
             path=None if a.model == "demo" else a.model,
             dtype=dtype,
