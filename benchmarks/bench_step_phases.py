@@ -231,9 +231,7 @@ def main():
             if shape:
                 kw.update(num_steps=int(shape[0]), topk=int(shape[1]), num_draft_tokens=int(shape[2]))
             spec = plugin_manager().algorithms[name].config_class(**kw)
-        engine = EngineConfig(
-            max_running_requests=a.batch, cuda_graph_max_bs=a.graphs and max(a.graphs, a.batch), max_total_tokens=32768, cpu_isa=a.isa
-        )
+        engine = EngineConfig(max_running_requests=a.batch, cuda_graph_max_bs=a.graphs and max(a.graphs, a.batch), max_total_tokens=32768, cpu_isa=a.isa)
         model = ModelConfig(
             path=None if a.model == "demo" else a.model,
             dtype=dtype,
