@@ -57,7 +57,7 @@ def plain_backend(device: torch.device | str) -> Backend:
     return TorchBackend(device, batch_invariant=False, packed_gemm=False)
 
 
-AUTO_INT8_DRAFT_ISAS = ("avx512", "amx")  # kernel builds where an auto draft runs on int8 weights and activations (with AVX512-VNNI)
+AUTO_INT8_DRAFT_BUILDS = ("avx512_vnni", "amx")  # q8_ops builds (their isa()) where an auto draft runs on int8 weights and activations
 
 
 def resolve_draft_quantization(draft: str | None, device: torch.device | str, cpu_isa: str, quantization: str, activations: str) -> str | None:
@@ -75,12 +75,10 @@ def resolve_draft_quantization(draft: str | None, device: torch.device | str, cp
         return draft
     if torch.device(device).type != "cpu" or cpu_isa == "none" or quantization != "none" or activations != "none":
         return None
-    from ..kernels import _cpu_flags, cpu_isa as pick_isa, q8_ops
+    from ..kernels import cpu_isa as pick_isa, q8_ops
 
-    isa = pick_isa(cpu_isa)
-    if isa not in AUTO_INT8_DRAFT_ISAS or "avx512_vnni" not in _cpu_flags() or q8_ops(isa) is None:
-        return None
-    return "w8a8_int8"
+    ops = q8_ops(pick_isa(cpu_isa))  # the build the backend's int8 drafts would run on
+    return "w8a8_int8" if ops is not None and ops.isa() in AUTO_INT8_DRAFT_BUILDS else None
 
 
 def backend_from_config(engine_cfg, device: torch.device, cfg=None) -> Backend:

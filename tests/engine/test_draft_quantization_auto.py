@@ -7,11 +7,11 @@ import pytest
 from conftest import make_cfg
 from specfw.backends import resolve_draft_quantization
 from specfw.config import ConfigError
-from specfw.kernels import _cpu_flags, isa_supported, q8_ops
+from specfw.kernels import isa_supported, q8_ops
 from specfw.plugins import plugin_manager
 from specfw.sampling import SamplingParams
 
-VNNI = isa_supported("avx512") and "avx512_vnni" in _cpu_flags() and q8_ops("avx512") is not None
+VNNI = isa_supported("avx512") and q8_ops("avx512") is not None and q8_ops("avx512").isa() == "avx512_vnni"
 PROMPTS = [[1, 2, 3, 4, 5, 6], [1000, 20, 1000, 20, 1000]]
 
 
