@@ -294,6 +294,15 @@ constexpr int kTileRows = 6;   // 12 accumulators of one block
 // 22.5-24.4 -> 22.0): each chunk's weights pass through the FMAs once. Past 8 rows the wide tiles
 // lost (16 rows as 8 + 8: 31.3 against 29.4-30.8 as 6 + 5 + 5). Tiling never changes a bit.
 inline int64_t row_tiles(int64_t M) { return M <= 8 ? 1 : (M + kTileRows - 1) / kTileRows; }
+// Row tiles of a two-block (NT = 2) call: on AVX2 two rows a tile (8 accumulators and the four
+// weight vectors of both blocks fit the 16 registers), elsewhere as row_tiles says.
+#if defined(__AVX2__) && !defined(__AVX512F__)
+constexpr bool kPairRowTiles = true;
+#else
+constexpr bool kPairRowTiles = false;   // AVX-512: one tile of 8 rows fits; portable: the compiler's own vectors lost 2-4x
+#endif
+template <int NT>
+inline int64_t tiles_of(int64_t M) { return NT == 2 && kPairRowTiles ? (M + 1) / 2 : row_tiles(M); }
 // Which row tiles of a chunk prefetch the next blocks, for more than one tile (9+ rows on AVX-512).
 // Spread: every tile takes its turn. On an AMD EPYC (family 26 model 2, session 22) that made 16 rows
 // 1.33x a row instead of 1.46x with the first tile alone, 24 rows 1.41x instead of 1.71x; on an Intel
@@ -358,7 +367,7 @@ template <int NT, int G, typename WT>
 void block_rows(int64_t M, const WT* w, int64_t K, const float* x, const float* bias, float* y, int64_t N,
                 int64_t n_valid, const WT* pf, float* part) {
   constexpr int64_t PW = NT * kBlock;
-  const int64_t tiles = row_tiles(M), base = M / tiles, extra = M % tiles;
+  const int64_t tiles = tiles_of<NT>(M), base = M / tiles, extra = M % tiles;
   const bool spread = g_spread_prefetch && (W == 16 || sizeof(WT) == 4);
   for (int64_t k0 = 0; k0 < K; k0 += kChunk) {
     const int64_t k1 = std::min(K, k0 + kChunk);
@@ -420,8 +429,13 @@ void linear_impl(int64_t M, const WT* W_, int64_t K, int64_t NB, const float* X,
   if (M == 1 && sizeof(WT) == 2) return linear_one_row(W_, K, NB, X, B, Y, N);   // fp32: no gain measured (AVX2: 0.8-0.9x)
   // work item: two blocks (32 outputs); with few rows both blocks run in one tile (more
   // independent accumulators), with more rows each block runs its own row tiles (AVX2 has 16
-  // registers; AVX-512 keeps two blocks throughout)
-  const bool pair_tiles = W == 16 || M <= 2;
+  // registers; AVX-512 keeps two blocks throughout). 8-lane builds, fp32 weights, 7-8 rows: both
+  // blocks again, in tiles of two rows (tiles_of), not one 7-8-row tile per block, whose 14-16
+  // accumulators spill (the portable build keeps one tile). The demo's 120 fp32 layer linears from DRAM on the AVX2 build of an AMD
+  // EPYC (family 25 model 17, session 57; three interleaved runs, median per-round ratio): 8 rows
+  // 0.77-0.90x the one-tile time, 7 rows 0.89x; at 3-6 and 9-16 rows no steady gain either way,
+  // and bf16 weights (widened per tile) none.
+  const bool pair_tiles = W == 16 || M <= 2 || (kPairRowTiles && sizeof(WT) == 4 && (M == 7 || M == 8));
   const int64_t items = (NB + 1) / 2;
   at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> part(M * 2 * kBlock);
