@@ -429,12 +429,13 @@ void linear_impl(int64_t M, const WT* W_, int64_t K, int64_t NB, const float* X,
   if (M == 1 && sizeof(WT) == 2) return linear_one_row(W_, K, NB, X, B, Y, N);   // fp32: no gain measured (AVX2: 0.8-0.9x)
   // work item: two blocks (32 outputs); with few rows both blocks run in one tile (more
   // independent accumulators), with more rows each block runs its own row tiles (AVX2 has 16
-  // registers; AVX-512 keeps two blocks throughout). 8-lane builds, fp32 weights, 7-8 rows: both
-  // blocks again, in tiles of two rows (tiles_of), not one 7-8-row tile per block, whose 14-16
-  // accumulators spill (the portable build keeps one tile). The demo's 120 fp32 layer linears from DRAM on the AVX2 build of an AMD
+  // registers; AVX-512 keeps two blocks throughout). AVX2, fp32 weights, 7-8 rows: both blocks
+  // again, in tiles of two rows (tiles_of), not one 7-8-row tile per block, whose 14-16
+  // accumulators spill. The demo's 120 fp32 layer linears from DRAM on the AVX2 build of an AMD
   // EPYC (family 25 model 17, session 57; three interleaved runs, median per-round ratio): 8 rows
-  // 0.77-0.90x the one-tile time, 7 rows 0.89x; at 3-6 and 9-16 rows no steady gain either way,
-  // and bf16 weights (widened per tile) none.
+  // 0.77-0.84x the one-tile time, 7 rows 0.82-0.89x; at 3-6 and 9-16 rows no steady gain either
+  // way, and bf16 weights (widened per tile) none. (Session 51's Xeon figure for one 8-row tile,
+  // above, predates this tiling.)
   const bool pair_tiles = W == 16 || M <= 2 || (kPairRowTiles && sizeof(WT) == 4 && (M == 7 || M == 8));
   const int64_t items = (NB + 1) / 2;
   at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
