@@ -3,7 +3,8 @@ batch-size bucket, in a JSON file outside the repository; ``specfw serve`` appli
 of the tree keys was given.
 
 Layout: ``<dir>/<machine>/<model>.json`` = ``{"model": ..., "machine": ..., "algorithms": {name:
-{"buckets": {"1": {num_steps, topk, num_draft_tokens, adaptive_draft, tok_s, auto_tok_s, ...}}}}}``;
+{"buckets": {"1": {num_steps, topk, num_draft_tokens, adaptive_draft, tok_s, auto_tok_s, keys, ...}}}}}``
+(``keys``: the algorithm's own keys the grid varied, e.g. ngram's ``match_type``);
 ``<dir>`` is ``tuned.dir``, else ``$SPECFW_TUNED_DIR``, else ``<cache>/tuned``.
 """
 
@@ -35,9 +36,10 @@ class TunedEntry:
     tok_s: float = 0.0  # on the tuning prompts, at the bucket's concurrency
     auto_tok_s: Optional[float] = None  # the auto defaults on the same prompts (None: not measured)
     measured: dict = field(default_factory=dict)  # prompts, max_new_tokens, grid size, time
+    keys: dict = field(default_factory=dict)  # the algorithm's own keys the grid varied (ngram: match_type; files written before: none)
 
     def overrides(self) -> dict:
-        return {k: getattr(self, k) for k in TREE_KEYS}
+        return {**{k: getattr(self, k) for k in TREE_KEYS}, **self.keys}
 
 
 def tuned_dir(configured: str | None = None) -> Path:
@@ -115,20 +117,27 @@ def lookup(cfg, algorithm: str, batch_size: int) -> tuple[int, TunedEntry] | Non
     return chosen, TunedEntry(**buckets[str(chosen)])
 
 
-def given_tree_keys(cfg) -> list[str]:
-    """Tree keys given on the command line (Hydra's task overrides), or set away from their
-    defaults when there is no Hydra run (a config built in code)."""
+def given_tree_keys(cfg, extra: tuple[str, ...] = ()) -> list[str]:
+    """Tree keys (and the ``extra`` keys: a tuned entry's own) given on the command line (Hydra's
+    task overrides), or set away from their defaults when there is no Hydra run (a config built
+    in code)."""
     from hydra.core.hydra_config import HydraConfig
 
+    keys = (*TREE_KEYS, *extra)
     if HydraConfig.initialized():
         names = [o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task]
-        return [k for k in TREE_KEYS if f"speculative.{k}" in names]
+        return [k for k in keys if f"speculative.{k}" in names]
     spec = cfg.speculative
-    defaults = _schema_defaults(spec)
-    return [k for k in TREE_KEYS if spec.get(k) != defaults.get(k)]
+    defaults = _schema_defaults(spec, keys)
+    return [k for k in keys if _plain(spec.get(k)) != _plain(defaults.get(k))]
 
 
-def _schema_defaults(spec) -> dict:
+def _plain(value):
+    """An enum member as its value (``MatchType.BFS`` -> ``"BFS"``), anything else as is."""
+    return getattr(value, "value", value)
+
+
+def _schema_defaults(spec, keys: tuple[str, ...] = TREE_KEYS) -> dict:
     """The algorithm's own defaults of the tree keys (EAGLE-3's ``draft_model_quantization`` is
     ``auto``; every algorithm's ``adaptive_draft`` is ``auto``, the rest null)."""
     import dataclasses
@@ -137,7 +146,7 @@ def _schema_defaults(spec) -> dict:
 
     schema = OmegaConf.get_type(spec) if OmegaConf.is_config(spec) else type(spec)
     fields = {f.name: f.default for f in dataclasses.fields(schema)} if dataclasses.is_dataclass(schema) else {}
-    return {k: fields.get(k, "auto" if k == "adaptive_draft" else None) for k in TREE_KEYS}
+    return {k: fields.get(k, "auto" if k == "adaptive_draft" else None) for k in keys}
 
 
 def apply_tuned(cfg) -> str | None:
@@ -146,12 +155,14 @@ def apply_tuned(cfg) -> str | None:
     None when nothing was applied."""
     tuned = getattr(cfg, "tuned", None)
     algorithm = str(cfg.speculative.get("algorithm", "none"))
-    if tuned is None or not tuned.use or algorithm == "none" or given_tree_keys(cfg):
+    if tuned is None or not tuned.use or algorithm == "none":
         return None
     found = lookup(cfg, algorithm, int(tuned.batch_size))
     if found is None:
         return None
     bucket, entry = found
+    if given_tree_keys(cfg, tuple(entry.keys)):
+        return None
     from .overlap import overlap_requested
 
     if overlap_requested(cfg) and entry.topk not in (None, 1):

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 from ..config import ConfigError, SpecfwConfig
 
@@ -52,6 +52,7 @@ class TuneOptions:
     adaptive_draft: list[str] = field(default_factory=lambda: ["true", "false"])  # grid values (auto | true | false)
     draft_assist: list[Optional[str]] = field(default_factory=lambda: [None])  # grid values of speculative.draft_assist (e.g. [null,ngram]; a value the algorithm cannot take is skipped with a note)
     draft_model_quantization: list[Optional[str]] = field(default_factory=lambda: [None])  # grid values of speculative.draft_model_quantization (e.g. [null,w8a8_int8]; an algorithm without a draft model skips the non-null ones with a note)
+    keys: dict[str, list[Any]] = field(default_factory=dict)  # grid values of the algorithm's own speculative keys, over its defaults (ngram: match_type [BFS, PROB]); a new key takes Hydra's +: +tune.keys.match_type=[PROB]
     include_auto: bool = True             # the auto defaults are a grid point too (tuned never loses to them on the tuning prompts)
     out_dir: str = "bench_results"        # records, summary and plot go to out_dir/<run name>/
     name: Optional[str] = None            # run directory name; null = tune-<date-time>
@@ -113,3 +114,6 @@ def validate_tune(cfg) -> None:
 
         names = sorted(a.name for a in plugin_manager().describe())
         raise ConfigError("speculative", f"specfw tune needs an algorithm to tune: speculative=<one of {names}>")
+    from .tune import algorithm_keys
+
+    algorithm_keys(cfg)  # tune.keys: the algorithm's own keys, each with values

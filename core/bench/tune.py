@@ -10,6 +10,7 @@ import itertools
 import time
 from pathlib import Path
 
+from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from . import records as rec
@@ -21,14 +22,43 @@ OPTIONAL_KEYS = ("draft_assist", "draft_model_quantization")  # grid keys a poin
 
 def with_settings(cfg, point: dict):
     """A copy of ``cfg`` whose speculative tree keys are ``point`` (empty: the auto defaults;
-    ``draft_assist`` and ``draft_model_quantization`` stay as configured unless the point sets them)."""
+    ``draft_assist``, ``draft_model_quantization`` and the algorithm's own keys stay as
+    configured unless the point sets them)."""
     c = copy.deepcopy(cfg)
     for k in (*TREE_KEYS, "adaptive_draft"):
         c.speculative[k] = point.get(k, "auto" if k == "adaptive_draft" else None)
-    for k in OPTIONAL_KEYS:
-        if k in point:
-            c.speculative[k] = point[k]
+    for k, v in point.items():
+        if k not in (*TREE_KEYS, "adaptive_draft"):
+            c.speculative[k] = v
     return c
+
+
+def algorithm_keys(cfg) -> dict[str, list[str]]:
+    """The grid's values for the algorithm's own keys: its ``tune_grid`` (e.g. ngram's
+    ``match_type``), each key replaced or joined by ``tune.keys``. Raises ``ConfigError`` naming
+    ``tune.keys.<key>`` for a key the algorithm's config does not have (or one with its own
+    ``tune.`` list) or an empty list."""
+    import dataclasses
+
+    from ..config import ConfigError
+    from ..plugins import plugin_manager
+
+    algo = plugin_manager().algorithms[str(cfg.speculative.algorithm)]
+    own = {f.name for f in dataclasses.fields(algo.config_class)} - {*TREE_KEYS, "adaptive_draft", *OPTIONAL_KEYS, "algorithm"}
+    keys = {k: [str(v) for v in vs] for k, vs in getattr(algo.config_class, "tune_grid", {}).items()}
+    for k, vs in (cfg.tune.get("keys") or {}).items():
+        if k not in own:
+            raise ConfigError(
+                f"tune.keys.{k}",
+                f"is not a key of speculative={algo.name} that tune varies; its keys: {sorted(own)} "
+                "(tree keys, adaptive_draft, draft_assist and draft_model_quantization have their own tune.<key> lists)",
+            )
+        if not isinstance(vs, (list, tuple)) and not OmegaConf.is_list(vs):
+            raise ConfigError(f"tune.keys.{k}", f"must be a list of values, got {vs!r}")
+        if not len(vs):
+            raise ConfigError(f"tune.keys.{k}", "must list at least one value")
+        keys[k] = [None if v is None else str(v) for v in vs]
+    return keys
 
 
 def grid(cfg) -> tuple[list[dict], list[tuple[dict, str]]]:
@@ -42,13 +72,15 @@ def grid(cfg) -> tuple[list[dict], list[tuple[dict, str]]]:
     keys = [k for k in TREE_KEYS if k not in getattr(algo.config_class, "unused_keys", ())]
     modes = [str(v).lower() for v in t.adaptive_draft]
     optional = {k: list(t.get(k, [None])) for k in OPTIONAL_KEYS}
+    own = algorithm_keys(cfg)
     points, skipped = ([{}] if t.include_auto else []), []
     n = len(keys)
-    for combo in itertools.product(*[list(t[k]) for k in keys], modes, *optional.values()):
+    for combo in itertools.product(*[list(t[k]) for k in keys], modes, *optional.values(), *own.values()):
         point = dict(zip(keys, (int(v) for v in combo[:n])), adaptive_draft=combo[n])
-        for k, v in zip(optional, combo[n + 1 :]):
+        for k, v in zip(optional, combo[n + 1 : n + 1 + len(optional)]):
             if v is not None or len(optional[k]) > 1:
                 point[k] = None if v is None else str(v)
+        point.update(zip(own, combo[n + 1 + len(optional) :]))
         note = skip_note(with_settings(cfg, point))
         if note:
             skipped.append((point, note))
@@ -112,6 +144,7 @@ def tune_task(cfg) -> None:
             adaptive_draft=point.get("adaptive_draft", "auto"),
             draft_assist=point.get("draft_assist", cfg.speculative.get("draft_assist")),
             draft_model_quantization=point.get("draft_model_quantization", cfg.speculative.get("draft_model_quantization")),
+            keys={k: v for k, v in point.items() if k not in (*TREE_KEYS, "adaptive_draft", *OPTIONAL_KEYS)},
             tok_s=round(tok_s, 3),
             auto_tok_s=round(auto, 3) if auto is not None else None,
             measured=dict(

@@ -57,6 +57,11 @@ class SpecAlgoConfig(SpeculativeConfig):
     # decision: silently ignoring a path the user typed hides a mistake).
     unused_keys: ClassVar[tuple[str, ...]] = ()
 
+    # Grid values ``specfw tune`` tries by default for keys of this algorithm's own (beyond the tree
+    # keys every algorithm has), e.g. ngram's ``{"match_type": ("BFS", "PROB")}``; ``tune.keys``
+    # replaces a key's values or adds keys. Values are the strings a command line would give.
+    tune_grid: ClassVar[dict[str, tuple]] = {}
+
     def auto_shape(self, target_arch: str) -> TreeShape:
         """SGLang's auto defaults: Llama/Grok (5, 4, 8), everything else (3, 1, 4)."""
         if any(a in target_arch for a in ("Llama", "Grok")):

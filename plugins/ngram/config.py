@@ -23,6 +23,7 @@ class NgramConfig(SpecAlgoConfig):
     capacity: int = 10_000_000          # trie nodes kept (LRU eviction beyond)
 
     unused_keys = ("draft_model_path", "draft_model_revision", "draft_model_quantization", "draft_load_format", "draft_attention_backend", "num_steps", "topk")  # no draft model; the trie shapes the tree
+    tune_grid = {"match_type": ("BFS", "PROB")}  # specfw tune tries both (HumanEval on a Zen 4 EPYC: PROB with 8 nodes 1.986x, the best point; docs/benchmarks.md)
 
     def resolve_shape(self, target_arch: str) -> TreeShape:
         """Tree size = num_draft_tokens (default: max_match_window_size); depth and breadth follow

@@ -4,6 +4,7 @@ the skip rule, the URL mode against a live `specfw serve`, and the tune -> serve
 from __future__ import annotations
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -144,8 +145,9 @@ def test_tune_grid_takes_the_draft_assist_and_serve_applies_it(tmp_path):
     assert points == [{}, dict(chain, draft_assist=None), dict(chain, draft_assist="ngram")]
     assert not skipped
     points, skipped = grid(compose("tune", ["speculative=ngram", *overrides]))
-    assert points == [{}, dict(num_draft_tokens=4, adaptive_draft="false", draft_assist=None)]
-    assert len(skipped) == 1 and "is the algorithm itself" in skipped[0][1]  # ngram cannot assist itself
+    plain_assist = dict(num_draft_tokens=4, adaptive_draft="false", draft_assist=None)
+    assert points == [{}, dict(plain_assist, match_type="BFS"), dict(plain_assist, match_type="PROB")]  # ngram's own match_type grid
+    assert len(skipped) == 2 and all("is the algorithm itself" in note for _, note in skipped)  # ngram cannot assist itself
 
     base = ["speculative=eagle3", f"tuned.dir={tmp_path}"]
     cfg = compose("serve", base)
@@ -175,8 +177,9 @@ def test_tune_grid_takes_the_draft_quantization_and_serve_applies_it(tmp_path):
     assert not skipped
     assert with_settings(compose("tune", ["speculative=eagle3"]), points[2]).speculative.draft_model_quantization == "w8a8_int8"
     points, skipped = grid(compose("tune", ["speculative=ngram", *overrides]))
-    assert points == [{}, dict(num_draft_tokens=4, adaptive_draft="false", draft_model_quantization=None)]
-    assert len(skipped) == 1 and "speculative.draft_model_quantization" in skipped[0][1]
+    unquant = dict(num_draft_tokens=4, adaptive_draft="false", draft_model_quantization=None)
+    assert points == [{}, dict(unquant, match_type="BFS"), dict(unquant, match_type="PROB")]
+    assert len(skipped) == 2 and all("speculative.draft_model_quantization" in note for _, note in skipped)
 
     base = ["speculative=eagle3", f"tuned.dir={tmp_path}"]
     cfg = compose("serve", base)
@@ -186,6 +189,44 @@ def test_tune_grid_takes_the_draft_quantization_and_serve_applies_it(tmp_path):
     assert "draft_model_quantization=w8a8_int8" in tuned.apply_tuned(cfg) and cfg.speculative.draft_model_quantization == "w8a8_int8"
     cfg = compose("serve", base + ["speculative.draft_model_quantization=unquant"])
     assert tuned.apply_tuned(cfg) is None and cfg.speculative.draft_model_quantization == "unquant"
+
+
+def test_tune_grid_takes_the_algorithms_own_keys_and_serve_applies_them(tmp_path):
+    """An algorithm's ``tune_grid`` (ngram: ``match_type`` BFS and PROB) is a grid dimension by
+    default; ``tune.keys`` replaces its values; a key the algorithm has not is a config error naming
+    ``tune.keys.<key>``; ``specfw serve`` applies a tuned entry's own keys, and none of the entry
+    when one of them is given."""
+    from specfw import tuned
+    from specfw.bench.config import validate_tune
+    from specfw.bench.tune import grid, with_settings
+    from specfw.config import ConfigError
+
+    shape = ["tune.num_draft_tokens=[4]", "tune.adaptive_draft=[false]"]
+    points, skipped = grid(compose("tune", ["speculative=ngram", *shape]))
+    tree = dict(num_draft_tokens=4, adaptive_draft="false")
+    assert points == [{}, dict(tree, match_type="BFS"), dict(tree, match_type="PROB")] and not skipped
+    assert str(getattr(with_settings(compose("tune", ["speculative=ngram"]), points[2]).speculative.match_type, "value", None)) == "PROB"
+    points, _ = grid(compose("tune", ["speculative=ngram", *shape, "+tune.keys.match_type=[PROB]", "+tune.keys.max_bfs_breadth=[4,10]"]))
+    assert points[1:] == [dict(tree, match_type="PROB", max_bfs_breadth="4"), dict(tree, match_type="PROB", max_bfs_breadth="10")]
+    points, _ = grid(compose("tune", ["speculative=eagle3", "tune.num_steps=[3]", "tune.topk=[1]", *shape]))
+    assert points == [{}, dict(num_steps=3, topk=1, num_draft_tokens=4, adaptive_draft="false")]  # eagle3 has no tune_grid
+    for bad, says in (
+        ("+tune.keys.match_type=[PROB]", "tune.keys.match_type: is not a key of speculative=eagle3"),
+        ("+tune.keys.num_steps=[3]", "tune.keys.num_steps"),
+        ("+tune.keys.match_type=[]", "must list at least one value"),
+    ):
+        algo = "eagle3" if "eagle3" in says else "ngram"
+        with pytest.raises(ConfigError, match=re.escape(says)):
+            validate_tune(compose("tune", [f"speculative={algo}", bad]))
+
+    base = ["speculative=ngram", f"tuned.dir={tmp_path}"]
+    cfg = compose("serve", base)
+    entry = tuned.TunedEntry(num_steps=None, topk=None, num_draft_tokens=8, adaptive_draft="auto", keys={"match_type": "PROB"}, tok_s=2.0)
+    tuned.write_entry(cfg, "ngram", 1, entry)
+    assert "num_draft_tokens=8, adaptive_draft=auto, match_type=PROB" in tuned.apply_tuned(cfg)
+    assert (cfg.speculative.num_draft_tokens, str(cfg.speculative.match_type.value)) == (8, "PROB")
+    cfg = compose("serve", base + ["speculative.match_type=PROB"])  # (no Hydra run here: a key counts as given when off its default)
+    assert tuned.apply_tuned(cfg) is None and cfg.speculative.num_draft_tokens is None  # an own key given: the entry is not used
 
 
 @pytest.fixture(scope="module")
@@ -204,6 +245,7 @@ def tuned_server(tiny_model_dir, tmp_path_factory):
             "tune.max_new_tokens=8",
             "tune.num_draft_tokens=[5]",
             "tune.adaptive_draft=[false]",
+            "+tune.keys.match_type=[PROB]",  # ngram's own key: one value, so one grid point
             "tune.include_auto=false",
             "tune.holdout_rounds=2",
             f"tune.out_dir={tmp}",
@@ -226,15 +268,16 @@ def test_tune_then_serve_uses_tuned_defaults(tuned_server):
     tmp = tuned_server["tmp"]
     (path,) = (tmp / "tuned").rglob("*.json")
     entry = json.loads(path.read_text())["algorithms"]["ngram"]["buckets"]["1"]
-    assert (entry["num_draft_tokens"], entry["adaptive_draft"]) == (5, "false") and entry["tok_s"] > 0
+    assert (entry["num_draft_tokens"], entry["adaptive_draft"], entry["keys"]) == (5, "false", {"match_type": "PROB"}) and entry["tok_s"] > 0
     recs = records(tmp / "t")
     assert {r["phase"] for r in recs} == {"tune", "holdout"}
     held = [r for r in recs if r["phase"] == "holdout" and r["algorithm"] == "ngram"]
     assert ["tuned" in r["label"] for r in held] == [False, True, False, True]  # tune.holdout_rounds=2: auto and tuned alternated
     assert "held-out ngram batch 1: tuned" in tuned_server["tune_out"] and "median of 2 alternated rounds" in tuned_server["tune_out"]
-    assert "tuned defaults applied for speculative=ngram (batch-size bucket 1): num_draft_tokens=5, adaptive_draft=false" in tuned_server["server"].output()
+    applied = "tuned defaults applied for speculative=ngram (batch-size bucket 1): num_draft_tokens=5, adaptive_draft=false, match_type=PROB"
+    assert applied in tuned_server["server"].output()
     spec = httpx2.get(tuned_server["url"] + "/get_server_info", timeout=10).json()["config"]["speculative"]
-    assert (spec["num_draft_tokens"], str(spec["adaptive_draft"])) == (5, "false")
+    assert (spec["num_draft_tokens"], str(spec["adaptive_draft"]), spec["match_type"]) == (5, "false", "PROB")
 
 
 def test_url_mode_against_live_server(tuned_server, tmp_path):
