@@ -56,6 +56,8 @@ class {cls}Config(SpecAlgoConfig):
 
     # inherited keys this drafter never reads: setting one is an error naming it
     unused_keys = ("draft_model_path", "draft_model_revision", "draft_model_quantization")
+    # values `specfw tune speculative={name}` tries for keys of your own, beside the tree keys
+    tune_grid = {{"min_gap": ("1", "4")}}
 
     def auto_shape(self, target_arch: str) -> TreeShape:
         return TreeShape(4, 1, 5)   # (num_steps, topk, num_draft_tokens): a chain of 4
