@@ -75,3 +75,19 @@ def test_kit_catches_a_lossy_verifier(new_plugin):
 def test_unregistered_name_says_how_to_fix():
     with pytest.raises(AssertionError, match="entry point"):
         check_lossless("no_such_algo")
+
+
+def test_a_third_party_algorithms_tune_grid_joins_specfw_tune(new_plugin):
+    """The template's ``tune_grid`` (min_gap 1 and 4) is a dimension of ``specfw tune``'s grid for
+    the plugin's algorithm, as ngram's match_type is for the built-in one."""
+    from hydra import compose, initialize_config_module
+
+    from specfw.bench.tune import grid
+    from specfw.config_store import register_configs
+
+    register_configs()
+    with initialize_config_module("specfw_conf", version_base="1.3"):
+        cfg = compose("tune", ["speculative=kitdemo", "tune.num_steps=[2]", "tune.topk=[1]", "tune.num_draft_tokens=[3]", "tune.adaptive_draft=[false]"])
+    points, skipped = grid(cfg)
+    chain = dict(num_steps=2, topk=1, num_draft_tokens=3, adaptive_draft="false")
+    assert points == [{}, dict(chain, min_gap="1"), dict(chain, min_gap="4")] and not skipped
