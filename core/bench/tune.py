@@ -10,7 +10,6 @@ import itertools
 import time
 from pathlib import Path
 
-from omegaconf import OmegaConf
 from tqdm import tqdm
 
 from . import records as rec
@@ -18,6 +17,7 @@ from .run import _Tok, current_run_dir, measure, plain_reference, skip_note, sum
 
 TREE_KEYS = ("num_steps", "topk", "num_draft_tokens")
 OPTIONAL_KEYS = ("draft_assist", "draft_model_quantization")  # grid keys a point carries only when the grid varies them or sets them
+SHARED_KEYS = (*TREE_KEYS, "adaptive_draft", *OPTIONAL_KEYS)  # every algorithm's grid keys, each with its own tune.<key> list
 
 
 def with_settings(cfg, point: dict):
@@ -27,7 +27,7 @@ def with_settings(cfg, point: dict):
     c = copy.deepcopy(cfg)
     for k in (*TREE_KEYS, "adaptive_draft"):
         c.speculative[k] = point.get(k, "auto" if k == "adaptive_draft" else None)
-    for k, v in point.items():
+    for k, v in point.items():  # the optional and the algorithm's own keys
         if k not in (*TREE_KEYS, "adaptive_draft"):
             c.speculative[k] = v
     return c
@@ -44,7 +44,7 @@ def algorithm_keys(cfg) -> dict[str, list[str]]:
     from ..plugins import plugin_manager
 
     algo = plugin_manager().algorithms[str(cfg.speculative.algorithm)]
-    own = {f.name for f in dataclasses.fields(algo.config_class)} - {*TREE_KEYS, "adaptive_draft", *OPTIONAL_KEYS, "algorithm"}
+    own = {f.name for f in dataclasses.fields(algo.config_class)} - {*SHARED_KEYS, "algorithm"}
     keys = {k: [str(v) for v in vs] for k, vs in getattr(algo.config_class, "tune_grid", {}).items()}
     for k, vs in (cfg.tune.get("keys") or {}).items():
         if k not in own:
@@ -53,8 +53,6 @@ def algorithm_keys(cfg) -> dict[str, list[str]]:
                 f"is not a key of speculative={algo.name} that tune varies; its keys: {sorted(own)} "
                 "(tree keys, adaptive_draft, draft_assist and draft_model_quantization have their own tune.<key> lists)",
             )
-        if not isinstance(vs, (list, tuple)) and not OmegaConf.is_list(vs):
-            raise ConfigError(f"tune.keys.{k}", f"must be a list of values, got {vs!r}")
         if not len(vs):
             raise ConfigError(f"tune.keys.{k}", "must list at least one value")
         keys[k] = [None if v is None else str(v) for v in vs]
@@ -144,7 +142,7 @@ def tune_task(cfg) -> None:
             adaptive_draft=point.get("adaptive_draft", "auto"),
             draft_assist=point.get("draft_assist", cfg.speculative.get("draft_assist")),
             draft_model_quantization=point.get("draft_model_quantization", cfg.speculative.get("draft_model_quantization")),
-            keys={k: v for k, v in point.items() if k not in (*TREE_KEYS, "adaptive_draft", *OPTIONAL_KEYS)},
+            keys={k: v for k, v in point.items() if k not in SHARED_KEYS},
             tok_s=round(tok_s, 3),
             auto_tok_s=round(auto, 3) if auto is not None else None,
             measured=dict(
