@@ -225,13 +225,37 @@ def _load(source: Path, name: str, isa_flags: list[str], what: str):
         headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
         tag = hashlib.sha1(source.read_bytes() + headers + " ".join(cflags).encode()).hexdigest()[:10]
         logger.info("%s: building or loading (first use compiles for ~30-60 s)", what)
-        with exclusive_build(f"{name}_{tag}"):
+        with exclusive_build(f"{name}_{tag}") as build_dir:
             return load(
-                name=f"{name}_{tag}", sources=[str(source)], extra_cflags=cflags, extra_ldflags=["-fopenmp"], verbose=False
+                name=f"{name}_{tag}",
+                sources=[str(_source_copy(source, build_dir))],
+                extra_cflags=cflags,
+                extra_ldflags=["-fopenmp"],
+                verbose=False,
             )  # OpenMP: at::parallel_for's threads
     except Exception as e:  # no compiler, no ninja, a failed build: torch's ops still work
         logger.warning("%s unavailable (%s: %s); using torch's ops", what, type(e).__name__, str(e).splitlines()[0][:200])
         return None
+
+
+def _source_copy(source: Path, build_dir: Path | None) -> Path:
+    """The copy of ``source`` (and the headers beside it) that a build compiles: inside the build
+    directory, whose name already carries the content hash. torch's build file names its sources
+    by absolute path, so two checkouts of one source on a machine (a clone beside a working copy,
+    sharing ``~/.cache/torch_extensions``) used to rewrite each other's build file and recompile
+    on every load; compiling the build directory's own copy makes them share one build."""
+    if build_dir is None:  # no torch helper to name the directory: compile in place
+        return source
+    src_dir = build_dir / "src"
+    src_dir.mkdir(parents=True, exist_ok=True)
+    for f in [source, *sorted(source.parent.glob("*.h"))]:
+        dest = src_dir / f.name
+        data = f.read_bytes()
+        if not dest.exists() or dest.read_bytes() != data:
+            tmp = dest.with_suffix(dest.suffix + f".{os.getpid()}.tmp")
+            tmp.write_bytes(data)
+            tmp.replace(dest)  # atomic: a concurrent reader sees the old file or the whole new one
+    return src_dir / source.name
 
 
 @contextmanager
@@ -242,7 +266,8 @@ def exclusive_build(name: str):
     outlives a killed build, and every later load of that extension then waits on it forever: a
     first ``specfw serve`` stopped with Ctrl-C while its kernels compiled made every later start
     hang. Every specfw load takes this lock first, so a ``lock`` file found while holding it is
-    such a leftover, and is removed (torch then builds again)."""
+    such a leftover, and is removed (torch then builds again). Yields the build directory (None
+    where no lock can be taken)."""
     try:
         import fcntl
 
@@ -251,7 +276,7 @@ def exclusive_build(name: str):
         build_dir = Path(_get_build_directory(name, verbose=False))
         handle = open(f"{build_dir}.specfw-lock", "w")
     except (ImportError, AttributeError, OSError):  # no flock (not POSIX) or torch moved its helper: torch's own baton only
-        yield
+        yield None
         return
     with handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
@@ -259,7 +284,7 @@ def exclusive_build(name: str):
         if stale.exists():
             logger.warning("%s: removing the lock file a killed build left in %s", name, build_dir)
             stale.unlink(missing_ok=True)
-        yield  # closing the file releases the lock
+        yield build_dir  # closing the file releases the lock
 
 
 def cpu_has_avx512_bf16() -> bool:

@@ -3,6 +3,8 @@ the portable build everywhere, AVX2 and AVX-512 where the flags allow (skipped e
 Values against a float64 reference; every row's bits independent of the other rows, of the
 thread count and of the tree it sits in (a tree row == the lone decode row of the same context)."""
 
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -100,6 +102,40 @@ def test_a_killed_builds_lock_file_does_not_hang_the_next_load(tmp_path, monkeyp
     assert seen == {"lock left": False, "other process locked out": True}
     assert not (build_dir / "lock").exists()
     assert another_process_can_lock(build_dir)  # released once the load returned
+
+
+def test_two_checkouts_of_one_source_compile_the_same_file(tmp_path, monkeypatch):
+    """torch's build file names its sources by absolute path: two checkouts on one machine (a
+    fresh clone beside a working copy) sharing the extension cache rewrote each other's build file
+    and recompiled on every load. A load compiles the build directory's own copy of the source
+    and its headers, so both checkouts hand torch the same file with the same content."""
+    import shutil
+
+    import torch.utils.cpp_extension as cpp
+    from specfw import kernels
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    monkeypatch.delenv("SPECFW_NO_KERNELS", raising=False)
+    compiled = []
+    monkeypatch.setattr(cpp, "load", lambda name, sources, **kw: compiled.append((name, sources)) or "module")
+    checkouts = []
+    for clone in ("a", "b"):
+        kdir = tmp_path / clone / "core" / "kernels"
+        kdir.mkdir(parents=True)
+        for f in [kernels._OPS_SOURCE, *kernels._OPS_SOURCE.parent.glob("*.h")]:
+            shutil.copy(f, kdir / f.name)
+        checkouts.append(kdir / kernels._OPS_SOURCE.name)
+        assert kernels._load(checkouts[-1], "specfw_cpu_ops_portable", [], "probe") == "module"
+    (name_a, [src_a]), (name_b, [src_b]) = compiled
+    assert name_a == name_b and src_a == src_b
+    assert Path(src_a).is_relative_to(tmp_path / "ext") and Path(src_a).read_bytes() == checkouts[0].read_bytes()
+    for header in kernels._OPS_SOURCE.parent.glob("*.h"):  # #include "..." resolves beside the copy
+        assert (Path(src_a).parent / header.name).read_bytes() == header.read_bytes()
+    # an edited source is another build (the hash in the name), never a stale copy
+    checkouts[1].write_text(checkouts[1].read_text() + "\n// edited\n")
+    kernels._load(checkouts[1], "specfw_cpu_ops_portable", [], "probe")
+    name_c, [src_c] = compiled[-1]
+    assert name_c != name_a and Path(src_c).read_text().endswith("// edited\n")
 
 
 def test_forcing_an_isa_the_cpu_lacks_names_the_key(tiny_model_dir):
