@@ -58,6 +58,7 @@ class EngineConfig:
     cpu_bf16_kernel: bool = True          # CPU bf16 linears on specfw's own kernel: AMX tiles with AMX-BF16, else vdpbf16ps with AVX512-BF16 (in the avx512 cpu_ops build, so the one-call layers take them; compiled on first use, ~30 s; else the generic kernels' fp32 arithmetic); also the greedy head's bf16 products on vdpbf16ps
     cpu_linear_prefetch: str = "auto"     # CPU fp32/bf16-weight linears over more than one row tile (9+ rows): which tiles prefetch the next weight blocks: auto (from the CPU's vendor: first_tile on Intel, spread elsewhere) | spread (every tile in turn: faster on AMD EPYCs; AVX2 builds spread fp32 weights only) | first_tile (the first tile alone: 17% faster at 16 rows on an Intel Xeon with AMX); never changes a bit
     cpu_greedy_head: bool = True          # CPU fp32 lm_head of greedy rows (no logprobs/penalties): a bf16 copy (+56 MB on the demo) bounds every logit, the possible argmaxes are recomputed in fp32: the same tokens, ~half the head's bytes
+    cpu_greedy_head_proxy: str = "auto"   # the greedy head's cheap copy: auto (int8 on the avx512 and avx2 builds, bf16 on the portable one) | bf16 (56 MB on the demo) | int8 (8-bit codes per block of 32, int8 activations: 30 MB; q8_ops' linear); the same tokens either way
     disable_radix_cache: bool = False     # SGLang's --disable-radix-cache: no prefix cache (finished requests' KV is freed, not kept for later requests sharing their first tokens)
     batch_invariant: bool = True          # a token's numerics never depend on batch or draft tree (exact greedy spec == plain, also in bf16)
     cuda_graph_max_bs: Optional[int] = None  # SGLang's --cuda-graph-max-bs: decode/verify forwards of up to this many requests replayed from CUDA graphs (x num_draft_tokens rows when speculative); null = auto (min(max_running_requests, 32)); 0 = off; CUDA with model.attention_backend=triton only (docs/gpu.md)
@@ -155,6 +156,9 @@ def validate(cfg) -> None:
         raise ConfigError("engine.cuda_graph_max_bs", f"must be >= 0 (0 = off) or null (auto), got {cg}")
     positive("model.context_length", cfg.model.context_length, allow_none=True)
     check_cpu_isa(str(getattr(e, "cpu_isa", "auto")))
+    proxy = str(getattr(e, "cpu_greedy_head_proxy", "auto"))
+    if proxy not in GREEDY_HEAD_PROXIES:
+        raise ConfigError("engine.cpu_greedy_head_proxy", f"'{proxy}' is not one of {list(GREEDY_HEAD_PROXIES)}")
     prefetch = str(getattr(e, "cpu_linear_prefetch", "auto"))
     if prefetch not in CPU_LINEAR_PREFETCH:
         raise ConfigError("engine.cpu_linear_prefetch", f"'{prefetch}' is not one of {list(CPU_LINEAR_PREFETCH)}")
@@ -199,6 +203,7 @@ def validate(cfg) -> None:
 TP_BACKENDS = ("auto", "gloo", "nccl")
 CPU_ISAS = ("auto", "avx512", "avx2", "portable", "none")
 CPU_LINEAR_PREFETCH = ("auto", "spread", "first_tile")
+GREEDY_HEAD_PROXIES = ("auto", "bf16", "int8")
 
 
 def check_cpu_isa(isa: str) -> None:

@@ -108,6 +108,7 @@ def backend_from_config(engine_cfg, device: torch.device, cfg=None) -> Backend:
         backend.set_linear_prefetch(str(getattr(engine_cfg, "cpu_linear_prefetch", "auto")))
     if hasattr(backend, "greedy_heads"):
         backend.greedy_heads = bool(getattr(engine_cfg, "cpu_greedy_head", True))
+        backend.greedy_head_proxy = str(getattr(engine_cfg, "cpu_greedy_head_proxy", "auto"))
     backend.cache_exact_prefills = bool(engine_cfg.batch_invariant) and not getattr(engine_cfg, "disable_radix_cache", False)
     if backend.attention == "flashinfer" and engine_cfg.batch_invariant:
         logger.warning(

@@ -47,6 +47,7 @@ class CpuBackend(Backend):
     one_call_layers = True  # decoder_stack: all layers in one kernel call where they qualify (False: per layer, for A/B runs)
     one_call_drafts = True  # eagle3_draft: an EAGLE-3 head's draft step in one kernel call (False: the Python step, for A/B runs)
     greedy_heads = True  # greedy_head: greedy rows' lm_head through a bf16 copy and exact candidates (engine.cpu_greedy_head)
+    greedy_head_proxy = "auto"  # its cheap copy: auto | bf16 | int8 (engine.cpu_greedy_head_proxy)
 
     def __init__(
         self,
@@ -201,11 +202,32 @@ class CpuBackend(Backend):
         return self._per_model(layer, "_kernel_draft_step", build)
 
     def greedy_head(self, model):
-        # 56 MB on the demo target: the bf16 copy of its head
+        # 56 MB on the demo target for the bf16 copy of its head, 30 MB for the int8 one
         if not self.greedy_heads:
             return None
         head = model.lm_head
-        return self._per_model(model, "_greedy_head", lambda: GreedyHead(self.ops, head, self._greedy_dot()) if GreedyHead.eligible(head) else None)
+
+        def build():
+            if not GreedyHead.eligible(head):
+                return None
+            q8 = self._greedy_q8()
+            if q8 is not None and GreedyHead.int8_eligible(head):
+                return GreedyHead(self.ops, head, q8=q8)
+            return GreedyHead(self.ops, head, self._greedy_dot())
+
+        return self._per_model(model, "_greedy_head", build)
+
+    def _greedy_q8(self):
+        """``q8_ops`` for an int8 proxy of the greedy head (``engine.cpu_greedy_head_proxy``): with
+        ``int8``, this ISA's build; with ``auto``, the avx512 and avx2 builds' (half the bf16 copy's
+        bytes: the demo's head call from DRAM 0.71x the bf16 proxy's time at 1-4 rows on the Zen 4's
+        avx512 build, 0.77x / 0.90x / 0.59x at 1 / 4 / 8 rows on its forced avx2 build); the
+        portable build keeps the bf16 copy. None: the bf16 copy."""
+        from ..kernels import q8_ops
+
+        if self.greedy_head_proxy == "bf16" or (self.greedy_head_proxy == "auto" and self.isa not in ("avx512", "avx2")):
+            return None
+        return q8_ops(self.isa)
 
     def _greedy_dot(self):
         """``bf16_dot`` for the greedy head's proxy where it runs (AVX512-BF16, the avx512 build,

@@ -20,6 +20,19 @@ On CPUs with AVX512-BF16 (``dot``: the ``bf16_dot`` kernel) the proxy is compute
 per instruction instead of one, in the layout of specfw's bf16 linears. The radius then gains
 ``(|x - x'| + gamma |x'|) * |w'_v|`` and an absolute ``2 (K + 2) 2^-126`` (subnormal sums
 flushed), and ``cpu_ops.greedy_pick`` selects and recomputes exactly as before: the same bits.
+
+With ``q8`` (``engine.cpu_greedy_head_proxy``: the ``q8_ops`` build, int8 by default on the
+avx512 and avx2 builds) the proxy is ``q8_ops``' linear over 8-bit codes of the head instead: per output
+and block of 32 inputs ``w' = d q`` (``d = max|w| / 127`` rounded up to fp16, so the scales take 2
+bytes: 30 MB for the demo's head, against 56 MB in bf16), the row quantized to int8 per block of
+32 (``x' = q_x dx``), the products summed in integers. By the same argument the radius is
+``|x| bound_v + (|x - x'| + gamma |x'|) |w'_v|``, with ``bound_v = |w_v - w'_v| + gamma (|w_v| +
+|w'_v|)``: ``|x - x'|`` is computed from the row's own codes (``q8_ops.quantize_rows``, the codes
+the linear uses), and ``gamma |x'| |w'_v|`` covers the proxy's fp32 scale steps (one product and
+one fma a block, ``2 K / 32 + 1 <= K + 2`` roundings). Beside the bf16 proxy's absolute term it
+gains ``K / 32 * 2^-106`` (a block's scale product ``d dx`` flushed to zero, times an integer sum
+below ``2^19``). ``cpu_ops.greedy_select`` selects and recomputes: the same bits again, at about 4
+candidates a row on MT-bench decode rows (1.3 with bf16).
 """
 
 from __future__ import annotations
@@ -32,13 +45,16 @@ UNIT_ROUNDOFF = 2.0**-24
 
 
 class GreedyHead:
-    def __init__(self, ops, lm_head, dot=None):
+    def __init__(self, ops, lm_head, dot=None, q8=None):
         """``dot``: the ``bf16_dot`` kernel module, to compute the proxy with (None: ``ops``' bf16
-        linear)."""
-        self.ops, self.lm_head, self.dot = ops, lm_head, dot
+        linear); ``q8``: a ``q8_ops`` build, for the int8 proxy instead (``int8_eligible``)."""
+        self.ops, self.lm_head, self.dot, self.q8 = ops, lm_head, None if q8 is not None else dot, q8
         self.full = lm_head.packed
         self.out_features = lm_head.out_features
         w = lm_head.weight  # [V, K] fp32
+        if q8 is not None:
+            self._int8_proxy(w)
+            return
         w16 = flush_subnormals(w.bfloat16())
         K = w.shape[1]
         gamma = (K + 2) * UNIT_ROUNDOFF / (1 - (K + 2) * UNIT_ROUNDOFF)
@@ -49,6 +65,34 @@ class GreedyHead:
         self.bound = bound * (1 + 1e-3)
         self.wbound = w16n * (1 + 1e-3)  # |w'_v|, for the dot proxy's input rounding
         self.proxy = huge_pages.relocate([(dot or ops).pack(w16)])[0]
+
+    def _int8_proxy(self, w: torch.Tensor) -> None:
+        from .q8_linear import BLOCK, pack
+
+        V, K = w.shape
+        gamma = (K + 2) * UNIT_ROUNDOFF / (1 - (K + 2) * UNIT_ROUNDOFF)
+        d = int8_scales(w)
+        q = torch.round(w.reshape(V, K // BLOCK, BLOCK) / torch.where(d > 0, d, 1)[..., None]).clamp(-127, 127)
+        wq = (q.double() * d.double()[..., None]).reshape(V, K)  # w' exactly (an 8-bit code times an fp16 value)
+        wd = w.double()
+        bound = (wd - wq).norm(dim=1) + gamma * (wd.norm(dim=1) + wq.norm(dim=1))
+        self.bound = (bound * (1 + 1e-3)).float()
+        self.wbound = (wq.norm(dim=1) * (1 + 1e-3)).float()  # |w'_v|
+        self.gamma = gamma
+        self.slack = 2.0 * (K + 2) * 2.0**-126 + (K // BLOCK) * 2.0**-106
+        packed = pack(q.reshape(V, K).to(torch.int8), d, None, 8)
+        assert packed.d.dtype == torch.float16  # int8_scales made them fp16 values
+        self.codes, self.scales = huge_pages.relocate([packed.codes, packed.d])
+        self.no_m = torch.empty(0, dtype=torch.float16)
+        self.no_bias = torch.empty(0)
+
+    @staticmethod
+    def int8_eligible(lm_head) -> bool:
+        """The int8 proxy needs whole blocks of 32 inputs and scales fp16 can hold."""
+        from .q8_linear import BLOCK
+
+        w = lm_head.weight
+        return w.shape[1] % BLOCK == 0 and bool(torch.isfinite(int8_scales(w)).all())
 
     @staticmethod
     def eligible(lm_head) -> bool:
@@ -65,11 +109,33 @@ class GreedyHead:
         """``x`` [T, K] normed hidden rows -> [T, V] fp32: the full product's values at every
         possible argmax, -inf elsewhere."""
         x = x.float()
+        if self.q8 is not None:
+            return self._int8_call(x.contiguous())
         if self.dot is None:
             return self.ops.greedy_logits(x, self.proxy, self.full, self.bound, self.out_features)
         xb = flush_subnormals(x.bfloat16())
         p = self.dot.linear_f32(xb, self.proxy, self.out_features)
         return self.ops.greedy_pick(x, xb, p, self.full, self.bound, self.wbound, self.out_features)
+
+    def _int8_call(self, x: torch.Tensor) -> torch.Tensor:
+        p = self.q8.linear(x, self.codes, self.scales, self.no_m, 8, self.out_features, self.no_bias)
+        q, dx, _ = self.q8.quantize_rows(x)  # the codes the linear multiplied by
+        xq = (q.double().view(q.shape[0], dx.shape[1], -1) * dx.double()[..., None]).view_as(x)
+        bx = ((x.double() - xq).norm(dim=1) + self.gamma * xq.norm(dim=1)) * (1 + 1e-12)
+        return self.ops.greedy_select(x, p, self.full, self.bound, self.wbound, bx, self.slack, self.out_features)
+
+
+def int8_scales(w: torch.Tensor) -> torch.Tensor:
+    """Per output and block of 32 inputs, ``max|w| / 127`` rounded up to a value fp16 holds (so
+    every code ``round(w / d)`` stays within -127..127 and the scales pack as fp16); inf where
+    fp16 cannot hold it."""
+    from .q8_linear import BLOCK
+
+    V, K = w.shape
+    d = w.reshape(V, K // BLOCK, BLOCK).abs().amax(-1) / 127
+    h = d.half()
+    up = torch.nextafter(h, torch.tensor(float("inf"), dtype=torch.float16))
+    return torch.where(h.float() < d, up, h).float()
 
 
 def flush_subnormals(t: torch.Tensor) -> torch.Tensor:

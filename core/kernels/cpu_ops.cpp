@@ -2021,6 +2021,25 @@ torch::Tensor greedy_pick(torch::Tensor x, torch::Tensor xb, torch::Tensor p, to
   return y;
 }
 
+// The same selection from a proxy computed elsewhere with the caller's per-row input term:
+// row m's radius at v is |x_m| * bound_v + bx[m] * wbound_v + slack. GreedyHead's int8 proxy
+// (q8_ops' linear over 8-bit codes of the head, the row quantized to int8 per block of 32) passes
+// bx = |x - x'| + gamma |x'| from the row's own codes (x' = q * dx) and wbound_v >= |w'_v|.
+torch::Tensor greedy_select(torch::Tensor x, torch::Tensor p, torch::Tensor full, torch::Tensor bound, torch::Tensor wbound,
+                            torch::Tensor bx, double slack, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "greedy_select: fp32 x [M, K]");
+  TORCH_CHECK(p.scalar_type() == torch::kFloat32 && p.dim() == 2 && p.size(0) == x.size(0) && p.size(1) == N, "greedy_select: fp32 p [M, N]");
+  TORCH_CHECK(full.scalar_type() == torch::kFloat32 && full.size(1) == x.size(1) && full.size(0) * kBlock >= N, "greedy_select: the packed fp32 weight");
+  TORCH_CHECK(bound.numel() >= N && wbound.numel() >= N, "greedy_select: bounds");
+  TORCH_CHECK(bx.scalar_type() == torch::kFloat64 && bx.numel() == x.size(0), "greedy_select: bx float64 [M]");
+  const int64_t M = x.size(0), K = x.size(1);
+  auto xc = x.contiguous(), pc = p.contiguous(), bxc = bx.contiguous();
+  auto y = torch::empty({M, N}, xc.options());
+  pick_exact(xc.data_ptr<float>(), M, K, pc.data_ptr<float>(), bound.data_ptr<float>(), wbound.data_ptr<float>(), bxc.data_ptr<double>(),
+             slack, full.data_ptr<float>(), y.data_ptr<float>(), N);
+  return y;
+}
+
 std::string isa() { return SPECFW_ISA; }
 
 // The slot lists of KernelAttentionPlan (kernel_attention.py) for the sequences that are not
@@ -2106,6 +2125,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_write", &rope_write, "rope on q and k heads; k and v written to the KV pool; returns q", nogil);
   m.def("silu_mul", &silu_mul, "silu(gate) * up", nogil);
   m.def("decoder_layers", &decoder_layers, "every decoder layer over decode/tree rows in one call (the per-op path's bits)", nogil);
+  m.def("greedy_select", &greedy_select, "greedy rows' logits from a proxy computed elsewhere and per-row input terms", nogil);
   m.def("greedy_logits", &greedy_logits, "greedy rows' logits: exact at every possible argmax, -inf elsewhere", nogil);
   m.def("greedy_pick", &greedy_pick, "greedy_logits from a proxy computed on bf16 inputs (bf16_dot)", nogil);
   m.def("draft_layer", &draft_layer, "an EAGLE-family draft head's decoder layer in one call (the per-op path's bits)", nogil);

@@ -13,27 +13,35 @@ from torch import nn
 from conftest import make_cfg
 from specfw.backends.greedy_head import GreedyHead, flush_subnormals
 from specfw.backends.kernel_linear import KernelLinear
-from specfw.kernels import ISAS, bf16_dot, cpu_ops, isa_supported
+from specfw.kernels import ISAS, Q8_ISAS, bf16_dot, cpu_ops, isa_supported, q8_isa_supported, q8_ops
 from specfw.sampling import SamplingParams
 
 
 def _isas():
-    """Each ISA build where the CPU has it, and the avx512 build with the proxy on ``bf16_dot``."""
+    """Each ISA build where the CPU has it, the avx512 build with the proxy on ``bf16_dot``, and
+    each ``q8_ops`` build this CPU runs with the int8 proxy (``avx512bw``: the avx512 build without
+    VNNI, forced on a VNNI CPU too)."""
     dot = pytest.mark.skipif(not isa_supported("avx512") or bf16_dot() is None, reason="this CPU lacks AVX512-BF16")
-    return [pytest.param(i, marks=pytest.mark.skipif(not isa_supported(i), reason=f"this CPU lacks {i}")) for i in ISAS] + [
-        pytest.param("avx512+dot", marks=dot)
-    ]
+    plain = [pytest.param(i, marks=pytest.mark.skipif(not isa_supported(i), reason=f"this CPU lacks {i}")) for i in ISAS]
+    int8 = [pytest.param(f"{i}+int8", marks=pytest.mark.skipif(not q8_isa_supported(i), reason=f"this CPU lacks {i}")) for i in Q8_ISAS if i != "amx"]
+    return plain + [pytest.param("avx512+dot", marks=dot)] + int8
 
 
 def _head(isa, weight):
-    isa, _, dot = isa.partition("+")
-    ops = cpu_ops(isa)
+    isa, _, proxy = isa.partition("+")
+    ops = cpu_ops("avx512" if isa == "avx512bw" else isa)
     if ops is None:
         pytest.skip("the CPU kernels cannot be built here")
     lin = nn.Linear(weight.shape[1], weight.shape[0], bias=False)
     lin.weight.data = weight
     kl = KernelLinear(lin, ops, isa)
-    return kl, GreedyHead(ops, kl, bf16_dot() if dot else None)
+    if proxy == "int8":
+        q8 = q8_ops(isa)
+        if q8 is None:
+            pytest.skip("the int8-activation kernels cannot be built here")
+        assert GreedyHead.int8_eligible(kl)
+        return kl, GreedyHead(ops, kl, q8=q8)
+    return kl, GreedyHead(ops, kl, bf16_dot() if proxy == "dot" else None)
 
 
 def _check(kl, head, x):
@@ -76,12 +84,20 @@ def test_the_bound_brackets_every_logit(isa):
     x = torch.randn(6, 576, generator=g) * 3
     full = kl(x).double()
     slack = x.double().norm(dim=1, keepdim=True) * head.bound.double()[None]
-    if head.dot is None:
+    gamma = 578 * 2.0**-24 / (1 - 578 * 2.0**-24)
+    if head.q8 is not None:  # the int8 proxy: plus (|x - x'| + gamma |x'|) |w'_v|, x' the row's int8 codes times their scales
+        proxy = head.q8.linear(x, head.codes, head.scales, head.no_m, 8, 500, torch.empty(0)).double()
+        q, dx, _ = head.q8.quantize_rows(x)
+        xq = (q.double().view(6, 18, 32) * dx.double()[..., None]).view(6, 576)
+        assert ((x.double() - xq).abs() <= dx.double().repeat_interleave(32, 1) * (0.5 + 1e-6)).all()  # round to nearest
+        rows = (x.double() - xq).norm(dim=1, keepdim=True) + gamma * xq.norm(dim=1, keepdim=True)
+        slack = slack + rows * head.wbound.double()[None]
+        assert head.scales.dtype == torch.float16 and head.codes.numel() == 504 * 576  # 1 byte a weight (outputs padded to 8)
+    elif head.dot is None:
         proxy = cpu_ops(isa.partition("+")[0]).linear(x, head.proxy, 500, torch.empty(0)).double()
     else:  # the proxy from bf16 inputs too: plus (|x - x'| + gamma |x'|) |w'_v|
         xb = flush_subnormals(x.bfloat16())
         proxy = head.dot.linear_f32(xb, head.proxy, 500).double()
-        gamma = 578 * 2.0**-24 / (1 - 578 * 2.0**-24)
         rows = (x.double() - xb.double()).norm(dim=1, keepdim=True) + gamma * xb.double().norm(dim=1, keepdim=True)
         slack = slack + rows * head.wbound.double()[None]
     assert ((full - proxy).abs() <= slack).all()
@@ -118,6 +134,58 @@ def test_the_backend_takes_the_dot_proxy_only_on_its_own_build():
         for bf16 in (True, False):
             dot = CpuBackend(ops, isa, bf16_kernel=bf16)._greedy_dot()
             assert (dot is not None) == (isa == "avx512" and bf16 and bf16_dot() is not None)
+
+
+def test_int8_scales_hold_every_code_and_fit_fp16():
+    """``int8_scales``: each block's ``max|w| / 127`` rounded up to an fp16 value (codes stay in
+    -127..127, the scales pack in 2 bytes); a block of zeros scales by 0; a weight fp16 cannot
+    scale makes the head ineligible for the int8 proxy (it keeps the bf16 one)."""
+    from specfw.backends.greedy_head import int8_scales
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(40, 64, generator=g) * torch.logspace(-9, 2, 40)[:, None]
+    w[3, :32] = 0.0
+    d = int8_scales(w)
+    amax = w.reshape(40, 2, 32).abs().amax(-1)
+    assert (d >= amax / 127).all() and torch.equal(d.half().float(), d) and d[3, 0] == 0
+    assert ((w.reshape(40, 2, 32) / torch.where(d > 0, d, 1)[..., None]).abs().round() <= 127).all()
+    ops = cpu_ops()
+    if ops is None:
+        pytest.skip("the CPU kernels cannot be built here")
+    huge = nn.Linear(64, 8, bias=False)
+    huge.weight.data[0, 0] = 1e7  # 1e7 / 127 > 65504
+    assert not GreedyHead.int8_eligible(KernelLinear(huge, ops, "x"))
+    assert not GreedyHead.int8_eligible(KernelLinear(nn.Linear(48, 8, bias=False), ops, "x"))  # 48 inputs: not whole blocks of 32
+
+
+def test_the_backend_picks_the_proxy_the_setting_names():
+    """``engine.cpu_greedy_head_proxy``: ``int8`` on every build (its own ``q8_ops`` build),
+    ``bf16`` never, ``auto`` the int8 proxy on the avx512 and avx2 builds (not the portable one)."""
+    from specfw.backends.cpu import CpuBackend
+
+    for isa in ISAS:
+        ops = cpu_ops(isa) if isa_supported(isa) else None
+        if ops is None:
+            continue
+        for proxy, want in (("int8", True), ("bf16", False), ("auto", isa != "portable")):
+            backend = CpuBackend(ops, isa)
+            backend.greedy_head_proxy = proxy
+            assert (backend._greedy_q8() is not None) == want, (isa, proxy)
+            model = nn.Module()
+            model.lm_head = KernelLinear(nn.Linear(64, 40, bias=False), ops, isa)
+            head = backend.greedy_head(model)
+            assert (head.q8 is not None) == want
+            x = torch.randn(3, 64)
+            assert torch.equal(head(x).argmax(1), model.lm_head(x).argmax(1))
+
+
+def test_a_bad_proxy_setting_names_the_key():
+    from specfw.config import ConfigError, validate
+
+    cfg = make_cfg(cpu_greedy_head_proxy="int4")
+    with pytest.raises(ConfigError) as e:
+        validate(cfg)
+    assert e.value.key == "engine.cpu_greedy_head_proxy" and "bf16" in str(e.value)
 
 
 def test_only_fp32_heads_without_bias_qualify():
@@ -162,3 +230,23 @@ def test_greedy_requests_take_it_and_others_get_whole_rows(tiny_model_dir, tiny_
         assert out[True][:3] == out[False][:3] and len(out[True][2]) == 6, f"{spec}: the greedy head changed an output"
         assert out[True][3] > 0 and out[False][3] == 0  # greedy forwards took it only when on
         assert out[True][4] == 0  # the logprobs request's forwards never did
+
+
+@pytest.mark.model
+def test_the_int8_proxy_gives_the_full_heads_tokens_on_the_demo_model(demo_dir):
+    """The demo target in fp32: greedy decoding with the int8 proxy, the bf16 proxy and no greedy
+    head at all (the full fp32 head) make the same tokens."""
+    from specfw.config import EngineConfig, ModelConfig, SpecfwConfig
+    from specfw.engine import Engine
+
+    if cpu_ops() is None or q8_ops() is None:
+        pytest.skip("the CPU kernels cannot be built here")
+    prompts = ["The capital of France is", "def fibonacci(n):", "Speculative decoding works by"]
+    params = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
+    out = {}
+    for name, engine in (("int8", {"cpu_greedy_head_proxy": "int8"}), ("bf16", {"cpu_greedy_head_proxy": "bf16"}), ("full", {"cpu_greedy_head": False})):
+        with Engine(SpecfwConfig(model=ModelConfig(path=str(demo_dir), dtype="float32"), engine=EngineConfig(max_running_requests=1, **engine))) as eng:
+            head = eng.runner.backend.greedy_head(eng.runner.model)
+            assert (head is None) == (name == "full") and (name != "int8" or head.q8 is not None)
+            out[name] = [c.token_ids for c in eng.generate(prompts, params)]
+    assert out["int8"] == out["full"] == out["bf16"]
