@@ -1,7 +1,8 @@
 """The greedy head's proxies side by side: the cost of one call of the lm_head for greedy rows
-(``GreedyHead``: a cheap copy of an fp32 head, the possible argmaxes recomputed exactly) with the
-bf16 copy and with the int8 one (``engine.cpu_greedy_head_proxy``), and the full fp32 head for
-reference, on the demo target's real hidden rows.
+(``GreedyHead``: a cheap copy of the head, the possible argmaxes recomputed exactly) with the bf16
+copy and with the int8 one (``engine.cpu_greedy_head_proxy``), and the full head for reference, on
+the demo target's real hidden rows. ``--dtype bfloat16``: a bf16 model, whose head takes the int8
+copy alone (its bf16 weight is the full head).
 
     .venv/bin/python benchmarks/bench_greedy_head.py [--rows 1,4,8,16] [--isa auto] [--reps 30]
 
@@ -54,6 +55,7 @@ def main():
     ap.add_argument("--reps", type=int, default=30)
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--model", default=None, help="a model directory (default: the demo target)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     a = ap.parse_args()
 
     from specfw import datasets
@@ -63,30 +65,25 @@ def main():
     from specfw.kernels import q8_ops
     from specfw.machine import cpu_description
 
-    with Engine(
-        SpecfwConfig(model=ModelConfig(path=a.model, dtype="float32", device="cpu"), engine=EngineConfig(max_running_requests=1, cpu_isa=a.isa))
-    ) as eng:
+    cfg = SpecfwConfig(model=ModelConfig(path=a.model, dtype=a.dtype, device="cpu"), engine=EngineConfig(max_running_requests=1, cpu_isa=a.isa))
+    with Engine(cfg) as eng:
         backend, model = eng.runner.backend, eng.runner.model
         head = model.lm_head
-        if not GreedyHead.eligible(head) or not hasattr(backend, "_greedy_dot"):
-            raise SystemExit("this model's lm_head does not take a greedy head (an fp32 head on specfw's CPU kernels)")
-        print(f"CPU: {cpu_description()}; kernels {backend.isa}; lm_head {head.out_features} x {head.in_features} fp32", flush=True)
+        on_bf16 = hasattr(head, "packed") and GreedyHead.bf16_eligible(head)  # bf16 weights: the int8 copy alone
+        if not (on_bf16 or GreedyHead.eligible(head)) or not hasattr(backend, "_greedy_dot"):
+            raise SystemExit("this model's lm_head does not take a greedy head (fp32 or bf16 weights on specfw's CPU kernels)")
+        print(f"CPU: {cpu_description()}; kernels {backend.isa}; lm_head {head.out_features} x {head.in_features} {a.dtype}", flush=True)
         chats = [eng.tokenize_chat([{"role": "user", "content": q}]) for q in datasets.mtbench_first_turns(a.prompts)]
-        pool = capture_rows(eng, chats, 32)
-        heads = {"bf16": GreedyHead(backend.ops, head, backend._greedy_dot())}
+        pool = capture_rows(eng, chats, 32).to(torch.bfloat16 if a.dtype == "bfloat16" else torch.float32)
+        heads = {} if on_bf16 else {"bf16": GreedyHead(backend.ops, head, backend._greedy_dot())}
         if GreedyHead.int8_eligible(head) and q8_ops(backend.isa) is not None:
             heads["int8"] = GreedyHead(backend.ops, head, q8=q8_ops(backend.isa))
+        ref = "bf16" if "bf16" in heads else "full"
         print(f"{pool.shape[0]} captured rows; proxies: " + ", ".join(f"{k} {_mib(h):.1f} MiB" for k, h in heads.items()), flush=True)
         junk = torch.randn(64 * 2**20)  # 256 MB
         g = torch.Generator().manual_seed(0)
-        print(
-            "| rows | full fp32 head | "
-            + " | ".join(f"{k} proxy" for k in heads)
-            + " | "
-            + " | ".join(f"{k}/bf16" for k in heads if k != "bf16")
-            + " | candidates a row |"
-        )
-        print("|---" * (3 + 2 * len(heads) - 1) + "|")
+        cols = [f"full {a.dtype} head", *(f"{k} proxy" for k in heads), *(f"{k}/{ref}" for k in heads if k != ref), "candidates a row"]
+        print("| rows | " + " | ".join(cols) + " |\n" + "|---" * (len(cols) + 1) + "|")
         for n in [int(r) for r in a.rows.split(",")]:
             times = {k: [] for k in ["full", *heads]}
             cands = {k: [] for k in heads}
@@ -95,7 +92,7 @@ def main():
                 for k, fn in [("full", head), *heads.items()]:
                     junk.sum()
                     t0 = time.perf_counter()
-                    out = fn(x)
+                    out = fn(x).float()
                     times[k].append(time.perf_counter() - t0)
                     if k == "full":
                         want = out.argmax(1)
@@ -103,14 +100,9 @@ def main():
                         assert torch.equal(out.argmax(1), want), f"{k} proxy: another argmax than the full head"
                         cands[k].append(candidates(out))
             med = {k: 1e3 * statistics.median(v) for k, v in times.items()}
-            ratios = " | ".join(f"{med[k] / med['bf16']:.2f}x" for k in heads if k != "bf16")
-            print(
-                f"| {n} | {med['full']:.3f} ms | "
-                + " | ".join(f"{med[k]:.3f} ms" for k in heads)
-                + f" | {ratios} | "
-                + ", ".join(f"{k} {statistics.mean(v):.1f}" for k, v in cands.items())
-                + " |"
-            )
+            cells = [f"{med['full']:.3f} ms", *(f"{med[k]:.3f} ms" for k in heads), *(f"{med[k] / med[ref]:.2f}x" for k in heads if k != ref)]
+            cells.append(", ".join(f"{k} {statistics.mean(v):.1f}" for k, v in cands.items()))
+            print(f"| {n} | " + " | ".join(cells) + " |")
 
 
 def _mib(h) -> float:

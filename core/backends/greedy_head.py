@@ -21,6 +21,15 @@ per instruction instead of one, in the layout of specfw's bf16 linears. The radi
 ``(|x - x'| + gamma |x'|) * |w'_v|`` and an absolute ``2 (K + 2) 2^-126`` (subnormal sums
 flushed), and ``cpu_ops.greedy_pick`` selects and recomputes exactly as before: the same bits.
 
+A bf16 model's head (or an fp32 one holding bf16 values, packed as bf16) can take the int8 copy
+below alone (``engine.cpu_greedy_head_proxy=int8``; ``auto`` leaves it whole), for calls of up to
+``BF16_HEAD_MAX_ROWS`` rows: its exact product is ``cpu_ops.linear`` on
+the packed bf16 weight, whose outputs a bf16 model rounds to bf16, so ``greedy_select_packed`` also
+keeps every logit within one bf16 ulp of the maximum (ties are common there) and recomputes a
+candidate's block of 16 outputs with that same linear on the row alone (a row's outputs depend on
+no other row or block). Its radius also covers what ``vdpbf16ps`` reads as zero: subnormal weights
+(in the bound) and inputs (in the row's term).
+
 With ``q8`` (``engine.cpu_greedy_head_proxy``: the ``q8_ops`` build, int8 by default on the
 avx512 and avx2 builds) the proxy is ``q8_ops``' linear over 8-bit codes of the head instead: per output
 and block of 32 inputs ``w' = d q`` (``d = max|w| / 127`` rounded up to fp16, so the scales take 2
@@ -42,6 +51,12 @@ import torch
 from . import huge_pages
 
 UNIT_ROUNDOFF = 2.0**-24
+TINY = torch.finfo(torch.float32).tiny  # 2^-126: below it vdpbf16ps reads a value as zero
+# a head on bf16 weights takes the int8 copy for calls of up to this many rows, the full head above:
+# the demo's bf16 head from DRAM (Zen 4, avx512 build, vdpbf16ps) with the int8 copy took 0.80x /
+# 0.83x / 0.90x / 1.06x the full head's time at 1 / 4 / 8 / 16 rows (7-12 candidates a row: bf16
+# outputs tie within an ulp); the bf16 full head streams half the fp32 one's bytes
+BF16_HEAD_MAX_ROWS = 8
 
 
 class GreedyHead:
@@ -51,7 +66,8 @@ class GreedyHead:
         self.ops, self.lm_head, self.dot, self.q8 = ops, lm_head, None if q8 is not None else dot, q8
         self.full = lm_head.packed
         self.out_features = lm_head.out_features
-        w = lm_head.weight  # [V, K] fp32
+        w = lm_head.weight.float()  # [V, K]: the fp32 head, or a bf16 head's values
+        self.bf16 = lm_head.packed.dtype == torch.bfloat16
         if q8 is not None:
             self._int8_proxy(w)
             return
@@ -76,6 +92,8 @@ class GreedyHead:
         wq = (q.double() * d.double()[..., None]).reshape(V, K)  # w' exactly (an 8-bit code times an fp16 value)
         wd = w.double()
         bound = (wd - wq).norm(dim=1) + gamma * (wd.norm(dim=1) + wq.norm(dim=1))
+        if self.bf16:  # vdpbf16ps reads subnormal weights as zero; |x_sub| |w - w'| for the rows' own (__call__)
+            bound = bound + (wd - wq).norm(dim=1) + wd.masked_fill(wd.abs() >= TINY, 0).norm(dim=1)
         self.bound = (bound * (1 + 1e-3)).float()
         self.wbound = (wq.norm(dim=1) * (1 + 1e-3)).float()  # |w'_v|
         self.gamma = gamma
@@ -91,8 +109,22 @@ class GreedyHead:
         """The int8 proxy needs whole blocks of 32 inputs and scales fp16 can hold."""
         from .q8_linear import BLOCK
 
-        w = lm_head.weight
+        w = lm_head.weight.float()
         return w.shape[1] % BLOCK == 0 and bool(torch.isfinite(int8_scales(w)).all())
+
+    @staticmethod
+    def bf16_eligible(lm_head) -> bool:
+        """A bf16 weight on ``cpu_ops`` without bias, in either packed layout: it takes the int8
+        proxy alone (a bf16 copy would be the head itself)."""
+        from .kernel_linear import KernelLinear
+
+        return (
+            isinstance(lm_head, KernelLinear)
+            and lm_head.packed.dtype == torch.bfloat16
+            and lm_head.bias.numel() == 0
+            and not lm_head._padded
+            and GreedyHead.int8_eligible(lm_head)
+        )
 
     @staticmethod
     def eligible(lm_head) -> bool:
@@ -108,6 +140,11 @@ class GreedyHead:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` [T, K] normed hidden rows -> [T, V] fp32: the full product's values at every
         possible argmax, -inf elsewhere."""
+        if self.bf16:  # bf16 weights: the exact product is the packed weight's linear() on x as it comes
+            if x.shape[0] > BF16_HEAD_MAX_ROWS:
+                return self.lm_head(x).float()
+            x = x.contiguous()
+            return self._int8_call(x.float(), x)
         x = x.float()
         if self.q8 is not None:
             return self._int8_call(x.contiguous())
@@ -117,12 +154,17 @@ class GreedyHead:
         p = self.dot.linear_f32(xb, self.proxy, self.out_features)
         return self.ops.greedy_pick(x, xb, p, self.full, self.bound, self.wbound, self.out_features)
 
-    def _int8_call(self, x: torch.Tensor) -> torch.Tensor:
+    def _int8_call(self, x: torch.Tensor, xb: torch.Tensor | None = None) -> torch.Tensor:
+        """``x`` fp32 rows; ``xb`` the rows as a head on bf16 weights takes them (bf16 or fp32)."""
         p = self.q8.linear(x, self.codes, self.scales, self.no_m, 8, self.out_features, self.no_bias)
         q, dx, _ = self.q8.quantize_rows(x)  # the codes the linear multiplied by
         xq = (q.double().view(q.shape[0], dx.shape[1], -1) * dx.double()[..., None]).view_as(x)
-        bx = ((x.double() - xq).norm(dim=1) + self.gamma * xq.norm(dim=1)) * (1 + 1e-12)
-        return self.ops.greedy_select(x, p, self.full, self.bound, self.wbound, bx, self.slack, self.out_features)
+        xd = x.double()
+        bx = ((xd - xq).norm(dim=1) + self.gamma * xq.norm(dim=1)) * (1 + 1e-12)
+        if xb is None:
+            return self.ops.greedy_select(x, p, self.full, self.bound, self.wbound, bx, self.slack, self.out_features)
+        bx = bx + xd.masked_fill(xd.abs() >= TINY, 0).norm(dim=1) * (1 + 1e-12)  # inputs vdpbf16ps reads as zero
+        return self.ops.greedy_select_packed(xb, x, p, self.full, self.bound, self.wbound, bx, self.slack, self.out_features)
 
 
 def int8_scales(w: torch.Tensor) -> torch.Tensor:

@@ -1921,8 +1921,14 @@ std::vector<torch::Tensor> eagle3_draft(torch::Tensor ext_tokens, torch::Tensor 
 // runs in fp32 vectors: each computed radius, hi = p + r and lo = p - r is within 4 u (|p| + r) of
 // its exact value, so radii widened by 1e-5 and a cut lowered by 1e-5 * max(|p| + r) keep every
 // v whose exact upper end reaches the exact largest lower end (a superset: never a lost argmax).
+//
+// rel > 0 (a head whose outputs are rounded to bf16 after the fp32 sum): the cut is lowered by rel *
+// max(|largest lower end|, |largest upper end|) too, so every v whose rounded value can equal the
+// rounded maximum (within one bf16 ulp of it: rel >= 2^-7) stays a candidate. block(m, blk, part)
+// writes the full product's outputs of block blk (16 outputs) for row m into part.
+template <class Block>
 void pick_exact(const float* X, int64_t M, int64_t K, const float* P, const float* C, const float* C2, const double* bx,
-                double slack, const float* F, float* Y, int64_t N) {
+                double slack, double rel, float* Y, int64_t N, const Block& block) {
   at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
     float part[kBlock];
     std::vector<float> hi(N);
@@ -1946,17 +1952,22 @@ void pick_exact(const float* X, int64_t M, int64_t K, const float* P, const floa
         mag = vmax(mag, vmax(h, vmul(l, neg)));
         bad = vadd(bad, vmul(p, zero));   // NaN once any proxy is not finite
       }
-      float lo_s = vhmax(lo), mag_s = vhmax(mag);
+      V top = vset1(-std::numeric_limits<float>::infinity());
+      for (int64_t u = 0; rel > 0 && u + W <= N; u += W) top = vmax(top, vload(hi.data() + u));
+      float lo_s = vhmax(lo), mag_s = vhmax(mag), hi_s = vhmax(top);
       finite = finite && std::isfinite(vhsum(bad));
       for (; v < N; ++v) {
         const float r = a * C[v] + (C2 ? b * C2[v] : 0.f) + c, h = pr[v] + r, l = pr[v] - r;
         hi[v] = h;
+        hi_s = std::max(hi_s, h);
         lo_s = std::max(lo_s, l);
         mag_s = std::max(mag_s, std::max(h, -l));
         finite = finite && std::isfinite(pr[v]);
       }
       finite = finite && std::isfinite(lo_s) && std::isfinite(mag_s);
-      const float cut = lo_s - 1e-5f * mag_s;
+      float cut = lo_s - 1e-5f * mag_s;
+      if (rel > 0)
+        cut -= float(rel * std::max(std::abs(double(lo_s)), std::abs(double(hi_s))) * 1.01 + std::ldexp(1.0, -126));
       const float below = std::nextafter(cut, -std::numeric_limits<float>::infinity());   // h > below <=> h >= cut
       int64_t done = -1;   // the last block recomputed for this row
       for (v = 0; v < N; ++v) {
@@ -1967,13 +1978,18 @@ void pick_exact(const float* X, int64_t M, int64_t K, const float* P, const floa
         if (finite && hi[v] < cut) continue;
         const int64_t blk = v / kBlock;
         if (blk != done) {
-          tile<1, 1, false>(F + blk * K * kBlock, K, 0, K, xr, part, F, 1, 0);
+          block(m, blk, part);
           done = blk;
         }
         yr[v] = part[v - blk * kBlock];
       }
     }
   });
+}
+
+// pick_exact's block for an fp32 head: linear()'s one-row tile over the packed fp32 weight
+auto fp32_block(const float* X, const float* F, int64_t K) {
+  return [=](int64_t m, int64_t blk, float* part) { tile<1, 1, false>(F + blk * K * kBlock, K, 0, K, X + m * K, part, F, 1, 0); };
 }
 
 torch::Tensor greedy_logits(torch::Tensor x, torch::Tensor proxy, torch::Tensor full, torch::Tensor bound, int64_t N) {
@@ -1983,8 +1999,8 @@ torch::Tensor greedy_logits(torch::Tensor x, torch::Tensor proxy, torch::Tensor 
   auto xc = x.contiguous();
   auto p = linear(xc, proxy, N, torch::empty({0}, xc.options()));
   auto y = torch::empty({M, N}, xc.options());
-  pick_exact(xc.data_ptr<float>(), M, K, p.data_ptr<float>(), bound.data_ptr<float>(), nullptr, nullptr, 0.0,
-             full.data_ptr<float>(), y.data_ptr<float>(), N);
+  pick_exact(xc.data_ptr<float>(), M, K, p.data_ptr<float>(), bound.data_ptr<float>(), nullptr, nullptr, 0.0, 0.0, y.data_ptr<float>(), N,
+             fp32_block(xc.data_ptr<float>(), full.data_ptr<float>(), K));
   return y;
 }
 
@@ -2017,7 +2033,7 @@ torch::Tensor greedy_pick(torch::Tensor x, torch::Tensor xb, torch::Tensor p, to
   }
   auto y = torch::empty({M, N}, xc.options());
   pick_exact(X, M, K, pc.data_ptr<float>(), bound.data_ptr<float>(), wbound.data_ptr<float>(), bx.data(),
-             2.0 * (K + 2) * std::ldexp(1.0, -126), full.data_ptr<float>(), y.data_ptr<float>(), N);
+             2.0 * (K + 2) * std::ldexp(1.0, -126), 0.0, y.data_ptr<float>(), N, fp32_block(X, full.data_ptr<float>(), K));
   return y;
 }
 
@@ -2036,7 +2052,36 @@ torch::Tensor greedy_select(torch::Tensor x, torch::Tensor p, torch::Tensor full
   auto xc = x.contiguous(), pc = p.contiguous(), bxc = bx.contiguous();
   auto y = torch::empty({M, N}, xc.options());
   pick_exact(xc.data_ptr<float>(), M, K, pc.data_ptr<float>(), bound.data_ptr<float>(), wbound.data_ptr<float>(), bxc.data_ptr<double>(),
-             slack, full.data_ptr<float>(), y.data_ptr<float>(), N);
+             slack, 0.0, y.data_ptr<float>(), N, fp32_block(xc.data_ptr<float>(), full.data_ptr<float>(), K));
+  return y;
+}
+
+// greedy_select for a head on bf16 weights (the packed weight in either layout; x [M, K] bf16 for a
+// bf16 model, fp32 for an fp32 model whose head holds bf16 values): the full product is
+// linear()'s. With bf16 rows its outputs are fp32 sums rounded to bf16, so the cut also keeps every
+// v within one bf16 ulp of the maximum (rel 2^-7). A candidate's block is recomputed by linear()
+// itself on that block of the packed weight and the row alone (a row's outputs depend neither on
+// the other rows nor on the other blocks: the same bits). The caller's radius covers the fp32
+// sums (the kernel's rounding, subnormals read as zero); the -inf entries are the others.
+torch::Tensor greedy_select_packed(torch::Tensor x, torch::Tensor xf, torch::Tensor p, torch::Tensor packed, torch::Tensor bound,
+                                   torch::Tensor wbound, torch::Tensor bx, double slack, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat32), "greedy_select_packed: bf16 or fp32 x [M, K]");
+  TORCH_CHECK(xf.scalar_type() == torch::kFloat32 && xf.sizes() == x.sizes(), "greedy_select_packed: xf = x in fp32");
+  TORCH_CHECK(p.scalar_type() == torch::kFloat32 && p.dim() == 2 && p.size(0) == x.size(0) && p.size(1) == N, "greedy_select_packed: fp32 p [M, N]");
+  TORCH_CHECK(packed.scalar_type() == torch::kBFloat16 && packed.dim() == 3 && packed.size(0) * kBlock >= N, "greedy_select_packed: a packed bf16 weight");
+  TORCH_CHECK(bound.numel() >= N && wbound.numel() >= N, "greedy_select_packed: bounds");
+  TORCH_CHECK(bx.scalar_type() == torch::kFloat64 && bx.numel() == x.size(0), "greedy_select_packed: bx float64 [M]");
+  const int64_t M = x.size(0), K = x.size(1);
+  auto xc = x.contiguous(), xfc = xf.contiguous(), pc = p.contiguous(), bxc = bx.contiguous();
+  const auto no_bias = torch::empty({0}, xfc.options());
+  auto y = torch::empty({M, N}, xfc.options());
+  auto block = [&](int64_t m, int64_t blk, float* part) {
+    const int64_t n = std::min<int64_t>(kBlock, N - blk * kBlock);
+    const auto out = linear(xc.narrow(0, m, 1), packed.narrow(0, blk, 1), n, no_bias).to(torch::kFloat32).contiguous();
+    std::copy(out.data_ptr<float>(), out.data_ptr<float>() + n, part);
+  };
+  pick_exact(xfc.data_ptr<float>(), M, K, pc.data_ptr<float>(), bound.data_ptr<float>(), wbound.data_ptr<float>(), bxc.data_ptr<double>(),
+             slack, x.scalar_type() == torch::kBFloat16 ? std::ldexp(1.0, -7) : 0.0, y.data_ptr<float>(), N, block);
   return y;
 }
 
@@ -2125,6 +2170,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope_write", &rope_write, "rope on q and k heads; k and v written to the KV pool; returns q", nogil);
   m.def("silu_mul", &silu_mul, "silu(gate) * up", nogil);
   m.def("decoder_layers", &decoder_layers, "every decoder layer over decode/tree rows in one call (the per-op path's bits)", nogil);
+  m.def("greedy_select_packed", &greedy_select_packed, "greedy rows' logits of a head on bf16 weights from a proxy computed elsewhere", nogil);
   m.def("greedy_select", &greedy_select, "greedy rows' logits from a proxy computed elsewhere and per-row input terms", nogil);
   m.def("greedy_logits", &greedy_logits, "greedy rows' logits: exact at every possible argmax, -inf elsewhere", nogil);
   m.def("greedy_pick", &greedy_pick, "greedy_logits from a proxy computed on bf16 inputs (bf16_dot)", nogil);
