@@ -221,9 +221,12 @@ def _load(source: Path, name: str, isa_flags: list[str], what: str):
         # on where the build happened to place them (20% apart between two builds of one source)
         cflags = ["-O3", "-fopenmp", "-falign-loops=64", *isa_flags]
         # the hash of the source and flags is in the name: an edited kernel never loads a stale build
-        # (and of the headers beside it: bf16_dot_tiles.h is shared by two sources)
+        # (and of the headers beside it: bf16_dot_tiles.h is shared by two sources); and of the torch
+        # installation it builds against: torch's build file names that venv's include and library
+        # paths, so two venvs sharing the cache (a fresh clone's beside the working copy's) would
+        # otherwise rewrite each other's build file and recompile on every load
         headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))
-        tag = hashlib.sha1(source.read_bytes() + headers + " ".join(cflags).encode()).hexdigest()[:10]
+        tag = hashlib.sha1(source.read_bytes() + headers + " ".join(cflags).encode() + _torch_dir().encode()).hexdigest()[:10]
         logger.info("%s: building or loading (first use compiles for ~30-60 s)", what)
         with exclusive_build(f"{name}_{tag}") as build_dir:
             return load(
@@ -238,12 +241,19 @@ def _load(source: Path, name: str, isa_flags: list[str], what: str):
         return None
 
 
+def _torch_dir() -> str:
+    """The torch installation the kernels build against (its headers and libraries)."""
+    import torch
+
+    return str(Path(torch.__file__).resolve().parent)
+
+
 def _source_copy(source: Path, build_dir: Path | None) -> Path:
     """The copy of ``source`` (and the headers beside it) that a build compiles: inside the build
     directory, whose name already carries the content hash. torch's build file names its sources
-    by absolute path, so two checkouts of one source on a machine (a clone beside a working copy,
-    sharing ``~/.cache/torch_extensions``) used to rewrite each other's build file and recompile
-    on every load; compiling the build directory's own copy makes them share one build."""
+    by absolute path, so two checkouts of one source on one torch installation (sharing
+    ``~/.cache/torch_extensions``) used to rewrite each other's build file and recompile on every
+    load; compiling the build directory's own copy makes them share one build."""
     if build_dir is None:  # no torch helper to name the directory: compile in place
         return source
     src_dir = build_dir / "src"

@@ -105,10 +105,11 @@ def test_a_killed_builds_lock_file_does_not_hang_the_next_load(tmp_path, monkeyp
 
 
 def test_two_checkouts_of_one_source_compile_the_same_file(tmp_path, monkeypatch):
-    """torch's build file names its sources by absolute path: two checkouts on one machine (a
-    fresh clone beside a working copy) sharing the extension cache rewrote each other's build file
-    and recompiled on every load. A load compiles the build directory's own copy of the source
-    and its headers, so both checkouts hand torch the same file with the same content."""
+    """torch's build file names its sources, and the torch headers and libraries, by absolute path:
+    two checkouts on one machine (a fresh clone beside a working copy) sharing the extension cache
+    rewrote each other's build file and recompiled on every load. A load compiles the build
+    directory's own copy of the source and its headers, so checkouts on one torch installation
+    hand torch the same file; another installation (venv) gets a build of its own."""
     import shutil
 
     import torch.utils.cpp_extension as cpp
@@ -131,6 +132,15 @@ def test_two_checkouts_of_one_source_compile_the_same_file(tmp_path, monkeypatch
     assert Path(src_a).is_relative_to(tmp_path / "ext") and Path(src_a).read_bytes() == checkouts[0].read_bytes()
     for header in kernels._OPS_SOURCE.parent.glob("*.h"):  # #include "..." resolves beside the copy
         assert (Path(src_a).parent / header.name).read_bytes() == header.read_bytes()
+    # another torch installation (a second venv: other include paths in torch's build file) is
+    # another build, so two venvs never rebuild each other's
+    monkeypatch.setattr(kernels, "_torch_dir", lambda: "/elsewhere/.venv/lib/python3.11/site-packages/torch")
+    kernels._load(checkouts[0], "specfw_cpu_ops_portable", [], "probe")
+    assert compiled[-1][0] != name_a
+    monkeypatch.undo()
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path / "ext"))
+    monkeypatch.delenv("SPECFW_NO_KERNELS", raising=False)
+    monkeypatch.setattr(cpp, "load", lambda name, sources, **kw: compiled.append((name, sources)) or "module")
     # an edited source is another build (the hash in the name), never a stale copy
     checkouts[1].write_text(checkouts[1].read_text() + "\n// edited\n")
     kernels._load(checkouts[1], "specfw_cpu_ops_portable", [], "probe")
