@@ -3,8 +3,10 @@ through each engine in turn (engines stay warm, their adaptive policies keep lea
 drafters learned from the tokens of earlier rounds is flushed before each round: the n-gram trie
 would otherwise know the answers), so a machine whose speed drifts 10-30% within minutes drifts
 for all of them alike. Prints tok/s per
-round, each configuration's median and its ratio to the first (``plain``), and checks every
-greedy output equals the plain engine's.
+round, each configuration's median and its ratio to the first (``plain``), its decode tok/s (the
+tokens after each request's first over the time after it: 1 / TPOT, the prompts' prefill, the same
+work in every row, left out) and that ratio, and checks every greedy output equals the plain
+engine's.
 
     .venv/bin/python benchmarks/bench_side_by_side.py --dataset mtbench --start 40 --n 24 --rounds 2 \\
         plain= eagle=algorithm=eagle "eagle full=algorithm=eagle,token_map=full"
@@ -119,12 +121,49 @@ class HFGenerate:
         pass
 
     @torch.inference_mode()
-    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, clock: "DecodeClock") -> list[list[int]]:
         out = []
         for ids in prompts:
-            seq = self.model.generate(torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=self.tokenizer.eos_token_id, **self.kw)
+            stamp = FirstTokenStamp()
+            seq = self.model.generate(
+                torch.tensor([ids]), max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=self.tokenizer.eos_token_id, streamer=stamp, **self.kw
+            )
             out.append(seq[0, len(ids) :].tolist())
+            clock.add(len(out[-1]), stamp.first, time.perf_counter())
         return out
+
+
+class FirstTokenStamp:
+    """A ``generate`` streamer that notes when the first generated token came (its first ``put``
+    is the prompt)."""
+
+    def __init__(self):
+        self.puts, self.first = 0, None
+
+    def put(self, value) -> None:
+        self.puts += 1
+        if self.puts == 2:
+            self.first = time.perf_counter()
+
+    def end(self) -> None:
+        pass
+
+
+class DecodeClock:
+    """The decode phase of a run: per request, the tokens after its first and the time from its first
+    token to its last. Their ratio over the run is decode tok/s (1 / TPOT): what speculation changes,
+    the prompt's prefill (the same work in every row) left out."""
+
+    def __init__(self):
+        self.tokens, self.seconds = 0, 0.0
+
+    def add(self, tokens: int, first: float | None, last: float) -> None:
+        if first is not None and tokens > 1:
+            self.tokens, self.seconds = self.tokens + tokens - 1, self.seconds + last - first
+
+    @property
+    def rate(self) -> float | None:
+        return self.tokens / self.seconds if self.seconds > 0 else None
 
 
 class LlamaCppGenerate:
@@ -148,7 +187,7 @@ class LlamaCppGenerate:
     def flush_cache(self) -> None:
         self.llm.reset()
 
-    def generate(self, prompts: list[list[int]], max_new_tokens: int) -> list[list[int]]:
+    def generate(self, prompts: list[list[int]], max_new_tokens: int, clock: DecodeClock) -> list[list[int]]:
         from llama_cpp import llama_perf_context, llama_perf_context_reset
 
         out = []
@@ -156,10 +195,13 @@ class LlamaCppGenerate:
             self.llm.reset()
             llama_perf_context_reset(self.llm._ctx.ctx)
             toks: list[int] = []
+            first = None
             for tok in self.llm.generate(ids, temp=0.0, top_k=1, repeat_penalty=1.0, reset=True):
                 toks.append(int(tok))
+                first = first or time.perf_counter()
                 if len(toks) >= max_new_tokens or tok == self.llm.token_eos():
                     break
+            clock.add(len(toks), first, time.perf_counter())
             perf = llama_perf_context(self.llm._ctx.ctx)
             self.eval_ms, self.evals = self.eval_ms + perf.t_eval_ms, self.evals + perf.n_eval
             out.append(toks)
@@ -221,6 +263,7 @@ def main():
         texts = (mtbench_first_turns if args.dataset == "mtbench" else humaneval_prompts)(args.start + args.n)[args.start :]
     params = SamplingParams(max_new_tokens=args.max_new_tokens, temperature=0.0)
     rates: dict[str, list[float]] = {name: [] for name in engines}
+    decode_rates: dict[str, list[float | None]] = {name: [] for name in engines}
     first = next(iter(engines))
     # a row's greedy output must equal the first row's of its own numerics
     numerics_of = {name: numerics(configs[name], args.dtype) for name in engines if configs[name].get("backend", "specfw") == "specfw"}
@@ -236,10 +279,10 @@ def main():
         ids = [spec_engine.tokenize_chat([{"role": "user", "content": t}]) if args.dataset == "mtbench" else spec_engine.tokenizer.encode(t) for t in texts]
     questions = mtbench_questions()[args.start : args.start + args.n] if args.turns == 2 else []
 
-    def run(eng, prompts):
+    def run(eng, prompts, clock: DecodeClock):
         if isinstance(eng, (HFGenerate, LlamaCppGenerate)):
-            return eng.generate(prompts, args.max_new_tokens)
-        return [o.token_ids for o in eng.generate(prompts, params)]
+            return eng.generate(prompts, args.max_new_tokens, clock)
+        return run_specfw(eng, prompts, params, clock)
 
     def second_turn(question, answer):
         """The conversation after the first answer, ending with the second question."""
@@ -256,11 +299,13 @@ def main():
                 backend = getattr(getattr(eng, "runner", None), "backend", None)
                 if hasattr(backend, "set_linear_prefetch"):  # process-wide: this row's value (auto unless it sets one)
                     backend.set_linear_prefetch(str(configs[name].get("engine.cpu_linear_prefetch", "auto")))
+                clock = DecodeClock()
                 t0 = time.perf_counter()
-                tokens = run(eng, ids)
+                tokens = run(eng, ids, clock)
                 if args.turns == 2:
-                    tokens = tokens + run(eng, [second_turn(q, t) for q, t in zip(questions, tokens)])
+                    tokens = tokens + run(eng, [second_turn(q, t) for q, t in zip(questions, tokens)], clock)
                 rates[name].append(sum(len(t) for t in tokens) / (time.perf_counter() - t0))
+                decode_rates[name].append(clock.rate)
                 if name in matches:  # counted after the round: the specfw row it is counted against may come later
                     others[name] = tokens
                 elif tokens != references.setdefault(numerics_of[name], tokens):
@@ -272,7 +317,9 @@ def main():
     dataset = args.dataset + (f" (prompts {min(map(len, ids))}-{max(map(len, ids))} tokens)" if args.dataset == "sharegpt-long" else "")
     where = f"{dataset} {args.start + 1}-{args.start + args.n}{turns} x {args.max_new_tokens} tokens, {args.batch} in flight, {args.dtype}"
     print(f"\n{where}, on {cpu_description()}")
+    print("tok/s: every token over the whole run; decode: the tokens after each request's first over the time after it (1 / TPOT)")
     base = statistics.median(rates[first])
+    decode_base = median_or_none(decode_rates[first])
     for name, r in rates.items():
         rounds = ", ".join(f"{x / y:.3f}" for x, y in zip(r, rates[first]))
         same = f"{min(matches[name])}/{len(texts)}" if name in matches else "yes"
@@ -281,7 +328,29 @@ def main():
         if ref != first:  # other numerics: its ratio to the first row of those too
             own = f", {statistics.median(r) / statistics.median(rates[ref]):.3f}x {ref} (rounds: {', '.join(f'{x / y:.3f}' for x, y in zip(r, rates[ref]))})"
         note = engines[name].note() if isinstance(engines[name], LlamaCppGenerate) else ""
-        print(f"{name:24s} {statistics.median(r):7.1f} tok/s  {statistics.median(r) / base:.3f}x {first}  (rounds: {rounds}){own}  == {ref}: {same}{note}")
+        dec = median_or_none(decode_rates[name])
+        decode = f"decode {dec:7.1f} tok/s {dec / decode_base:.3f}x" if dec and decode_base else "decode       - tok/s       -"
+        total = f"{statistics.median(r):7.1f} tok/s  {statistics.median(r) / base:.3f}x {first}"
+        print(f"{name:24s} {total}  {decode}  (rounds: {rounds}){own}  == {ref}: {same}{note}")
+
+
+def median_or_none(values: list) -> float | None:
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if known else None
+
+
+def run_specfw(eng, prompts: list[list[int]], params, clock: DecodeClock) -> list[list[int]]:
+    """``Engine.generate`` stepped here, so that each request's first and last token are timed."""
+    reqs = [eng.add_request(eng.make_request(p, params)) for p in prompts]
+    first: dict[str, float] = {}
+    while eng.has_work:
+        for o in eng.step():
+            now = time.perf_counter()
+            if o.new_token_ids:
+                first.setdefault(o.rid, now)
+            if o.finished:
+                clock.add(o.completion_tokens, first.get(o.rid), now)
+    return [list(r.output_ids) for r in reqs]
 
 
 if __name__ == "__main__":

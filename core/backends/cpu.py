@@ -211,8 +211,9 @@ class CpuBackend(Backend):
             if GreedyHead.bf16_eligible(head):  # a head on bf16 weights: the int8 copy when asked for, else none
                 # (auto leaves it off: in the engine the demo's bf16 head call took 1.19-1.27 ms with
                 # the copy against ~1.26 ms whole, and end-to-end runs went either way, Zen 4)
+                # (the scales are checked only then: unpacking the demo's head for them took ~0.1 s of startup)
                 q8 = self._greedy_q8() if self.greedy_head_proxy == "int8" else None
-                return GreedyHead(self.ops, head, q8=q8) if q8 is not None else None
+                return GreedyHead(self.ops, head, q8=q8) if q8 is not None and GreedyHead.int8_eligible(head) else None
             if not GreedyHead.eligible(head):
                 return None
             q8 = self._greedy_q8()

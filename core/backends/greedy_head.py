@@ -114,17 +114,11 @@ class GreedyHead:
 
     @staticmethod
     def bf16_eligible(lm_head) -> bool:
-        """A bf16 weight on ``cpu_ops`` without bias, in either packed layout: it takes the int8
-        proxy alone (a bf16 copy would be the head itself)."""
+        """A bf16 weight on ``cpu_ops`` without bias, in either packed layout: it can take the int8
+        proxy alone (a bf16 copy would be the head itself), where ``int8_eligible`` too."""
         from .kernel_linear import KernelLinear
 
-        return (
-            isinstance(lm_head, KernelLinear)
-            and lm_head.packed.dtype == torch.bfloat16
-            and lm_head.bias.numel() == 0
-            and not lm_head._padded
-            and GreedyHead.int8_eligible(lm_head)
-        )
+        return isinstance(lm_head, KernelLinear) and lm_head.packed.dtype == torch.bfloat16 and lm_head.bias.numel() == 0 and not lm_head._padded
 
     @staticmethod
     def eligible(lm_head) -> bool:

@@ -9,7 +9,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_side_by_side import numerics, parse  # noqa: E402
+from bench_side_by_side import DecodeClock, FirstTokenStamp, numerics, parse  # noqa: E402
 
 
 # every engine of a run stays alive for its rounds: KV pools for a few short prompts, not the
@@ -23,6 +23,26 @@ def test_parse_names_and_typed_keys():
         "eagle full",
         {"algorithm": "eagle", "token_map": "full", "adaptive_draft": False, "num_steps": 3},
     )
+
+
+def test_decode_clock_leaves_each_first_token_out():
+    clock = DecodeClock()
+    assert clock.rate is None
+    clock.add(9, 10.0, 12.0)  # 8 tokens after the first in 2 s
+    clock.add(1, 20.0, 20.0)  # one token: no decode phase
+    clock.add(5, None, 30.0)  # never timed: left out
+    clock.add(5, 40.0, 42.0)
+    assert clock.tokens == 12 and clock.seconds == 4.0 and clock.rate == 3.0
+
+
+def test_first_token_stamp_skips_the_prompt_put():
+    stamp = FirstTokenStamp()
+    stamp.put([1, 2, 3])  # generate() puts the prompt first
+    assert stamp.first is None
+    stamp.put([4])
+    first = stamp.first
+    stamp.put([5])
+    assert first is not None and stamp.first == first
 
 
 def test_rows_are_checked_against_rows_of_the_same_numerics():
@@ -98,6 +118,9 @@ def test_runs_configurations_side_by_side_and_checks_outputs():
     hf = [line for line in r.stdout.splitlines() if line.startswith("hf pl ")]
     assert len(hf) == 1 and "tok/s" in hf[0] and "== plain: " in hf[0] and hf[0].rstrip().endswith("/1")
     assert "cpus, torch threads" in r.stdout  # the machine is named
+    for line in lines + bf16 + hf:  # every row has its decode phase's rate (8 tokens: 7 after the first)
+        rate = line.split("decode")[1].split()[0]
+        assert float(rate) > 0, line
 
 
 def test_long_chats_are_multi_turn_contexts_of_the_asked_length():

@@ -239,6 +239,10 @@ def test_the_backend_picks_the_proxy_the_setting_names():
             if head is not None:
                 xb = x.bfloat16()
                 assert torch.equal(head(xb).argmax(1), bf16_model.lm_head(xb).float().argmax(1))
+            huge = nn.Module()  # scales fp16 cannot hold: no int8 copy, whatever the setting
+            huge.lm_head = KernelLinear(nn.Linear(64, 40, bias=False).bfloat16(), ops, isa)
+            huge.lm_head.packed.mul_(2.0**100)
+            assert backend.greedy_head(huge) is None
 
 
 def test_a_bad_proxy_setting_names_the_key():
