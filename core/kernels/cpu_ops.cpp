@@ -314,7 +314,9 @@ inline int64_t tiles_of(int64_t M) { return NT == 2 && kPairRowTiles ? (M + 1) /
 // fp32 weights' multi-tile calls faster (the demo's 120 fp32 layer linears from DRAM, two runs: 12 rows
 // 22.95 / 24.72 -> 22.37 / 21.77 ms, 16 rows 28.4 -> 25.6-25.9, 24 rows 38.1-39.2 -> 34.6-36.0; 10 rows
 // even) but not bf16 weights (compute-bound on AVX2, 1.00-1.03x slower): 8-lane builds spread fp32 weights
-// only. Prefetching never changes a bit.
+// only. The vdpbf16ps tiles of bf16 models (bf16_dot_tiles.h) follow the same setting over their full
+// 8-row tiles (the demo's 16-row bf16 forward 0.92-0.95x on a Zen 4 EPYC, session 61). Prefetching never
+// changes a bit.
 bool g_spread_prefetch = W == 16;
 
 void set_spread_prefetch(bool on) { g_spread_prefetch = on; }
@@ -498,7 +500,7 @@ torch::Tensor linear_dot(torch::Tensor x, torch::Tensor packed, int64_t N, torch
   auto y = torch::empty({M, N}, x.options());
   if (M == 0) return y;
   dot::linear_rows(M, reinterpret_cast<const uint16_t*>(packed.data_ptr()), KP, NB, reinterpret_cast<const uint32_t*>(x.data_ptr()),
-                   bias.numel() ? bias.data_ptr<float>() : nullptr, reinterpret_cast<uint16_t*>(y.data_ptr()), N);
+                   bias.numel() ? bias.data_ptr<float>() : nullptr, reinterpret_cast<uint16_t*>(y.data_ptr()), N, g_spread_prefetch);
   return y;
 #else
   TORCH_CHECK(false, "linear: a pack_dot weight needs the AVX512-BF16 build");

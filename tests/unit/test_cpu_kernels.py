@@ -204,20 +204,23 @@ def test_linear_rows_do_not_depend_on_the_thread_count(isa):
 def test_the_prefetch_setting_changes_no_bit(isa, dtype):
     """``set_spread_prefetch`` (``engine.cpu_linear_prefetch``) only moves prefetches between row
     tiles: the same bits at every row count, one and several tiles, fp32 and bf16 weights (8-lane
-    builds spread fp32 weights' prefetches only)."""
+    builds spread fp32 weights' prefetches only), and bf16 weights in the vdpbf16ps layout where the
+    build has it (``pack_dot``: its full 8-row tiles take turns)."""
     ops = _ops(isa)
     g = torch.Generator().manual_seed(7)
     w = torch.randn(100, 576, generator=g).to(dtype)
-    packed, was = ops.pack(w), ops.spread_prefetch()
+    layouts = [ops.pack(w)] + ([ops.pack_dot(w)] if dtype == torch.bfloat16 and ops.has_bf16_dot() else [])
+    was = ops.spread_prefetch()
     try:
-        for rows in (5, 9, 16, 24, 33):
-            x = torch.randn(rows, 576, generator=g).to(dtype)
-            ops.set_spread_prefetch(True)
-            assert ops.spread_prefetch()
-            spread = ops.linear(x, packed, 100, torch.empty(0))
-            ops.set_spread_prefetch(False)
-            assert not ops.spread_prefetch()
-            assert torch.equal(spread, ops.linear(x, packed, 100, torch.empty(0)))
+        for packed in layouts:
+            for rows in (5, 9, 16, 24, 33):
+                x = torch.randn(rows, 576, generator=g).to(dtype)
+                ops.set_spread_prefetch(True)
+                assert ops.spread_prefetch()
+                spread = ops.linear(x, packed, 100, torch.empty(0))
+                ops.set_spread_prefetch(False)
+                assert not ops.spread_prefetch()
+                assert torch.equal(spread, ops.linear(x, packed, 100, torch.empty(0)))
     finally:
         ops.set_spread_prefetch(was)
 
