@@ -73,8 +73,8 @@ inline void tile(const uint16_t* w, int64_t KP, const uint32_t* x, int64_t x_str
 // spread: every full 8-row tile requests its share of the next item's lines (tile j of J: pairs j,
 // j + J, ...), else the first tile all of them; a last partial tile none (its arithmetic is short: its
 // share came in a burst). Whole bf16 forwards of the demo after a 400-token prefix (Zen 4 EPYC, family 25
-// model 17, session 61, interleaved in one process): 16 rows 0.921-0.945x the first tile's time in three
-// runs of four (0.992x in the other); 9 rows (8 + 1) 1.05-1.07x slower while the one-row tile took half
+// model 17, session 61, interleaved in one process): 16 rows 0.921-0.955x the first tile's time in four
+// runs of six (0.992x and 0.996x in the others); 9 rows (8 + 1) 1.05-1.07x slower while the one-row tile took half
 // (even since), 12 and 24 rows even. Prefetching never changes a bit.
 template <int NT, typename OUT>
 void rows(int64_t M, const uint16_t* w, int64_t KP, const uint32_t* x, const float* bias, OUT* y,

@@ -315,7 +315,7 @@ inline int64_t tiles_of(int64_t M) { return NT == 2 && kPairRowTiles ? (M + 1) /
 // 22.95 / 24.72 -> 22.37 / 21.77 ms, 16 rows 28.4 -> 25.6-25.9, 24 rows 38.1-39.2 -> 34.6-36.0; 10 rows
 // even) but not bf16 weights (compute-bound on AVX2, 1.00-1.03x slower): 8-lane builds spread fp32 weights
 // only. The vdpbf16ps tiles of bf16 models (bf16_dot_tiles.h) follow the same setting over their full
-// 8-row tiles (the demo's 16-row bf16 forward 0.92-0.95x on a Zen 4 EPYC, session 61). Prefetching never
+// 8-row tiles (the demo's 16-row bf16 forward 0.92-1.00x, 0.95x typical, on a Zen 4 EPYC, session 61). Prefetching never
 // changes a bit.
 bool g_spread_prefetch = W == 16;
 
