@@ -16,6 +16,12 @@ from ..config import ConfigError, SpeculativeConfig
 
 logger = logging.getLogger(__name__)
 
+# ``adaptive_draft=auto``'s default threshold (SpecAlgoConfig.adaptive_grows_above): was 1.15 until
+# session 18, where on a fp32 EPYC (8 rows ~1.1-1.2x one row) the probe came out on or off from run
+# to run, and every specfw tune there found the policy on as fast or faster (eagle3 +9% on held-out
+# MT-bench, ngram +10% on HumanEval); a GPU's launch-bound verify stays below 1.05.
+ADAPTIVE_GROWS_ABOVE = 1.05
+
 
 class AttentionMode(str, enum.Enum):
     prefill = "prefill"
@@ -47,7 +53,7 @@ class SpecAlgoConfig(SpeculativeConfig):
     accept_threshold_acc: float = 1.0           # accept if coin <= accumulated p_target / this (1.0 = lossless)
     draft_attention_backend: Optional[str] = None  # null (as model.attention_backend) | auto | torch | triton | flashinfer: the drafter's attention (SGLang's --speculative-draft-attention-backend)
     attention_mode: AttentionMode = AttentionMode.prefill  # SGLang compat: verify/extend kernel choice; specfw has one attention path, same result
-    adaptive_draft: str = "auto"               # auto | true | false: per step, draft or not and the tree size to verify, from measured tokens/s (tree flags become upper bounds); auto = on where a verify of num_draft_tokens rows a request costs > 1.05x one row (measured at startup with min(engine.max_running_requests, 8) requests: CPUs), off where flat and always on CUDA devices (SGLang's behaviour)
+    adaptive_draft: str = "auto"               # auto | true | false: per step, draft or not and the tree size to verify, from measured tokens/s (tree flags become upper bounds); auto = on where a verify of num_draft_tokens rows a request costs more than the algorithm's threshold (1.05x one row; eagle3 1.5x) (measured at startup with min(engine.max_running_requests, 8) requests: CPUs), off where flat and always on CUDA devices (SGLang's behaviour)
     confidence_pruning: bool = True             # with adaptive_draft: per step, drop draft nodes whose learned acceptance probability is below tokens/s x seconds per verified node
     force_greedy_verify: bool = False           # verify greedily even for sampled requests (also SPECFW_FORCE_GREEDY_VERIFY=1)
     draft_assist: Optional[str] = None          # null | ngram | any registered draft assist: extra candidates merged into the drafter's tree every drafted step (e.g. the n-gram trie's continuation of the context beside an EAGLE head)
@@ -61,6 +67,13 @@ class SpecAlgoConfig(SpeculativeConfig):
     # keys every algorithm has), e.g. ngram's ``{"match_type": ("BFS", "PROB")}``; ``tune.keys``
     # replaces a key's values or adds keys. Values are the strings a command line would give.
     tune_grid: ClassVar[dict[str, tuple]] = {}
+
+    # ``adaptive_draft=auto``'s threshold for this algorithm: the draft policy is on where the startup
+    # probe finds a verify of ``num_draft_tokens`` rows a request costing more than this times one
+    # row (``speculative/verify_cost.py``). The policy prunes and sizes trees for what they cost; where
+    # the configured tree is near-flat its exploring plain steps and pruned nodes cost a drafter whose
+    # trees verify well more than they save (EAGLE-3 sets 1.5: docs/benchmarks.md, session 61).
+    adaptive_grows_above: ClassVar[float] = ADAPTIVE_GROWS_ABOVE
 
     def auto_shape(self, target_arch: str) -> TreeShape:
         """SGLang's auto defaults: Llama/Grok (5, 4, 8), everything else (3, 1, 4)."""

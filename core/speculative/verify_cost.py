@@ -23,15 +23,14 @@ import torch
 
 from ..device import synchronize
 from ..model_runner import build_forward_batch
+from .config import ADAPTIVE_GROWS_ABOVE
 
 logger = logging.getLogger(__name__)
 
 PREFIX = 128  # tokens of context the probe's rows attend to
-# verify cost / one-row cost above which the adaptive policy is worth running. Was 1.15 until
-# session 18: on a fp32 EPYC (8 rows ~1.1-1.2x one row) the probe then came out on or off from run
-# to run, and every specfw tune there found the policy on as fast or faster (eagle3 +9% on held-out
-# MT-bench, ngram +10% on HumanEval); a GPU's launch-bound verify stays below 1.05.
-GROWS_ABOVE = 1.05
+# verify cost / one-row cost above which the adaptive policy is worth running, unless the algorithm
+# sets its own (SpecAlgoConfig.adaptive_grows_above; the history of the value is there)
+GROWS_ABOVE = ADAPTIVE_GROWS_ABOVE
 # requests the probe verifies at once (at most engine.max_running_requests): whether a tree costs
 # more than a plain step matters most where many requests share the forward. Session 27: with one
 # request, 4 rows against 1 measured 0.88-1.14x in repeated probes on a fp32 EPYC (Zen 4), so
@@ -89,10 +88,11 @@ def verify_cost_ratio(runner, rows: int, reps: int = 5, batch: int = 1) -> float
             alloc.free(p)
 
 
-def resolve_adaptive(value, runner, num_draft_tokens: int, batch: int = 1) -> bool:
+def resolve_adaptive(value, runner, num_draft_tokens: int, batch: int = 1, grows_above: float = GROWS_ABOVE) -> bool:
     """The adaptive draft policy on or off for ``speculative.adaptive_draft`` = ``value``; ``auto``
     measures at ``batch`` requests (the engine passes ``min(engine.max_running_requests,
-    PROBE_BATCH)``) and logs what it found and what it means."""
+    PROBE_BATCH)``), turns it on above ``grows_above`` (the algorithm's ``adaptive_grows_above``) and
+    logs what it found and what it means."""
     mode = adaptive_mode(value)
     if mode != "auto":
         return mode == "true"
@@ -103,22 +103,25 @@ def resolve_adaptive(value, runner, num_draft_tokens: int, batch: int = 1) -> bo
         )
         return False
     ratio = verify_cost_ratio(runner, num_draft_tokens, batch=batch)
-    on = ratio > GROWS_ABOVE
+    on = ratio > grows_above
     if on:
         logger.info(
-            "speculative.adaptive_draft=auto: on -- verifying %d rows a request costs %.2fx one row (%d requests) on this device, so "
+            "speculative.adaptive_draft=auto: on -- verifying %d rows a request costs %.2fx one row (%d requests; this algorithm's "
+            "threshold %.2fx) on this device, so "
             "each step drafts only when it pays and verifies the tree size that pays best (the tree flags "
             "are upper bounds); speculative.adaptive_draft=false verifies num_draft_tokens every step, as SGLang",
             num_draft_tokens,
             ratio,
             batch,
+            grows_above,
         )
     else:
         logger.info(
-            "speculative.adaptive_draft=auto: off -- verifying %d rows a request costs %.2fx one row (%d requests) on this device "
-            "(flat), so every step drafts and verifies the configured tree, as SGLang",
+            "speculative.adaptive_draft=auto: off -- verifying %d rows a request costs %.2fx one row (%d requests; this algorithm's threshold %.2fx) "
+            "on this device (flat enough), so every step drafts and verifies the configured tree, as SGLang",
             num_draft_tokens,
             ratio,
             batch,
+            grows_above,
         )
     return on

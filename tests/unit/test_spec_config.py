@@ -187,7 +187,7 @@ def test_auto_measures_the_verify_cost_and_decides(tiny_model_dir, caplog):
     ratio = verify_cost.verify_cost_ratio(eng.runner, 16)
     assert ratio > 0 and eng.scheduler.kv_in_use == 0
     calls = []
-    for fake, want in ((2.0, True), (1.1, True), (1.02, False)):
+    for fake, want in ((2.0, True), (1.1, True), (1.02, False)):  # the default threshold, 1.05
         verify_cost.verify_cost_ratio, real = (lambda r, n, reps=5, batch=1, f=fake: calls.append((n, batch)) or f), verify_cost.verify_cost_ratio
         try:
             with caplog.at_level("INFO"):
@@ -234,6 +234,31 @@ def test_auto_probes_at_the_engines_concurrency(tiny_model_dir, monkeypatch, run
     with Engine(make_cfg(model_path=str(tiny_model_dir), max_total_tokens=4096, max_running_requests=running, speculative=spec)) as eng:
         assert eng.worker.policy.adaptive
     assert seen == [(eng.tree_shape.num_draft_tokens, probed)]
+
+
+def test_auto_uses_the_algorithms_own_threshold(tiny_model_dir, monkeypatch, caplog):
+    """``adaptive_grows_above``, a class attribute of the algorithm's config: the same probe result
+    (1.3x) turns the policy on under the default threshold (1.05) and off under one of 1.5, EAGLE-3's;
+    the log names the threshold."""
+    from conftest import make_cfg
+    from specfw.engine import Engine
+    from specfw.plugins import plugin_manager
+    from specfw.speculative import verify_cost
+    from specfw.speculative.config import SpecAlgoConfig
+
+    algos = plugin_manager().algorithms
+    assert SpecAlgoConfig.adaptive_grows_above == verify_cost.GROWS_ABOVE == 1.05
+    assert algos["eagle3"].config_class.adaptive_grows_above == 1.5
+    assert algos["ngram"].config_class.adaptive_grows_above == 1.05
+    monkeypatch.setattr(verify_cost, "verify_cost_ratio", lambda runner, rows, reps=5, batch=1: 1.3)
+    ngram = algos["ngram"].config_class
+    for threshold, want in ((None, True), (1.5, False)):
+        if threshold is not None:
+            monkeypatch.setattr(ngram, "adaptive_grows_above", threshold)
+        caplog.clear()
+        with caplog.at_level("INFO"), Engine(make_cfg(model_path=str(tiny_model_dir), max_total_tokens=4096, speculative=ngram(algorithm="ngram"))) as eng:
+            assert eng.worker.policy.adaptive is want
+        assert f"threshold {threshold or 1.05:.2f}x" in caplog.text
 
 
 def test_auto_is_off_on_cuda_without_a_probe(caplog):
