@@ -66,8 +66,13 @@ class DraftPolicy:
         retime_share: float = RETIME_SHARE,
         seed: int = 0,
         explore_budget: float = EXPLORE_BUDGET,
+        fixed_batches: frozenset[int] = frozenset(),
     ):
         self.shape = shape
+        # batch sizes whose verify of the full tree measured near-flat at startup (adaptive_draft=auto
+        # with the policy on for the engine's concurrency): every such step drafts and verifies the
+        # configured tree, as with the policy off, and the learners skip it
+        self.fixed_batches = frozenset(fixed_batches) if adaptive else frozenset()
         self.pruning = ConfidencePruning(enabled=adaptive and confidence_pruning)
         # with pruning, the tree size is decided per step from the draft's confidence; the budget
         # only decides whether drafting pays at all (a pruned step's cost varies with the text
@@ -96,6 +101,9 @@ class DraftPolicy:
         return self._excess <= self.explore_budget * self._spent
 
     def plan(self, batch: int) -> StepPlan:
+        if batch in self.fixed_batches:
+            self._best_rate = None
+            return StepPlan(size=self.shape.num_draft_tokens, depth=max(1, min(self.shape.num_steps, self.shape.num_draft_tokens - 1)))
         explore = self.may_explore()
         size = (self._retime if explore else 0) or self.budget.choose(batch, explore=explore)
         self._retime = 0
@@ -147,7 +155,7 @@ class DraftPolicy:
         """One decode step played ``plan`` in ``seconds``; ``drafted``: the drafter proposed
         anything; ``verified``: the candidates each request's tree held; ``accepted``: the draft
         tokens the target accepted per request (root's child first)."""
-        if self.budget.adaptive:
+        if self.budget.adaptive and batch not in self.fixed_batches:
             self._account(seconds, sum(len(a) + 1 for a in accepted) if accepted else batch)
         if drafted and accepted:
             mean = sum(len(a) for a in accepted) / len(accepted)
@@ -157,6 +165,9 @@ class DraftPolicy:
             last = self.drafter_steps
             self.drafter_steps = now if last is None else tuple(0.9 * a + 0.1 * b for a, b in zip(last, now))
         self._draft_seconds = None
+        if batch in self.fixed_batches:  # the configured tree every step: nothing to learn, no switch to time
+            self._plain_before = False
+            return
         if self.budget.adaptive and drafted:
             timed = None if self._plain_before else seconds
             self._retime = plan.size if self._plain_before and self._replay(batch, plan.size) else 0

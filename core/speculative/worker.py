@@ -37,7 +37,7 @@ from .config import resolve_tree_shape
 from .merge import merge_candidates
 from .policy import DraftPolicy
 from .types import DraftCandidates, SpecContext, StepPlan, VerifyResult
-from .verify_cost import GROWS_ABOVE, PROBE_BATCH, resolve_adaptive
+from .verify_cost import GROWS_ABOVE, PROBE_BATCH, flat_batches, resolve_adaptive
 
 logger = logging.getLogger(__name__)
 
@@ -104,7 +104,8 @@ class SpeculativeWorker:
         probe_batch = min(int(engine_config.engine.max_running_requests), PROBE_BATCH)  # validated >= 1 at startup
         grows_above = getattr(type(cfg), "adaptive_grows_above", GROWS_ABOVE)  # the algorithm's own threshold
         adaptive = resolve_adaptive(cfg.adaptive_draft, runner, shape.num_draft_tokens, batch=probe_batch, grows_above=grows_above)
-        self.policy = DraftPolicy(shape, adaptive=adaptive, confidence_pruning=getattr(cfg, "confidence_pruning", True))
+        fixed = flat_batches(cfg.adaptive_draft, runner, shape.num_draft_tokens, probe_batch, grows_above) if adaptive else frozenset()
+        self.policy = DraftPolicy(shape, adaptive=adaptive, confidence_pruning=getattr(cfg, "confidence_pruning", True), fixed_batches=fixed)
         logger.info(
             "speculative decoding: %s num_steps=%d topk=%d num_draft_tokens=%d%s",
             algorithm.name,

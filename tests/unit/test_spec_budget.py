@@ -112,6 +112,30 @@ def test_step_plan_depth_follows_the_step_size():
     assert fixed.plan(1).size == 8 and fixed.plan(1).depth == 5 and fixed.plan(1).score_floor == float("-inf")
 
 
+def test_a_fixed_batch_size_plays_the_configured_tree_and_teaches_nothing():
+    """``fixed_batches`` (one request's verify measured near-flat at startup): every step of that
+    batch size drafts and verifies the whole tree uncut, and its steps leave the learners as they
+    were; other batch sizes adapt (warm-up plays the largest size first); with the policy off the
+    set is ignored."""
+    from specfw.speculative.config import TreeShape
+    from specfw.speculative.policy import DraftPolicy
+    from specfw.speculative.types import DraftCandidates
+
+    policy = DraftPolicy(TreeShape(5, 4, 8), adaptive=True, fixed_batches=frozenset({1}))
+    cands = DraftCandidates(torch.tensor([10, 11, 12]), torch.tensor([-1, 0, 1]), torch.tensor([-0.1, -6.0, -9.0]))  # a chain, deep nodes unlikely
+    for step in range(30):
+        plan = policy.plan(1)
+        assert (plan.size, plan.depth, plan.cut) == (8, 5, None) and plan.score_floor == float("-inf")
+        kept = policy.select(cands, plan)
+        assert kept.tokens.tolist() == [10, 11, 12]  # no confidence cut
+        policy.observe(1, plan, True, [kept], [[10]], 0.02 if step % 2 else 0.5)
+    assert 1 not in policy.budget.played and 1 not in policy.budget.cost and policy.budget.chosen[1] == 0
+    assert policy.pruning.kept_nodes == 0 and policy._spent == 0.0 and policy.accepted_mean is not None
+    assert policy.plan(2).size == 8 and policy.budget.played[2] == {1: 0, 8: 0}  # batch 2: the budget's own warm-up
+    off = DraftPolicy(TreeShape(5, 4, 8), adaptive=False, fixed_batches=frozenset({1}))
+    assert off.fixed_batches == frozenset()
+
+
 def test_policy_select_is_the_one_cut_of_the_candidates():
     from specfw.speculative.config import TreeShape
     from specfw.speculative.policy import DraftPolicy

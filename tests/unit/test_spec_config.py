@@ -232,8 +232,34 @@ def test_auto_probes_at_the_engines_concurrency(tiny_model_dir, monkeypatch, run
     monkeypatch.setattr(verify_cost, "verify_cost_ratio", lambda runner, rows, reps=5, batch=1: seen.append((rows, batch)) or 2.0)
     spec = plugin_manager().algorithms["ngram"].config_class(algorithm="ngram")
     with Engine(make_cfg(model_path=str(tiny_model_dir), max_total_tokens=4096, max_running_requests=running, speculative=spec)) as eng:
-        assert eng.worker.policy.adaptive
-    assert seen == [(eng.tree_shape.num_draft_tokens, probed)]
+        assert eng.worker.policy.adaptive and eng.worker.policy.fixed_batches == frozenset()
+    n = eng.tree_shape.num_draft_tokens
+    assert seen == [(n, probed)] + ([(n, 1)] * (probed > 1))  # several requests: one request's tree is timed too
+
+
+def test_one_requests_steps_keep_the_tree_where_its_verify_is_flat(tiny_model_dir, monkeypatch, caplog):
+    """A server's policy is on for its concurrency (8 requests' trees cost ~4.5x their rows); where one
+    request's tree verifies within the algorithm's threshold, steps of one request play the configured
+    tree (``fixed_batches``); under the default threshold the same 1.3x keeps the policy there too."""
+    from conftest import make_cfg
+    from specfw.engine import Engine
+    from specfw.plugins import plugin_manager
+    from specfw.speculative import verify_cost
+
+    monkeypatch.setattr(verify_cost, "verify_cost_ratio", lambda runner, rows, reps=5, batch=1: 4.5 if batch > 1 else 1.3)
+    ngram = plugin_manager().algorithms["ngram"].config_class
+    for threshold, want in ((None, frozenset()), (1.5, frozenset({1}))):
+        if threshold is not None:
+            monkeypatch.setattr(ngram, "adaptive_grows_above", threshold)
+        caplog.clear()
+        cfg = make_cfg(model_path=str(tiny_model_dir), max_total_tokens=4096, max_running_requests=8, speculative=ngram(algorithm="ngram"))
+        with caplog.at_level("INFO"), Engine(cfg) as eng:
+            assert eng.worker.policy.adaptive and eng.worker.policy.fixed_batches == want
+        assert ("steps with one request in flight verify the configured tree" in caplog.text) == bool(want)
+    monkeypatch.setattr(ngram, "adaptive_grows_above", 1.5)
+    fixed = make_cfg(model_path=str(tiny_model_dir), max_total_tokens=4096, max_running_requests=8, speculative=ngram(algorithm="ngram", adaptive_draft=True))
+    with Engine(fixed) as eng:  # adaptive_draft=true: the policy everywhere, as asked
+        assert eng.worker.policy.adaptive and eng.worker.policy.fixed_batches == frozenset()
 
 
 def test_auto_uses_the_algorithms_own_threshold(tiny_model_dir, monkeypatch, caplog):
