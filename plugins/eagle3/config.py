@@ -11,7 +11,7 @@ from specfw.sdk import ConfigError, DraftTrainConfig, SpecAlgoConfig
 class Eagle3Config(SpecAlgoConfig):
     # adaptive_draft=auto turns the draft policy on only where verifying the tree costs more than 1.5x
     # a row: on a Zen 4 EPYC at one request (the (5, 4, 8) tree's probe 0.9-1.36x) the fixed tree
-    # decoded MT-bench 1.00-1.15x faster than the policy (fp32 and bf16, four runs: never slower), which spent ~5% of steps plain
+    # decoded MT-bench 1.00-1.15x faster than the policy (fp32 and bf16, four runs: a tie at worst), which spent ~5% of steps plain
     # (exploring) and pruned accepted nodes; at 8 requests the probe measures ~4.5x and the policy
     # stays on (docs/benchmarks.md, session 61)
     adaptive_grows_above: ClassVar[float] = 1.5
