@@ -161,6 +161,10 @@ class DecodeClock:
         if first is not None and tokens > 1:
             self.tokens, self.seconds = self.tokens + tokens - 1, self.seconds + last - first
 
+    def add_run(self, res) -> None:
+        """A ``specfw.bench.drive.run_engine`` result: its per-request TTFTs and inter-token gaps."""
+        self.tokens, self.seconds = self.tokens + res.output_tokens - len(res.ttft), self.seconds + sum(res.itl)
+
     @property
     def rate(self) -> float | None:
         return self.tokens / self.seconds if self.seconds > 0 else None
@@ -231,6 +235,7 @@ def main():
     if args.turns == 2 and args.dataset != "mtbench":
         raise SystemExit("--turns 2 needs --dataset mtbench (the only set with second turns)")
     torch.set_num_threads(args.threads)
+    from specfw.bench.drive import run_engine
     from specfw.datasets import humaneval_prompts, long_chats, mtbench_first_turns, mtbench_questions
     from specfw.machine import cpu_description
     from specfw.sampling import SamplingParams
@@ -282,7 +287,9 @@ def main():
     def run(eng, prompts, clock: DecodeClock):
         if isinstance(eng, (HFGenerate, LlamaCppGenerate)):
             return eng.generate(prompts, args.max_new_tokens, clock)
-        return run_specfw(eng, prompts, params, clock)
+        res = run_engine(eng, prompts, params, args.batch, "requests")
+        clock.add_run(res)
+        return res.outputs
 
     def second_turn(question, answer):
         """The conversation after the first answer, ending with the second question."""
@@ -337,20 +344,6 @@ def main():
 def median_or_none(values: list) -> float | None:
     known = [v for v in values if v is not None]
     return statistics.median(known) if known else None
-
-
-def run_specfw(eng, prompts: list[list[int]], params, clock: DecodeClock) -> list[list[int]]:
-    """``Engine.generate`` stepped here, so that each request's first and last token are timed."""
-    reqs = [eng.add_request(eng.make_request(p, params)) for p in prompts]
-    first: dict[str, float] = {}
-    while eng.has_work:
-        for o in eng.step():
-            now = time.perf_counter()
-            if o.new_token_ids:
-                first.setdefault(o.rid, now)
-            if o.finished:
-                clock.add(o.completion_tokens, first.get(o.rid), now)
-    return [list(r.output_ids) for r in reqs]
 
 
 if __name__ == "__main__":

@@ -33,6 +33,11 @@ def test_decode_clock_leaves_each_first_token_out():
     clock.add(5, None, 30.0)  # never timed: left out
     clock.add(5, 40.0, 42.0)
     assert clock.tokens == 12 and clock.seconds == 4.0 and clock.rate == 3.0
+    from specfw.bench.drive import RunResult
+
+    # an engine run: 2 requests (9 and 3 tokens), their first tokens apart, gaps 1 + 1 + 2 and 1 + 1 s
+    clock.add_run(RunResult(outputs=[], seconds=20.0, output_tokens=12, ttft=[0.5, 0.7], itl=[1.0, 1.0, 2.0, 1.0, 1.0]))
+    assert clock.tokens == 22 and clock.seconds == 10.0
 
 
 def test_first_token_stamp_skips_the_prompt_put():
