@@ -18,6 +18,13 @@ keys (e.g. ``model.quantization=gguf``: the GGUF blocks in place, the fp32 model
 another dtype, whose output is checked against the first row of that dtype and whose ratio to that row is printed too).
 ``--dtype``, ``--batch`` (requests in flight) and ``--max-new-tokens`` apply to all.
 
+``--interleave K`` alternates the rows within a round: every engine runs the first K prompts, then
+every engine the next K, and so on (each row's time is the sum of its turns). On a host whose speed
+moves 20-50% between minutes (these 2-core VMs), rows run one after another can differ by that much
+for no reason of their own (session 62: eagle's fixed tree against its draft policy came out 1.08x
+in one such run and 0.90x in the next); ``--interleave 1`` at ``--batch 1`` compares them prompt by
+prompt. With ``--batch B`` a turn of K prompts ends at lower concurrency: use K well above B.
+
 ``backend=hf`` makes a row of Hugging Face transformers' ``generate`` on the same checkpoint and
 dtype (batch 1), the other keys going to ``generate``: what a user would run instead, e.g. HF
 prompt lookup beside specfw's ngram on HumanEval:
@@ -231,7 +238,17 @@ def main():
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--turns", type=int, choices=[1, 2], default=1, help="2: MT-bench's second turns too, after each engine's own first answers")
+    ap.add_argument(
+        "--interleave",
+        type=int,
+        default=0,
+        metavar="K",
+        help="each engine in turn runs K prompts (then the next engine the same K): rows alternate within a round, so a host's drift "
+        "between minutes hits every row alike (0: each engine runs all prompts in turn)",
+    )
     args = ap.parse_args()
+    if args.interleave < 0:
+        raise SystemExit(f"--interleave must be >= 0 (prompts per engine turn; 0: off), got {args.interleave}")
     if args.turns == 2 and args.dataset != "mtbench":
         raise SystemExit("--turns 2 needs --dataset mtbench (the only set with second turns)")
     torch.set_num_threads(args.threads)
@@ -297,27 +314,36 @@ def main():
         turns = [question["turns"][0], text, question["turns"][1]]
         return spec_engine.tokenize_chat([{"role": ("user", "assistant")[i % 2], "content": t} for i, t in enumerate(turns)])
 
-    with tqdm(total=args.rounds * len(engines), desc="runs") as bar:
+    chunks = prompt_chunks(len(ids), args.interleave)
+    with tqdm(total=args.rounds * len(engines) * len(chunks), desc="runs") as bar:
         for _ in range(args.rounds):
             references: dict[str, list] = {}  # numerics -> the first specfw row's outputs this round
             others: dict[str, list] = {}  # HF and llama.cpp rows' outputs this round
-            for name, eng in engines.items():
+            clocks = {name: DecodeClock() for name in engines}
+            seconds = dict.fromkeys(engines, 0.0)
+            outputs: dict[str, list] = {name: [] for name in engines}
+            for eng in engines.values():
                 eng.flush_cache()  # the n-gram trie must not remember the last round's outputs of these prompts
-                backend = getattr(getattr(eng, "runner", None), "backend", None)
-                if hasattr(backend, "set_linear_prefetch"):  # process-wide: this row's value (auto unless it sets one)
-                    backend.set_linear_prefetch(str(configs[name].get("engine.cpu_linear_prefetch", "auto")))
-                clock = DecodeClock()
-                t0 = time.perf_counter()
-                tokens = run(eng, ids, clock)
-                if args.turns == 2:
-                    tokens = tokens + run(eng, [second_turn(q, t) for q, t in zip(questions, tokens)], clock)
-                rates[name].append(sum(len(t) for t in tokens) / (time.perf_counter() - t0))
-                decode_rates[name].append(clock.rate)
+            for chunk in chunks:
+                for name, eng in engines.items():
+                    backend = getattr(getattr(eng, "runner", None), "backend", None)
+                    if hasattr(backend, "set_linear_prefetch"):  # process-wide: this row's value (auto unless it sets one)
+                        backend.set_linear_prefetch(str(configs[name].get("engine.cpu_linear_prefetch", "auto")))
+                    t0 = time.perf_counter()
+                    tokens = run(eng, [ids[i] for i in chunk], clocks[name])
+                    if args.turns == 2:
+                        tokens = tokens + run(eng, [second_turn(questions[i], t) for i, t in zip(chunk, tokens)], clocks[name])
+                    seconds[name] += time.perf_counter() - t0
+                    outputs[name] += tokens
+                    bar.update()
+            for name in engines:
+                tokens = outputs[name]
+                rates[name].append(sum(len(t) for t in tokens) / seconds[name])
+                decode_rates[name].append(clocks[name].rate)
                 if name in matches:  # counted after the round: the specfw row it is counted against may come later
                     others[name] = tokens
                 elif tokens != references.setdefault(numerics_of[name], tokens):
                     raise SystemExit(f"{name}: greedy output differs from {numerics_first[numerics_of[name]]}'s")
-                bar.update()
             for name, tokens in others.items():
                 matches[name].append(sum(a == b for a, b in zip(tokens, references[numerics_of[name]])))
     turns = " (both turns)" if args.turns == 2 else ""
@@ -339,6 +365,15 @@ def main():
         decode = f"decode {dec:7.1f} tok/s {dec / decode_base:.3f}x" if dec and decode_base else "decode       - tok/s       -"
         total = f"{statistics.median(r):7.1f} tok/s  {statistics.median(r) / base:.3f}x {first}"
         print(f"{name:24s} {total}  {decode}  (rounds: {rounds}){own}  == {ref}: {same}{note}")
+
+
+def prompt_chunks(n: int, interleave: int) -> list[list[int]]:
+    """The prompts each engine runs per turn within a round: ``--interleave K`` gives K at a time
+    (every engine runs the first K, then every engine the next K, ...: a host whose speed moves
+    between minutes moves for every row alike); 0 gives all of them in one turn per engine."""
+    if interleave <= 0:
+        return [list(range(n))]
+    return [list(range(i, min(i + interleave, n))) for i in range(0, n, interleave)]
 
 
 def median_or_none(values: list) -> float | None:

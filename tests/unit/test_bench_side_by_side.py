@@ -9,7 +9,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from bench_side_by_side import DecodeClock, FirstTokenStamp, numerics, parse  # noqa: E402
+from bench_side_by_side import DecodeClock, FirstTokenStamp, numerics, parse, prompt_chunks  # noqa: E402
 
 
 # every engine of a run stays alive for its rounds: KV pools for a few short prompts, not the
@@ -81,8 +81,34 @@ def test_llama_cpp_rows_beside_specfw():
         assert "llama.cpp's own timer: " in rows[name] and " ms a decode call" in rows[name]
 
 
+def test_interleave_splits_each_round_into_turns_of_k_prompts():
+    assert prompt_chunks(5, 0) == [[0, 1, 2, 3, 4]]
+    assert prompt_chunks(5, 1) == [[0], [1], [2], [3], [4]]
+    assert prompt_chunks(5, 2) == [[0, 1], [2, 3], [4]]
+    assert prompt_chunks(3, 8) == [[0, 1, 2]]
+
+
+@pytest.mark.model
+def test_interleaved_rounds_with_second_turns_check_outputs():
+    """``--interleave 1 --turns 2``: engines alternate prompt by prompt, each prompt's second turn
+    right after its first; outputs are still compared row against row."""
+    r = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks/bench_side_by_side.py"), "--n", "2", "--max-new-tokens", "6", "--rounds", "1",
+         "--interleave", "1", "--turns", "2", f"plain={SMALL_KV}", f"ngram=algorithm=ngram,{SMALL_KV}"],
+        capture_output=True, text=True, timeout=600,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = [line for line in r.stdout.splitlines() if " tok/s " in line]
+    assert len(rows) == 2 and all("== plain: yes" in line for line in rows)
+    assert "(both turns)" in r.stdout
+
+
 def test_bad_backend_and_reference_rows_are_refused():
-    for configs, says in ((["plain=", "x=backend=vllm"], "not one of"), (["hf=backend=hf", "plain="], "must be a specfw one")):
+    for configs, says in (
+        (["plain=", "x=backend=vllm"], "not one of"),
+        (["hf=backend=hf", "plain="], "must be a specfw one"),
+        (["--interleave", "-1", "plain="], "--interleave must be >= 0"),
+    ):
         r = subprocess.run([sys.executable, str(ROOT / "benchmarks/bench_side_by_side.py"), *configs], capture_output=True, text=True, timeout=120)
         assert r.returncode != 0 and says in r.stderr, r.stderr[-1000:]
 
