@@ -19,7 +19,9 @@ logger = logging.getLogger(__name__)
 # ``adaptive_draft=auto``'s default threshold (SpecAlgoConfig.adaptive_grows_above): was 1.15 until
 # session 18, where on a fp32 EPYC (8 rows ~1.1-1.2x one row) the probe came out on or off from run
 # to run, and every specfw tune there found the policy on as fast or faster (eagle3 +9% on held-out
-# MT-bench, ngram +10% on HumanEval); a GPU's launch-bound verify stays below 1.05.
+# MT-bench, ngram +10% on HumanEval); a GPU's launch-bound verify stays below 1.05. Session 62 (Zen 4,
+# fp32, batch 1) kept it for eagle (its fixed tree against the policy: 1.08x, 0.90x, 1.00x in three
+# runs) and mtp (the policy as fast or faster in all three) (docs/benchmarks.md).
 ADAPTIVE_GROWS_ABOVE = 1.05
 
 
