@@ -938,8 +938,8 @@ inline void prefetch_rows(const T* cache, int64_t slot_stride, const int64_t* sl
 // kv head's query heads hh, the group's rows r): an item's prefix K/V are read once for all of
 // them (each key block stays in L1 while every row scores it). Tasks go to the threads in even
 // shares:
-//   - fewer than two items per thread over a long prefix (one request: one or two rows over 512+
-//     keys, a larger tree over 2,048+; K/V from memory) in three phases in one parallel region, each task sweeping the request's
+//   - fewer than two items per thread over a long prefix (one request: one or two rows over 256+
+//     keys (512+ in 8-lane builds), a larger tree over 2,048+; K/V from memory) in three phases in one parallel region, each task sweeping the request's
 //     kv heads together (a slot's K or V row read in one go, the next key block fetched ahead):
 //     1. prefix scores in chunks of keys, 2. per query row its extras' scores and the softmax
 //     numerators, 3. weighted values over half the head dims each;
@@ -975,6 +975,12 @@ void attention_impl(const T* Q, const T* Kc, const T* Vc, T* O, int64_t H, int64
   constexpr int kParts = ND >= 2 && ND % 2 == 0 ? 2 : 1;  // value tasks over half the head dims
   constexpr int64_t kLongPrefix = 512;  // prefix keys from which K/V come from memory (shorter ones stay in L2)
   constexpr int64_t kLongTreePrefix = 2048;
+  // one or two rows take the three phases from this many prefix keys: the demo's one-row forwards,
+  // the phases from 256 against 512 alternated in one process (Zen 4 EPYC, session 62, same bits):
+  // 400 keys 0.973x / 0.969x the time (fp32 / bf16), two rows 0.980x / 0.986x; below 256 keys the phases
+  // (from 128) gave nothing steady (0.985-1.019x); trees of 8 rows lost up to 1% on them at 200-400 keys
+  // (8-lane builds keep 512: on an AVX2-only Zen 3, session 46, the phases below 512 keys measured 0.89-1.02x)
+  constexpr int64_t kPhasedPrefix = W == 16 ? 256 : 512;
   constexpr int64_t kTileKeys = 128;    // AMX: rows with this many keys or more on tiles
   constexpr int64_t kScores = 1 << 16;  // scores of a whole-item task at most (256 KB: a causal block's 3 x 32 rows
                                         // over a long prompt split per query head, their scores in L2)
@@ -1026,7 +1032,7 @@ void attention_impl(const T* Q, const T* Kc, const T* Vc, T* O, int64_t H, int64
       if (row_tiles(it, r) != row_tiles(it, 0)) return false;
     return true;
   };
-  const bool phased = few && !amx && longest >= (most_rows > 2 ? kLongTreePrefix : kLongPrefix);
+  const bool phased = few && !amx && longest >= (most_rows > 2 ? kLongTreePrefix : kPhasedPrefix);
   for (int64_t i = 0; i < n_items; ++i) {
     const AttnItem& it = items[i];
     const int64_t NQ = group * it.R;
