@@ -103,7 +103,7 @@ class DraftPolicy:
     def plan(self, batch: int) -> StepPlan:
         if batch in self.fixed_batches:
             self._best_rate = None
-            return StepPlan(size=self.shape.num_draft_tokens, depth=max(1, min(self.shape.num_steps, self.shape.num_draft_tokens - 1)))
+            return StepPlan(size=self.shape.num_draft_tokens, depth=self._depth(self.shape.num_draft_tokens))
         explore = self.may_explore()
         size = (self._retime if explore else 0) or self.budget.choose(batch, explore=explore)
         self._retime = 0
@@ -113,8 +113,11 @@ class DraftPolicy:
         if size <= 1:
             return StepPlan(size=1, depth=0)
         cut = self.pruning.plan(batch, rates.get(size), size - 1)
-        depth = max(1, min(self.shape.num_steps, size - 1))
-        return StepPlan(size=size, depth=depth, score_floor=self.pruning.score_floor(cut), cut=cut)
+        return StepPlan(size=size, depth=self._depth(size), score_floor=self.pruning.score_floor(cut), cut=cut)
+
+    def _depth(self, size: int) -> int:
+        """Draft depth that can still fill a tree of ``size`` nodes (root included)."""
+        return max(1, min(self.shape.num_steps, size - 1))
 
     def _replay(self, batch: int, size: int) -> bool:
         """Whether the step after an untimed switching step replays ``size`` to time it."""
