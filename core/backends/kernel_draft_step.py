@@ -51,7 +51,8 @@ class KernelDraftStep:
     def eligible(ops, one_call, embed, norm, lm_head) -> bool:
         """The layer in one call with an EAGLE-3 layout (input and hidden norms), a plain embedding
         table in fp32 / bf16 and an unpadded ``KernelLinear`` lm_head on ``ops`` or a ``Q8Linear``
-        one of one build (no tile build: the draft's few rows never reach it)."""
+        one. A ``Q8Linear``'s tile build (AMX-INT8, for calls of 16+ rows) is not used: the call
+        runs its ``ops`` build (vpdpbusd), whose bits are the tile build's, at every row count."""
         if not isinstance(one_call, KernelDraftLayer):
             return False
         layer = one_call.layer
@@ -62,7 +63,7 @@ class KernelDraftStep:
         if "forward" in lm_head.__dict__:
             return False
         if type(lm_head) is Q8Linear:
-            return lm_head.tile_ops is None
+            return True
         return type(lm_head) is KernelLinear and lm_head.ops is ops and not lm_head._padded
 
     def current(self) -> bool:

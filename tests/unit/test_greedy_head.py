@@ -317,6 +317,11 @@ def test_the_int8_proxy_gives_the_full_heads_tokens_on_the_demo_model(demo_dir, 
     out = {}
     for name, engine in runs:
         with Engine(SpecfwConfig(model=ModelConfig(path=str(demo_dir), dtype=dtype), engine=EngineConfig(max_running_requests=1, **engine))) as eng:
+            if dtype == "bfloat16" and not GreedyHead.bf16_eligible(eng.runner.model.lm_head):
+                # an AMX-BF16 CPU runs bf16 linears on bf16_amx's tiles (DotBF16Linear), whose sums no
+                # proxy's recomputation repeats: the engine keeps the full head there
+                assert eng.runner.backend.greedy_head(eng.runner.model) is None
+                pytest.skip(f"the bf16 lm_head is a {type(eng.runner.model.lm_head).__name__} here (AMX tiles): no int8 proxy")
             head = eng.runner.backend.greedy_head(eng.runner.model)
             assert (head is None) == (name == "full") and (name != "int8" or head.q8 is not None)
             out[name] = [c.token_ids for c in eng.generate(prompts, params)]
