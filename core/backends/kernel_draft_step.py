@@ -62,9 +62,7 @@ class KernelDraftStep:
             return False
         if "forward" in lm_head.__dict__:
             return False
-        if type(lm_head) is Q8Linear:
-            return True
-        return type(lm_head) is KernelLinear and lm_head.ops is ops and not lm_head._padded
+        return type(lm_head) is Q8Linear or (type(lm_head) is KernelLinear and lm_head.ops is ops and not lm_head._padded)
 
     def current(self) -> bool:
         """No packed weight replaced nor padding verdict changed since this was built."""
