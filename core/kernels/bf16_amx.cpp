@@ -13,8 +13,8 @@
 // B-tile layout of TDPBF16PS: a B tile is 16 consecutive k pairs of one block (1 KB, stride 64).
 // K pairs are padded to a multiple of 16 (zero weights), x's columns likewise (zero inputs).
 // A work item is four blocks (64 outputs, four C tiles); rows run in groups of 16 (an A tile,
-// zero padded) inside it, so up to 16 rows cost one pass over the weight, and more rows re-read
-// only the item's weights, from L2.
+// zero padded; a call of fewer rows configures tiles of its own row count) inside it, so up to 16
+// rows cost one pass over the weight, and more rows re-read only the item's weights, from L2.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
@@ -32,7 +32,7 @@ constexpr int kBlocksPerItem = 4;   // C tiles tmm0..tmm3; A in tmm4, B in tmm5.
 using specfw_amx::TileConfig;
 using specfw_amx::request_amx;
 
-void configure(int rows) {   // every tile of 16 rows; A and C rows = rows
+void configure(int rows) {   // A and C tiles of `rows` rows (1-16), B tiles of 16 k pairs
   TileConfig cfg;
   std::memset(&cfg, 0, sizeof(cfg));
   cfg.palette_id = 1;
@@ -95,9 +95,9 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, torch::Te
   const int64_t M = x.size(0), K = x.size(1), NB = packed.size(0), KP = packed.size(1);
   TORCH_CHECK(KP % kTilePairs == 0 && 2 * KP >= K && 2 * KP - K < 2 * kTilePairs && NB * kLanes >= N,
               "linear: input width does not match the packed weight");
-  // x staged with zero padding to whole A tiles (16 rows, 32-wide k; rows are independent: the padding
-  // changes no row's bits) in a per-thread buffer: a torch pad op per call cost ~7 us on every linear
-  const int64_t Mp = (M + 15) / 16 * 16, xs = 2 * KP;
+  // x staged with zero padding to whole A tiles (16 rows past 16, 32-wide k; rows are independent: the
+  // padding changes no row's bits) in a per-thread buffer: a torch pad op per call cost ~7 us on every linear
+  const int64_t Mp = M <= 16 ? M : (M + 15) / 16 * 16, xs = 2 * KP;
   x = x.contiguous();
   thread_local std::vector<uint16_t> staged;
   staged.assign(Mp * xs, 0);
@@ -109,12 +109,18 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor packed, int64_t N, torch::Te
   const uint16_t* X = staged.data();
   const float* B = bias.numel() ? bias.data_ptr<float>() : nullptr;
   uint16_t* Y = reinterpret_cast<uint16_t*>(y.data_ptr());
-  const int64_t items = (NB + kBlocksPerItem - 1) / kBlocksPerItem;
-  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+  // each thread a contiguous, near-equal range of blocks, run in items of up to four: whole items
+  // dealt out left one thread an item more than the other on the 576-wide outputs (9 items), and
+  // tiles of the call's own row count up to 16 (TDPBF16PS takes time by the rows configured).
+  // bf16 demo's 120 layer linears + lm_head, alternated with the old build in one process (AMX
+  // Xeon, family 6 model 167, session 64; same bits): 1-4 rows 0.94-0.95x the time, 8 rows 0.97x,
+  // 16 rows 0.98x, 17-32 rows 0.98-0.99x (a last partial group on tiles of its own rows: no gain)
+  const int tile_rows = int(std::min<int64_t>(16, M));
+  at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
     alignas(64) float acc[16 * 64];
-    configure(16);
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i * kBlocksPerItem, nb = std::min<int64_t>(kBlocksPerItem, NB - b);
+    configure(tile_rows);
+    for (int64_t b = b0; b < b1; b += kBlocksPerItem) {
+      const int64_t nb = std::min<int64_t>(kBlocksPerItem, b1 - b);
       const uint16_t* wb = W + b * KP * 2 * kLanes;
       const int64_t n0 = b * kLanes, n_valid = std::min<int64_t>(N - n0, nb * kLanes);
       // row groups inside the item: its 64 outputs' weights (K x 128 bytes) stay in L2 between groups
