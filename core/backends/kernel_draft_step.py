@@ -26,7 +26,7 @@ from torch import nn
 
 from .kernel_layers import KernelDraftLayer
 from .kernel_linear import KernelLinear
-from .q8_linear import Q8Linear
+from .q8_linear import TILE_ROWS, Q8Linear
 
 _NONE = torch.empty(0)
 _NO_IDS = torch.empty(0, dtype=torch.long)
@@ -46,13 +46,18 @@ class KernelDraftStep:
             self.lm = ([w.codes, w.d, w.m, lm_head.bias], w.bits, lm_head.ops.linear_address())
         else:
             self.lm = ([lm_head.packed, lm_head.bias], 0, 0)
+        # q8_ops' AMX-INT8 tile builds, for the call's layer / lm_head passes of TILE_ROWS rows or
+        # more (a batch's beam steps and extend passes), as Q8Linear.forward and KernelLayers take them
+        layer_tiles = getattr(KernelDraftLayer._linears(layer)[0], "tile_ops", None) if one_call.q8_linear else None
+        lm_tiles = getattr(lm_head, "tile_ops", None) if type(lm_head) is Q8Linear else None
+        self.tiles = (layer_tiles.linear_address() if layer_tiles is not None else 0, lm_tiles.linear_address() if lm_tiles is not None else 0, TILE_ROWS)
 
     @staticmethod
     def eligible(ops, one_call, embed, norm, lm_head) -> bool:
         """The layer in one call with an EAGLE-3 layout (input and hidden norms), a plain embedding
         table in fp32 / bf16 and an unpadded ``KernelLinear`` lm_head on ``ops`` or a ``Q8Linear``
-        one. A ``Q8Linear``'s tile build (AMX-INT8, for calls of 16+ rows) is not used: the call
-        runs its ``ops`` build (vpdpbusd), whose bits are the tile build's, at every row count."""
+        one. A ``Q8Linear``'s tile build (AMX-INT8) takes the call's passes of ``TILE_ROWS`` rows or
+        more, its ``ops`` build (vpdpbusd) the others: the same bits either way."""
         if not isinstance(one_call, KernelDraftLayer):
             return False
         layer = one_call.layer
@@ -85,4 +90,5 @@ class KernelDraftStep:
             *ext, committed, roots, beam_slots, self.embed, *self.norms, self.norm_eps,
             oc.weights, kv.k[0], kv.v[0], rotary.cos, rotary.sin, oc.eps, oc.scale, layer.n_heads, layer.n_kv, oc.q8_linear, oc.packed_linear,
             self.lm[0], self.lm_head.out_features, self.lm[1], self.lm[2], self.to_target, topk, num_steps, float(score_floor), keep or 0,
+            *self.tiles,
         )  # fmt: skip

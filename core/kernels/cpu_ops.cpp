@@ -1699,6 +1699,11 @@ struct Eagle3Head {
   int64_t H, Hkv, q8_linear, packed_linear;
   std::vector<torch::Tensor> lm_weights;   // packed, bias (linear()); with lm_q8: codes, d, m, bias
   int64_t lm_N, lm_bits, lm_q8;   // lm_q8: a q8_ops linear's address (an int8-activation lm_head: fp32 rows in, fp32 sums out), or 0
+  // q8_ops' AMX-INT8 tile build for calls of tile_rows rows or more (the same bits as q8_linear's /
+  // lm_q8's build): the layer's and the lm_head's addresses, or 0
+  int64_t q8_tile = 0, lm_q8_tile = 0, tile_rows = 0;
+  int64_t layer_q8(int64_t rows) const { return q8_tile && rows >= tile_rows ? q8_tile : q8_linear; }
+  int64_t head_q8(int64_t rows) const { return lm_q8_tile && rows >= tile_rows ? lm_q8_tile : lm_q8; }
 
   // the layer's output hidden of rows (ids, x) at positions, K/V written at out_slots; plan: the
   // attention kernel's six slot arrays
@@ -1708,12 +1713,12 @@ struct Eagle3Head {
     const auto a = add_rms_norm(embed.index_select(0, ids), none, in_norm, norm_eps[0])[1];
     const auto b = add_rms_norm(x.contiguous(), none, h_norm, norm_eps[1])[1];
     return draft_layer(torch::cat({a, b}, -1), x, layer_weights, k_cache, v_cache, cos_table, sin_table, pos, out_slots, eps, scale, H, Hkv,
-                       plan[0], plan[1], plan[2], plan[3], plan[4], plan[5], q8_linear, packed_linear);
+                       plan[0], plan[1], plan[2], plan[3], plan[4], plan[5], layer_q8(ids.size(0)), packed_linear);
   }
   torch::Tensor logits(const torch::Tensor& out) const {   // fp32 [rows, V_draft], as sdk.draft_logits
     const auto normed = add_rms_norm(out, out.new_empty({0}), final_norm, norm_eps[2])[1];
     const auto& w = lm_weights;
-    if (lm_q8) return q8_linear_at(lm_q8)(normed.to(torch::kFloat32), w[0], w[1], w[2], lm_bits, lm_N, w[3]);
+    if (lm_q8) return q8_linear_at(head_q8(out.size(0)))(normed.to(torch::kFloat32), w[0], w[1], w[2], lm_bits, lm_N, w[3]);
     return linear(normed, w[0], lm_N, w[1]).to(torch::kFloat32);
   }
 };
@@ -1755,8 +1760,11 @@ struct PlanBuilder {
 // Beam steps: a node attends to its request's committed slots (the shared prefix), its forwarded
 // ancestors and itself (its own slots, in depth order: the Python tree mask's order); it takes
 // its KV slot from beam_slots [R, >= topk * (num_steps - 1)]. keep <= 0: no keep cut. to_target
-// [V_draft] int64 (empty: one vocabulary). Returns (tokens int64, parents int64, scores fp32,
-// counts [R] int64): every request's candidates, one request after another.
+// [V_draft] int64 (empty: one vocabulary). q8_tile_linear / lm_q8_tile: q8_ops' AMX-INT8 tile
+// build's linear for the layer's / the lm_head's calls of tile_rows rows or more (0: q8_linear /
+// lm_q8 at every row count; the same bits either way): a batch's beam steps and extend passes.
+// Returns (tokens int64, parents int64, scores fp32, counts [R] int64): every request's
+// candidates, one request after another.
 std::vector<torch::Tensor> eagle3_draft(torch::Tensor ext_tokens, torch::Tensor ext_features, torch::Tensor ext_positions,
                                         torch::Tensor ext_slots, std::vector<int64_t> ext_rows, torch::Tensor first_logits,
                                         torch::Tensor first_hidden, std::vector<torch::Tensor> committed, std::vector<int64_t> root_pos,
@@ -1765,7 +1773,8 @@ std::vector<torch::Tensor> eagle3_draft(torch::Tensor ext_tokens, torch::Tensor 
                                         torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor cos_table, torch::Tensor sin_table,
                                         double eps, double scale, int64_t H, int64_t Hkv, int64_t q8_linear, int64_t packed_linear,
                                         std::vector<torch::Tensor> lm_weights, int64_t lm_N, int64_t lm_bits, int64_t lm_q8, torch::Tensor to_target, int64_t topk,
-                                        int64_t num_steps, double score_floor, int64_t keep) {
+                                        int64_t num_steps, double score_floor, int64_t keep, int64_t q8_tile_linear, int64_t lm_q8_tile,
+                                        int64_t tile_rows) {
   const int64_t R = int64_t(committed.size());
   const bool extend = ext_tokens.numel() > 0;
   TORCH_CHECK(int64_t(root_pos.size()) == R && norm_eps.size() == 3, "eagle3_draft: a committed slot list and a root per request, three norm eps");
@@ -1778,7 +1787,8 @@ std::vector<torch::Tensor> eagle3_draft(torch::Tensor ext_tokens, torch::Tensor 
     TORCH_CHECK(c.dim() == 1 && c.scalar_type() == torch::kLong, "eagle3_draft: committed slots 1-d int64");
   }
   const Eagle3Head head{embed, in_norm, h_norm, final_norm, norm_eps, layer_weights, k_cache, v_cache, cos_table, sin_table,
-                        eps, scale, H, Hkv, q8_linear, packed_linear, lm_weights, lm_N, lm_bits, lm_q8};
+                        eps, scale, H, Hkv, q8_linear, packed_linear, lm_weights, lm_N, lm_bits, lm_q8,
+                        q8_linear ? q8_tile_linear : 0, lm_q8 ? lm_q8_tile : 0, tile_rows};
   TORCH_CHECK(lm_weights.size() == (lm_q8 ? 4u : 2u), "eagle3_draft: the lm_head's packed weight and bias (q8: codes, d, m, bias)");
   const auto lopt = torch::TensorOptions().dtype(torch::kLong);
 

@@ -14,7 +14,7 @@ import torch
 from conftest import make_cfg
 from specfw.backends.cpu import CpuBackend
 from specfw.backends.kernel_draft_step import KernelDraftStep
-from specfw.kernels import cpu_ops, isa_supported
+from specfw.kernels import cpu_ops, isa_supported, q8_isa
 from specfw.plugins import plugin_manager
 from specfw.sampling import SamplingParams
 
@@ -36,7 +36,8 @@ def _run(model_dir, draft, isa, dtype, one_call, monkeypatch, shape=None, floor=
     cfg = make_cfg(model_path=str(model_dir), model_dtype=dtype, cpu_isa=isa, max_running_requests=3, max_total_tokens=4096, speculative=spec)
     with Engine(cfg) as eng:
         drafter, policy = eng.worker.runtime, eng.worker.policy
-        has_one = drafter.kernel_draft_step() is not None
+        step = drafter.kernel_draft_step()
+        has_one, tiles = step is not None, step.tiles if step is not None else None
         steps = []
         real_draft = drafter._draft
 
@@ -54,7 +55,7 @@ def _run(model_dir, draft, isa, dtype, one_call, monkeypatch, shape=None, floor=
             full = eng.worker.budget.max_size
             eng.worker.budget.choose = lambda batch, explore=True: next(plays, full)
         outs = [o.token_ids for o in eng.generate(PROMPTS, SamplingParams(max_new_tokens=48, temperature=0))]
-    return steps, outs, len(calls), has_one
+    return steps, outs, len(calls), has_one, tiles
 
 
 def _isas():
@@ -66,6 +67,8 @@ CASES = {
     "a wide tree, score floor": {"shape": {"num_steps": 4, "topk": 6, "num_draft_tokens": 12}, "floor": -4.0},
     "a chain after plain steps": {"shape": {"num_steps": 3, "topk": 1, "num_draft_tokens": 3}, "plain_steps": 40},
     "an int8 head": {"shape": {"draft_model_quantization": "w8a8_int8"}},  # int8 activations: q8_ops' linears by address
+    # 3 requests x 6 beams: beam steps of 18 rows, on q8_ops' AMX-INT8 tile build where the CPU has one
+    "an int8 head, a wide tree": {"shape": {"draft_model_quantization": "w8a8_int8", "num_steps": 4, "topk": 6, "num_draft_tokens": 12}},
 }
 
 
@@ -76,12 +79,15 @@ def test_one_call_draft_steps_equal_the_python_steps(case, dtype, isa, tiny_mode
     if cpu_ops(isa) is None:
         pytest.skip("the CPU kernels cannot be built here")
     kw = CASES[case]
-    one, one_out, made, has_one = _run(tiny_model_dir, tiny_eagle_drafts["eagle3"], isa, dtype, True, monkeypatch, **kw)
+    one, one_out, made, has_one, tiles = _run(tiny_model_dir, tiny_eagle_drafts["eagle3"], isa, dtype, True, monkeypatch, **kw)
     if not has_one:  # a bf16 head's linears outside cpu_ops (DotBF16Linear: per op without vdpbf16ps, on AMX-BF16 tiles)
         assert dtype == "bfloat16" and kw.get("shape", {}).get("draft_model_quantization") is None, "only a bf16 head keeps the Python step"
         pytest.skip(f"the {isa} build runs a {dtype} head's linears outside cpu_ops here (DotBF16Linear): no one-call draft step")
-    py, py_out, none, _ = _run(tiny_model_dir, tiny_eagle_drafts["eagle3"], isa, dtype, False, monkeypatch, **kw)
+    py, py_out, none, _, _ = _run(tiny_model_dir, tiny_eagle_drafts["eagle3"], isa, dtype, False, monkeypatch, **kw)
     assert made == len(one) > 0 and none == 0
+    int8 = kw.get("shape", {}).get("draft_model_quantization") == "w8a8_int8"
+    # an int8 head's passes of 16+ rows run q8_ops' AMX-INT8 tile build where the CPU has it (else 0: vpdpbusd)
+    assert (tiles[0] != 0 and tiles[1] != 0) == (int8 and q8_isa(isa) == "amx")
     assert one == py
     assert one_out == py_out
     assert sum(len(c[0]) for step in one for c in step) > 0  # something was drafted
@@ -93,7 +99,7 @@ def test_one_call_draft_steps_equal_the_python_steps(case, dtype, isa, tiny_mode
 def test_portable_and_other_heads_keep_the_python_step(tiny_model_dir, tiny_eagle_drafts, monkeypatch):
     if cpu_ops("portable") is None:
         pytest.skip("the CPU kernels cannot be built here")
-    _, _, made, has_one = _run(tiny_model_dir, tiny_eagle_drafts["eagle3"], "portable", "float32", True, monkeypatch)
+    _, _, made, has_one, _ = _run(tiny_model_dir, tiny_eagle_drafts["eagle3"], "portable", "float32", True, monkeypatch)
     assert made == 0 and not has_one
     from specfw.engine import Engine
 
