@@ -213,12 +213,12 @@ class CpuBackend(Backend):
                 # the copy against ~1.26 ms whole, and end-to-end runs went either way, Zen 4)
                 # (the scales are checked only then: unpacking the demo's head for them took ~0.1 s of startup)
                 q8 = self._greedy_q8() if self.greedy_head_proxy == "int8" else None
-                return GreedyHead(self.ops, head, q8=q8) if q8 is not None and GreedyHead.int8_eligible(head) else None
+                return GreedyHead(self.ops, head, q8=q8, q8_tiles=self._greedy_q8_tiles(q8)) if q8 is not None and GreedyHead.int8_eligible(head) else None
             if not GreedyHead.eligible(head):
                 return None
             q8 = self._greedy_q8()
             if q8 is not None and GreedyHead.int8_eligible(head):
-                return GreedyHead(self.ops, head, q8=q8)
+                return GreedyHead(self.ops, head, q8=q8, q8_tiles=self._greedy_q8_tiles(q8))
             return GreedyHead(self.ops, head, self._greedy_dot())
 
         return self._per_model(model, "_greedy_head", build)
@@ -234,6 +234,14 @@ class CpuBackend(Backend):
         if self.greedy_head_proxy == "bf16" or (self.greedy_head_proxy == "auto" and self.isa not in ("avx512", "avx2")):
             return None
         return q8_ops(self.isa)
+
+    def _greedy_q8_tiles(self, q8):
+        """``q8_ops``' AMX-INT8 tile build for the int8 proxy's calls of ``TILE_ROWS`` rows or more
+        (the same bits as ``q8``, the avx512 build), where the CPU has AMX-INT8; else None. The demo's
+        head proxy (30 MB) at 16 / 32 / 64 rows, AMX Xeon (session 64): see docs/benchmarks.md."""
+        from ..kernels import q8_isa, q8_ops
+
+        return q8_ops("amx") if self.isa == "avx512" and q8_isa(self.isa) == "amx" and q8 is q8_ops(self.isa) else None
 
     def _greedy_dot(self):
         """``bf16_dot`` for the greedy head's proxy where it runs (AVX512-BF16, the avx512 build,

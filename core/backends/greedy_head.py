@@ -60,10 +60,12 @@ BF16_HEAD_MAX_ROWS = 8
 
 
 class GreedyHead:
-    def __init__(self, ops, lm_head, dot=None, q8=None):
+    def __init__(self, ops, lm_head, dot=None, q8=None, q8_tiles=None):
         """``dot``: the ``bf16_dot`` kernel module, to compute the proxy with (None: ``ops``' bf16
-        linear); ``q8``: a ``q8_ops`` build, for the int8 proxy instead (``int8_eligible``)."""
+        linear); ``q8``: a ``q8_ops`` build, for the int8 proxy instead (``int8_eligible``);
+        ``q8_tiles``: its AMX-INT8 tile build (the same bits), for calls of ``TILE_ROWS`` rows or more."""
         self.ops, self.lm_head, self.dot, self.q8 = ops, lm_head, None if q8 is not None else dot, q8
+        self.q8_tiles = q8_tiles if q8 is not None else None
         self.full = lm_head.packed
         self.out_features = lm_head.out_features
         w = lm_head.weight.float()  # [V, K]: the fp32 head, or a bf16 head's values
@@ -150,7 +152,10 @@ class GreedyHead:
 
     def _int8_call(self, x: torch.Tensor, xb: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` fp32 rows; ``xb`` the rows as a head on bf16 weights takes them (bf16 or fp32)."""
-        p = self.q8.linear(x, self.codes, self.scales, self.no_m, 8, self.out_features, self.no_bias)
+        from .q8_linear import TILE_ROWS
+
+        q8 = self.q8_tiles if self.q8_tiles is not None and x.shape[0] >= TILE_ROWS else self.q8
+        p = q8.linear(x, self.codes, self.scales, self.no_m, 8, self.out_features, self.no_bias)
         q, dx, _ = self.q8.quantize_rows(x)  # the codes the linear multiplied by
         xq = (q.double().view(q.shape[0], dx.shape[1], -1) * dx.double()[..., None]).view_as(x)
         xd = x.double()

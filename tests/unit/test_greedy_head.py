@@ -190,6 +190,32 @@ def test_a_head_on_bf16_weights_keeps_its_own_argmax_and_value(isa, rows):
     assert int(np.argmax(head(x[3:4]).numpy())) == 20 and int(np.argmax(head(x[6:7]).numpy())) == 0
 
 
+@pytest.mark.skipif(not q8_isa_supported("amx"), reason="this CPU lacks AMX-INT8")
+def test_the_int8_proxy_takes_the_amx_tile_build_from_16_rows_with_the_same_bits():
+    """On an AMX-INT8 CPU the backend gives the int8 proxy q8_ops' tile build for calls of 16+ rows
+    (verify forwards of wide trees, batches): the same logits as the avx512 build's, row for row."""
+    from specfw.backends.cpu import CpuBackend
+    from specfw.backends.q8_linear import TILE_ROWS
+
+    ops = cpu_ops("avx512")
+    if ops is None or q8_ops("amx") is None:
+        pytest.skip("the CPU kernels cannot be built here")
+    backend = CpuBackend(ops, "avx512")
+    model = nn.Module()
+    model.lm_head = KernelLinear(nn.Linear(96, 1003, bias=False), ops, "avx512")
+    head = backend.greedy_head(model)
+    assert head.q8 is q8_ops("avx512") and head.q8_tiles is q8_ops("amx")
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(40, 96, generator=g)
+    with_tiles = head(x)  # 40 rows: the tile build
+    for T in (TILE_ROWS - 1, TILE_ROWS, 40):
+        _check(model.lm_head, head, x[:T].contiguous())
+    tiles, head.q8_tiles = head.q8_tiles, None
+    assert torch.equal(head(x), with_tiles)  # the avx512 build's logits, bit for bit
+    head.q8_tiles = tiles
+    assert torch.equal(torch.cat([head(x[i : i + 1]) for i in range(40)]), with_tiles)  # each row alone
+
+
 def test_int8_scales_hold_every_code_and_fit_fp16():
     """``int8_scales``: each block's ``max|w| / 127`` rounded up to an fp16 value (codes stay in
     -127..127, the scales pack in 2 bytes); a block of zeros scales by 0; a weight fp16 cannot
