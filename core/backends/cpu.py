@@ -241,7 +241,7 @@ class CpuBackend(Backend):
         head proxy (30 MB) at 16 / 32 / 64 rows, AMX Xeon (session 64): see docs/benchmarks.md."""
         from ..kernels import q8_isa, q8_ops
 
-        return q8_ops("amx") if self.isa == "avx512" and q8_isa(self.isa) == "amx" and q8 is q8_ops(self.isa) else None
+        return q8_ops("amx") if q8_isa(self.isa) == "amx" and q8 is q8_ops(self.isa) else None
 
     def _greedy_dot(self):
         """``bf16_dot`` for the greedy head's proxy where it runs (AVX512-BF16, the avx512 build,

@@ -152,10 +152,9 @@ class GreedyHead:
 
     def _int8_call(self, x: torch.Tensor, xb: torch.Tensor | None = None) -> torch.Tensor:
         """``x`` fp32 rows; ``xb`` the rows as a head on bf16 weights takes them (bf16 or fp32)."""
-        from .q8_linear import TILE_ROWS
+        from .q8_linear import q8_build
 
-        q8 = self.q8_tiles if self.q8_tiles is not None and x.shape[0] >= TILE_ROWS else self.q8
-        p = q8.linear(x, self.codes, self.scales, self.no_m, 8, self.out_features, self.no_bias)
+        p = q8_build(self.q8, self.q8_tiles, x.shape[0]).linear(x, self.codes, self.scales, self.no_m, 8, self.out_features, self.no_bias)
         q, dx, _ = self.q8.quantize_rows(x)  # the codes the linear multiplied by
         xq = (q.double().view(q.shape[0], dx.shape[1], -1) * dx.double()[..., None]).view_as(x)
         xd = x.double()

@@ -32,7 +32,7 @@ import torch
 
 from .kernel_attention import KernelAttentionPlan
 from .kernel_linear import KernelLinear
-from .q8_linear import TILE_ROWS
+from .q8_linear import q8_build
 
 _LINEARS = ("qkv_proj", "o_proj", "gate_up_proj", "down_proj")
 
@@ -161,7 +161,7 @@ class KernelLayers:
         plan = fb.attn_plan
         L = len(self.layers)
         wanted = sorted({i for i in capture if i < L})
-        q8_linear = self.q8_tile_linear if self.q8_tile_linear and x.shape[0] >= TILE_ROWS else self.q8_linear
+        q8_linear = q8_build(self.q8_linear, self.q8_tile_linear, x.shape[0])
         out = self.ops.decoder_layers(
             x, self.weights, kv.k[:L], kv.v[:L], cos, sin, fb.out_slots, self.eps, self.scale, self.n_heads, self.n_kv,
             plan.prefix_ptr, plan.prefix_slots, plan.row_ptr, plan.row_q, plan.extra_ptr, plan.extra_slots, wanted, q8_linear,

@@ -29,6 +29,12 @@ GROUP = 8  # outputs per kernel group
 TILE_ROWS = 16
 
 
+def q8_build(ops, tiles, rows: int):
+    """The build (a module, or a linear's address) a call of ``rows`` rows runs on: ``tiles`` (the
+    amx build; None or 0 where there is none) from ``TILE_ROWS`` rows, else ``ops``."""
+    return tiles if tiles and rows >= TILE_ROWS else ops
+
+
 @dataclass
 class Q8Weight:
     """Codes and scales in ``q8_ops.cpp``'s layout."""
@@ -134,7 +140,7 @@ class Q8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.q8
-        ops = self.ops if self.tile_ops is None or x.numel() < TILE_ROWS * self.in_features else self.tile_ops
+        ops = q8_build(self.ops, self.tile_ops, x.numel() // self.in_features)
         if x.dim() == 2 and x.dtype == torch.float32:  # the decode/verify case: no reshapes (~10 us of ops per call)
             return ops.linear(x, w.codes, w.d, w.m, w.bits, self.out_features, self.bias)
         y = ops.linear(x.reshape(-1, self.in_features), w.codes, w.d, w.m, w.bits, self.out_features, self.bias)
