@@ -1372,20 +1372,28 @@ template <typename T> inline V vrnd(V a) {
 inline void vst(float* p, V a) { vstore(p, a); }
 inline void vst(uint16_t* p, V a) { vstore_bf16(p, a); }
 
+// Rows of x (row r at x + r * D, or with ids at x + ids[r] * x_stride: rows of a table read in
+// place) normed into y (row r at y + r * y_stride: e.g. one half of a wider row); res / sum as
+// add_rms_norm's, D apart (without ids).
 template <typename T>
-void add_rms_norm_impl(const T* x, const T* res, T* sum, const T* w, T* y, int64_t rows, int64_t D, float eps) {
+void add_rms_norm_impl(const T* x, const T* res, T* sum, const T* w, T* y, int64_t rows, int64_t D, float eps, const int64_t* ids = nullptr,
+                       int64_t x_stride = -1, int64_t y_stride = -1) {
+  if (x_stride < 0) x_stride = D;
+  if (y_stride < 0) y_stride = D;
   at::parallel_for(0, rows, 64, [&](int64_t r0, int64_t r1) {
     std::vector<float> f(D);
     // whole vectors, the scalar tail's operations lane by lane (bf16: rounded where it rounds)
     for (int64_t r = r0; r < r1; ++r) {
+      const T* xr = x + (ids ? ids[r] : r) * x_stride;
+      T* yr = y + r * y_stride;
       int64_t d = 0;
       for (; d + W <= D; d += W) {
-        V v = vload(x + r * D + d);
+        V v = vload(xr + d);
         if (res) { v = vrnd<T>(vadd(v, vload(res + r * D + d))); vst(sum + r * D + d, v); }
         vstore(f.data() + d, v);
       }
       for (; d < D; ++d) {
-        float v = ld(x + r * D, d);
+        float v = ld(xr, d);
         if (res) { v = rnd<T>(v + ld(res + r * D, d)); st(sum + r * D, d, v); }
         f[d] = v;
       }
@@ -1395,8 +1403,8 @@ void add_rms_norm_impl(const T* x, const T* res, T* sum, const T* w, T* y, int64
       for (; d < D; ++d) ss += f[d] * f[d];
       const float inv = 1.f / std::sqrt(ss / float(D) + eps);
       d = 0;
-      for (; d + W <= D; d += W) vst(y + r * D + d, vmul(vrnd<T>(vmul(vload(f.data() + d), vset1(inv))), vload(w + d)));
-      for (; d < D; ++d) st(y + r * D, d, rnd<T>(rnd<T>(f[d] * inv) * ld(w, d)));
+      for (; d + W <= D; d += W) vst(yr + d, vmul(vrnd<T>(vmul(vload(f.data() + d), vset1(inv))), vload(w + d)));
+      for (; d < D; ++d) st(yr, d, rnd<T>(rnd<T>(f[d] * inv) * ld(w, d)));
     }
   });
 }
@@ -1423,15 +1431,16 @@ std::vector<torch::Tensor> add_rms_norm(torch::Tensor x, torch::Tensor residual,
   return {sum, y};
 }
 
+// pos (not null): cos / sin are whole tables, row r's at pos[r]; else a row per qkv row
 template <typename T>
 void rope_write_impl(const T* qkv, const T* cos, const T* sin, T* kc, T* vc, const int64_t* slots, T* q,
-                     int64_t rows, int64_t H, int64_t Hkv, int64_t D) {
+                     int64_t rows, int64_t H, int64_t Hkv, int64_t D, const int64_t* pos = nullptr) {
   const int64_t width = (H + 2 * Hkv) * D, half = D / 2;
   at::parallel_for(0, rows, 32, [&](int64_t r0, int64_t r1) {
     for (int64_t r = r0; r < r1; ++r) {
       const T* row = qkv + r * width;
-      const T* c = cos + r * D;
-      const T* s = sin + r * D;
+      const T* c = cos + (pos ? pos[r] : r) * D;
+      const T* s = sin + (pos ? pos[r] : r) * D;
       for (int64_t h = 0; h < H + Hkv; ++h) {   // rope on q heads, then k heads (HF: x*cos + rotate_half(x)*sin)
         const T* x = row + h * D;
         T* out = h < H ? q + (r * H + h) * D : kc + (slots[r] * Hkv + (h - H)) * D;
@@ -1456,28 +1465,38 @@ void rope_write_impl(const T* qkv, const T* cos, const T* sin, T* kc, T* vc, con
   });
 }
 
+// rope_write with cos / sin given as whole tables [P, D] (contiguous) and each row's position
+// (pos [rows] int64, checked): the rows read in place, no gathered copy of them
+torch::Tensor rope_write_at(const torch::Tensor& qkv, const torch::Tensor& cos, const torch::Tensor& sin, const int64_t* pos,
+                            const torch::Tensor& k_cache, const torch::Tensor& v_cache, const torch::Tensor& slots, int64_t H, int64_t Hkv) {
+  const int64_t rows = qkv.size(0), D = k_cache.size(2);
+  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.size(1) == (H + 2 * Hkv) * D && D % 2 == 0, "rope_write: qkv [rows, (H + 2 Hkv) D]");
+  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(1) == Hkv, "rope_write: contiguous caches [S, Hkv, D]");
+  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.numel() == rows && slots.is_contiguous(), "rope_write: int64 slots [rows]");
+  TORCH_CHECK(qkv.scalar_type() == k_cache.scalar_type() && cos.scalar_type() == qkv.scalar_type() && sin.scalar_type() == cos.scalar_type(),
+              "rope_write: one dtype");
+  TORCH_CHECK(cos.is_contiguous() && sin.is_contiguous() && cos.numel() == sin.numel() && cos.numel() % D == 0, "rope_write: contiguous tables of D-wide rows");
+  const int64_t S = k_cache.size(0), P = pos ? cos.numel() / D : rows;
+  TORCH_CHECK(pos || cos.numel() == rows * D, "rope_write: cos / sin [rows, D]");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t r = 0; r < rows; ++r) TORCH_CHECK(sp[r] >= 0 && sp[r] < S && (!pos || (pos[r] >= 0 && pos[r] < P)), "rope_write: slot or position out of range");
+  auto q = torch::empty({rows, H, D}, qkv.options());
+  if (qkv.scalar_type() == torch::kFloat32)
+    rope_write_impl<float>(qkv.data_ptr<float>(), cos.data_ptr<float>(), sin.data_ptr<float>(), k_cache.data_ptr<float>(),
+                           v_cache.data_ptr<float>(), sp, q.data_ptr<float>(), rows, H, Hkv, D, pos);
+  else {
+    auto p = [](const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); };
+    rope_write_impl<uint16_t>(p(qkv), p(cos), p(sin), p(k_cache), p(v_cache), sp, p(q), rows, H, Hkv, D, pos);
+  }
+  return q;
+}
+
 // qkv [rows, (H + 2 Hkv) D]; cos, sin [rows, D]; caches [S, Hkv, D]; slots [rows] -> q [rows, H, D]
 // with rope applied; k (roped) and v written to the caches at ``slots``.
 torch::Tensor rope_write(torch::Tensor qkv, torch::Tensor cos, torch::Tensor sin, torch::Tensor k_cache,
                          torch::Tensor v_cache, torch::Tensor slots, int64_t H, int64_t Hkv) {
   const int64_t rows = qkv.size(0), D = k_cache.size(2);
-  TORCH_CHECK(qkv.dim() == 2 && qkv.is_contiguous() && qkv.size(1) == (H + 2 * Hkv) * D && D % 2 == 0, "rope_write: qkv [rows, (H + 2 Hkv) D]");
-  TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && k_cache.size(1) == Hkv, "rope_write: contiguous caches [S, Hkv, D]");
-  TORCH_CHECK(slots.scalar_type() == torch::kInt64 && slots.numel() == rows, "rope_write: int64 slots [rows]");
-  TORCH_CHECK(qkv.scalar_type() == k_cache.scalar_type() && cos.scalar_type() == qkv.scalar_type(), "rope_write: one dtype");
-  auto c = cos.reshape({rows, D}).contiguous(), s = sin.reshape({rows, D}).contiguous(), sl = slots.contiguous();
-  const int64_t S = k_cache.size(0);
-  const int64_t* sp = sl.data_ptr<int64_t>();
-  for (int64_t r = 0; r < rows; ++r) TORCH_CHECK(sp[r] >= 0 && sp[r] < S, "rope_write: slot out of range");
-  auto q = torch::empty({rows, H, D}, qkv.options());
-  if (qkv.scalar_type() == torch::kFloat32)
-    rope_write_impl<float>(qkv.data_ptr<float>(), c.data_ptr<float>(), s.data_ptr<float>(), k_cache.data_ptr<float>(),
-                           v_cache.data_ptr<float>(), sp, q.data_ptr<float>(), rows, H, Hkv, D);
-  else {
-    auto p = [](torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); };
-    rope_write_impl<uint16_t>(p(qkv), p(c), p(s), p(k_cache), p(v_cache), sp, p(q), rows, H, Hkv, D);
-  }
-  return q;
+  return rope_write_at(qkv, cos.reshape({rows, D}).contiguous(), sin.reshape({rows, D}).contiguous(), nullptr, k_cache, v_cache, slots.contiguous(), H, Hkv);
 }
 
 template <typename T>
@@ -1504,6 +1523,42 @@ torch::Tensor silu_mul(torch::Tensor gate_up) {
     silu_mul_impl<uint16_t>(reinterpret_cast<uint16_t*>(gate_up.data_ptr()), reinterpret_cast<uint16_t*>(y.data_ptr()), rows, I);
   }
   return y;
+}
+
+// b = a + b elementwise, in place (b: a tensor of the caller's own, shaped and typed like a; both
+// contiguous): torch's `a + b` bits (fp32: the sum; bf16: the fp32 sum rounded once) without its
+// dispatch and a new tensor. Returns b.
+template <typename T>
+void add_into_impl(const T* a, T* b, int64_t n) {
+  int64_t i = 0;
+  for (; i + W <= n; i += W) vst(b + i, vrnd<T>(vadd(vload(a + i), vload(b + i))));
+  for (; i < n; ++i) st(b, i, rnd<T>(ld(a, i) + ld(b, i)));
+}
+
+torch::Tensor add_into(const torch::Tensor& a, torch::Tensor b) {
+  TORCH_CHECK(a.sizes() == b.sizes() && a.scalar_type() == b.scalar_type() && a.is_contiguous() && b.is_contiguous(),
+              "add_into: contiguous tensors of one shape and dtype");
+  if (a.scalar_type() == torch::kFloat32)
+    add_into_impl<float>(a.data_ptr<float>(), b.data_ptr<float>(), a.numel());
+  else {
+    TORCH_CHECK(a.scalar_type() == torch::kBFloat16, "add_into: float32 or bfloat16");
+    add_into_impl<uint16_t>(reinterpret_cast<const uint16_t*>(a.data_ptr()), reinterpret_cast<uint16_t*>(b.data_ptr()), a.numel());
+  }
+  return b;
+}
+
+// rows idx[0..n) of src [R, C] (contiguous; checked) -> [n, C]: index_select's result by row copies
+torch::Tensor gather_rows(const torch::Tensor& src, const int64_t* idx, int64_t n) {
+  TORCH_CHECK(src.dim() == 2 && src.is_contiguous(), "gather_rows: contiguous [rows, C]");
+  const int64_t R = src.size(0), bytes = src.size(1) * src.element_size();
+  auto out = torch::empty({n, src.size(1)}, src.options());
+  const char* s = static_cast<const char*>(src.data_ptr());
+  char* o = static_cast<char*>(out.data_ptr());
+  for (int64_t i = 0; i < n; ++i) {
+    TORCH_CHECK(idx[i] >= 0 && idx[i] < R, "gather_rows: row index out of range");
+    std::memcpy(o + i * bytes, s + idx[i] * bytes, bytes);
+  }
+  return out;
 }
 
 // Each row's k best log-probabilities (log-softmax over the row) and their indices, best first,
@@ -1553,18 +1608,19 @@ torch::Tensor top_logprobs(torch::Tensor logits, int64_t k) {
 }
 
 // ---------------------------------------------------------------- decoder layers in one call
-// One decoder layer after its input norm: h (the attention input) through qkv, rope + KV write,
+// One decoder layer after its input norm: h (the attention input) through qkv, rope + KV write
+// (cos / sin: contiguous [T, D], or with pos whole tables read at pos[r]; out_slots contiguous),
 // attention, o; the residual x plus that, normed (ln2), through the MLP. lin(i, a): linear i of
 // the layer (0 qkv, 1 o, 2 gate_up, 3 down) applied to a. Returns (x plus the attention's output,
 // the MLP's output): the layer's output is their sum, left to the caller.
 template <typename Lin>
 std::pair<torch::Tensor, torch::Tensor> layer_body(const Lin& lin, const torch::Tensor& h, const torch::Tensor& x, const torch::Tensor& ln2, const torch::Tensor& k_cache,
-                         const torch::Tensor& v_cache, const torch::Tensor& cos, const torch::Tensor& sin, const torch::Tensor& out_slots,
+                         const torch::Tensor& v_cache, const torch::Tensor& cos, const torch::Tensor& sin, const int64_t* pos, const torch::Tensor& out_slots,
                          double eps, double scale, int64_t H, int64_t Hkv, int64_t D, const torch::Tensor& prefix_ptr,
                          const torch::Tensor& prefix_slots, const torch::Tensor& row_ptr, const torch::Tensor& row_q,
                          const torch::Tensor& extra_ptr, const torch::Tensor& extra_slots) {
   const int64_t T = x.size(0);
-  auto q = rope_write(lin(0, h), cos, sin, k_cache, v_cache, out_slots, H, Hkv);
+  auto q = rope_write_at(lin(0, h), cos, sin, pos, k_cache, v_cache, out_slots, H, Hkv);
   auto o = torch::empty_like(q);
   attention(q, k_cache, v_cache, o, scale, prefix_ptr, prefix_slots, row_ptr, row_q, extra_ptr, extra_slots);
   auto sum_normed = add_rms_norm(x, lin(1, o.reshape({T, H * D})), ln2, eps);
@@ -1639,6 +1695,10 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<torch::Te
   std::vector<torch::Tensor> captured(capture.size());
   const auto no_residual = x.new_empty({0});
   x = x.contiguous();
+  // rope's rows and the KV slots made contiguous once for every layer
+  cos = cos.reshape({T, D}).contiguous();
+  sin = sin.reshape({T, D}).contiguous();
+  out_slots = out_slots.contiguous();
   // the residual stream as x + delta, the last layer's MLP output not yet added: each layer's
   // input norm adds it (add_rms_norm's sum: the one rounding of the per-op path's `x + down`, so the
   // same bits) instead of a torch add between the layers (~5-14 us each on the caller's thread)
@@ -1651,13 +1711,13 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<torch::Te
       if (capture[c] == l) captured[c] = x;
     const auto& h = sum_normed[1];
     if (q8_linear)
-      std::tie(x, delta) = layer_body(CodeLinears{w + 2, w[18], q8_linear_at(q8_linear)}, h, x, w[1], k_caches[l], v_caches[l], cos, sin, out_slots,
-                                      eps, scale, H, Hkv, D, prefix_ptr, prefix_slots, row_ptr, row_q, extra_ptr, extra_slots);
+      std::tie(x, delta) = layer_body(CodeLinears{w + 2, w[18], q8_linear_at(q8_linear)}, h, x, w[1], k_caches[l], v_caches[l], cos, sin, nullptr,
+                                      out_slots, eps, scale, H, Hkv, D, prefix_ptr, prefix_slots, row_ptr, row_q, extra_ptr, extra_slots);
     else
       std::tie(x, delta) = layer_body(PackedLinears(w + 1, x, packed_linear_at(packed_linear)), h, x, w[4], k_caches[l], v_caches[l], cos, sin,
-                                      out_slots, eps, scale, H, Hkv, D, prefix_ptr, prefix_slots, row_ptr, row_q, extra_ptr, extra_slots);
+                                      nullptr, out_slots, eps, scale, H, Hkv, D, prefix_ptr, prefix_slots, row_ptr, row_q, extra_ptr, extra_slots);
   }
-  if (L) x = x + delta;
+  if (L) x = add_into(x, delta);
   captured.insert(captured.begin(), x);
   return captured;
 }
@@ -1674,14 +1734,16 @@ torch::Tensor draft_layer(torch::Tensor attn_in, torch::Tensor residual, std::ve
                           torch::Tensor prefix_slots, torch::Tensor row_ptr, torch::Tensor row_q, torch::Tensor extra_ptr,
                           torch::Tensor extra_slots, int64_t q8_linear, int64_t packed_linear) {
   TORCH_CHECK(weights.size() == (q8_linear ? 18 : 7), "draft_layer: qkv, qkv bias, o, norm, gate_up, down, widths (q8: norm, 16 code tensors, meta)");
-  const auto cos = cos_table.index_select(0, positions).unsqueeze(1), sin = sin_table.index_select(0, positions).unsqueeze(1);
-  const auto h = attn_in.contiguous(), x = residual.contiguous();
+  TORCH_CHECK(positions.scalar_type() == torch::kLong && positions.numel() == residual.size(0), "draft_layer: int64 positions, one a row");
+  const auto h = attn_in.contiguous(), x = residual.contiguous(), pos = positions.contiguous(), slots = out_slots.contiguous();
+  const auto cos = cos_table.contiguous(), sin = sin_table.contiguous();   // read at each row's position in place
   const int64_t D = k_cache.size(2);
+  const int64_t* p = pos.data_ptr<int64_t>();
   const auto out = q8_linear ? layer_body(CodeLinears{weights.data() + 1, weights[17], q8_linear_at(q8_linear)}, h, x, weights[0], k_cache, v_cache,
-                                          cos, sin, out_slots, eps, scale, H, Hkv, D, prefix_ptr, prefix_slots, row_ptr, row_q, extra_ptr, extra_slots)
+                                          cos, sin, p, slots, eps, scale, H, Hkv, D, prefix_ptr, prefix_slots, row_ptr, row_q, extra_ptr, extra_slots)
                             : layer_body(PackedLinears(weights.data(), x, packed_linear_at(packed_linear)), h, x, weights[3], k_cache, v_cache, cos, sin,
-                                         out_slots, eps, scale, H, Hkv, D, prefix_ptr, prefix_slots, row_ptr, row_q, extra_ptr, extra_slots);
-  return out.first + out.second;
+                                         p, slots, eps, scale, H, Hkv, D, prefix_ptr, prefix_slots, row_ptr, row_q, extra_ptr, extra_slots);
+  return add_into(out.first, out.second);
 }
 
 // ---------------------------------------------------------------- an EAGLE-3 head's draft step in one call
@@ -1702,21 +1764,45 @@ struct Eagle3Head {
   // q8_ops' AMX-INT8 tile build for calls of tile_rows rows or more (the same bits as q8_linear's /
   // lm_q8's build): the layer's and the lm_head's addresses, or 0
   int64_t q8_tile = 0, lm_q8_tile = 0, tile_rows = 0;
+  torch::Tensor none = torch::empty({0});   // add_rms_norm's "no residual"
   int64_t layer_q8(int64_t rows) const { return q8_tile && rows >= tile_rows ? q8_tile : q8_linear; }
   int64_t head_q8(int64_t rows) const { return lm_q8_tile && rows >= tile_rows ? lm_q8_tile : lm_q8; }
 
   // the layer's output hidden of rows (ids, x) at positions, K/V written at out_slots; plan: the
   // attention kernel's six slot arrays
+  // the attention input cat(in_norm(embed[ids]), h_norm(x)) [T, 2 D]: add_rms_norm's arithmetic
+  // (no residual) on the embedding rows in place and on x, written into the two halves (the bits
+  // of the norms, index_select and cat of head_forward)
+  torch::Tensor attention_input(const torch::Tensor& ids, const torch::Tensor& x) const {
+    const int64_t T = ids.numel(), D = x.size(1), V = embed.size(0);
+    TORCH_CHECK(ids.scalar_type() == torch::kLong && ids.is_contiguous() && x.dim() == 2 && x.size(0) == T && x.is_contiguous(),
+                "eagle3 head: int64 ids and contiguous rows, one each");
+    TORCH_CHECK(embed.is_contiguous() && embed.size(1) == D && embed.scalar_type() == x.scalar_type() && in_norm.scalar_type() == x.scalar_type() &&
+                h_norm.scalar_type() == x.scalar_type(), "eagle3 head: embedding, norms and rows of one dtype and width");
+    const int64_t* id = ids.data_ptr<int64_t>();
+    for (int64_t r = 0; r < T; ++r) TORCH_CHECK(id[r] >= 0 && id[r] < V, "eagle3 head: token id out of range");
+    auto out = torch::empty({T, 2 * D}, x.options());
+    const auto wa = in_norm.contiguous(), wb = h_norm.contiguous();
+    if (x.scalar_type() == torch::kFloat32) {
+      float* o = out.data_ptr<float>();
+      add_rms_norm_impl<float>(embed.data_ptr<float>(), nullptr, nullptr, wa.data_ptr<float>(), o, T, D, float(norm_eps[0]), id, D, 2 * D);
+      add_rms_norm_impl<float>(x.data_ptr<float>(), nullptr, nullptr, wb.data_ptr<float>(), o + D, T, D, float(norm_eps[1]), nullptr, D, 2 * D);
+    } else {
+      TORCH_CHECK(x.scalar_type() == torch::kBFloat16, "eagle3 head: float32 or bfloat16");
+      auto p = [](const torch::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr()); };
+      add_rms_norm_impl<uint16_t>(p(embed), nullptr, nullptr, p(wa), p(out), T, D, float(norm_eps[0]), id, D, 2 * D);
+      add_rms_norm_impl<uint16_t>(p(x), nullptr, nullptr, p(wb), p(out) + D, T, D, float(norm_eps[1]), nullptr, D, 2 * D);
+    }
+    return out;
+  }
   torch::Tensor forward(const torch::Tensor& ids, const torch::Tensor& x, const torch::Tensor& pos, const torch::Tensor& out_slots,
                         const std::vector<torch::Tensor>& plan) const {
-    const auto none = x.new_empty({0});
-    const auto a = add_rms_norm(embed.index_select(0, ids), none, in_norm, norm_eps[0])[1];
-    const auto b = add_rms_norm(x.contiguous(), none, h_norm, norm_eps[1])[1];
-    return draft_layer(torch::cat({a, b}, -1), x, layer_weights, k_cache, v_cache, cos_table, sin_table, pos, out_slots, eps, scale, H, Hkv,
+    const auto xc = x.contiguous();
+    return draft_layer(attention_input(ids, xc), xc, layer_weights, k_cache, v_cache, cos_table, sin_table, pos, out_slots, eps, scale, H, Hkv,
                        plan[0], plan[1], plan[2], plan[3], plan[4], plan[5], layer_q8(ids.size(0)), packed_linear);
   }
   torch::Tensor logits(const torch::Tensor& out) const {   // fp32 [rows, V_draft], as sdk.draft_logits
-    const auto normed = add_rms_norm(out, out.new_empty({0}), final_norm, norm_eps[2])[1];
+    const auto normed = add_rms_norm(out, none, final_norm, norm_eps[2])[1];
     const auto& w = lm_weights;
     if (lm_q8) return q8_linear_at(head_q8(out.size(0)))(normed.to(torch::kFloat32), w[0], w[1], w[2], lm_bits, lm_N, w[3]);
     return linear(normed, w[0], lm_N, w[1]).to(torch::kFloat32);
@@ -1738,7 +1824,11 @@ struct PlanBuilder {
   }
   void end_group() { rp.push_back(int64_t(rq.size())); }
   std::vector<torch::Tensor> tensors() const {
-    auto t = [](const std::vector<int64_t>& v) { return torch::tensor(v, torch::TensorOptions().dtype(torch::kLong)); };
+    auto t = [](const std::vector<int64_t>& v) {   // torch::tensor(v)'s result, without its dispatch chain
+      auto out = torch::empty({int64_t(v.size())}, torch::TensorOptions().dtype(torch::kLong));
+      if (!v.empty()) std::memcpy(out.data_ptr<int64_t>(), v.data(), v.size() * sizeof(int64_t));
+      return out;
+    };
     return {t(pp), t(ps), t(rp), t(rq), t(ep), t(es)};
   }
 };
@@ -1811,9 +1901,8 @@ std::vector<torch::Tensor> eagle3_draft(torch::Tensor ext_tokens, torch::Tensor 
       last[i] = total - 1;
     }
     TORCH_CHECK(ext_tokens.numel() == total && ext_features.size(0) == total, "eagle3_draft: one token and feature per pending pair");
-    const auto rows = torch::tensor(last, lopt);
     const auto out = head.forward(ext_tokens.contiguous(), ext_features, ext_positions.contiguous(), ext_slots.contiguous(), plan.tensors());
-    first_hidden = out.index_select(0, rows);
+    first_hidden = gather_rows(out, last.data(), R);
     first_logits = head.logits(first_hidden);
   }
   TORCH_CHECK(first_logits.dim() == 2 && first_logits.size(0) == R && first_hidden.dim() == 2 && first_hidden.size(0) == R,
@@ -1881,8 +1970,9 @@ std::vector<torch::Tensor> eagle3_draft(torch::Tensor ext_tokens, torch::Tensor 
       T += int64_t(beams[i].size());
     }
     if (live.empty()) break;
-    auto ids_t = torch::empty({T}, lopt), pos_t = torch::empty({T}, lopt), out_t = torch::empty({T}, lopt), par_t = torch::empty({T}, lopt);
-    int64_t *ids = ids_t.data_ptr<int64_t>(), *pos = pos_t.data_ptr<int64_t>(), *outs = out_t.data_ptr<int64_t>(), *prow = par_t.data_ptr<int64_t>();
+    auto ids_t = torch::empty({T}, lopt), pos_t = torch::empty({T}, lopt), out_t = torch::empty({T}, lopt);
+    std::vector<int64_t> parent_rows(T);
+    int64_t *ids = ids_t.data_ptr<int64_t>(), *pos = pos_t.data_ptr<int64_t>(), *outs = out_t.data_ptr<int64_t>(), *prow = parent_rows.data();
     PlanBuilder plan;
     int64_t t = 0;
     for (int64_t i : live) {
@@ -1902,7 +1992,7 @@ std::vector<torch::Tensor> eagle3_draft(torch::Tensor ext_tokens, torch::Tensor 
       }
       plan.end_group();
     }
-    hidden = head.forward(ids_t, hidden.index_select(0, par_t), pos_t, out_t, plan.tensors());
+    hidden = head.forward(ids_t, gather_rows(hidden.contiguous(), prow, T), pos_t, out_t, plan.tensors());
     const auto top = top_logprobs(head.logits(hidden), topk);
     const float* tv = top.data_ptr<float>();
     int64_t off = 0;
