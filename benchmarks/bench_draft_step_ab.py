@@ -97,6 +97,44 @@ def capture(dtype: str, prompts: int, new_tokens: int):
     return engine, calls
 
 
+def forwards_ab(engine, builds: dict, sizes: list[int], rounds: int, prefix: int) -> dict[int, list[float]]:
+    """Per row count, the per-round time ratios new / base of target forwards (a chain of tree
+    rows after a prefix, greedy), both builds driving the engine's one-call layers in turn."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from bench_verify_cost import level_tree_mask
+
+    from specfw.model_runner import build_forward_batch
+
+    runner = engine.runner
+    stack = runner.backend.decoder_stack(runner.model)
+    if stack is None:
+        sys.exit("the engine does not run its layers in one call here")
+    pre = runner.allocator.alloc(prefix)
+    out = {T: [] for T in sizes}
+    for r in tqdm(range(rounds), desc="forwards"):
+        for T in sizes:
+            mask = level_tree_mask(T, 1) if T > 1 else None
+            depth = mask.sum(1) - 1 if mask is not None else torch.zeros(1, dtype=torch.long)
+            ids = torch.randint(0, 1000, (T,))
+            t, hidden = {}, {}
+            for name in ["base", "new"] if r % 2 == 0 else ["new", "base"]:
+                stack.ops = builds[name]
+                slots = runner.allocator.alloc(T)
+                chunk = [(ids, prefix + depth, slots, pre, mask)]
+                hidden[name] = runner.forward(build_forward_batch(chunk, greedy_only=True)).hidden.clone()
+                t0 = time.perf_counter()
+                for _ in range(5):
+                    runner.forward(build_forward_batch(chunk, greedy_only=True))
+                t[name] = (time.perf_counter() - t0) / 5
+                runner.allocator.free(slots)
+            if not torch.equal(hidden["base"], hidden["new"]):
+                sys.exit(f"the builds' forwards differ at {T} rows")
+            out[T].append(t["new"] / t["base"])
+    stack.ops = builds["new"]
+    runner.allocator.free(pre)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", default="HEAD", help="git revision of the base build")
@@ -104,6 +142,8 @@ def main():
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--forwards", default="", help="also target forwards of these row counts (e.g. 1,8,16), both builds in turn")
+    ap.add_argument("--prefix", type=int, default=400, help="the forwards' prefix")
     args = ap.parse_args()
     from specfw import kernels
     from specfw.machine import cpu_description
@@ -129,11 +169,17 @@ def main():
                     for c in calls:
                         fn(*c)
                     times[name].append((time.perf_counter() - t0) / len(calls))
+        sizes = [int(x) for x in args.forwards.split(",") if x]
+        fwd = forwards_ab(engine, builds, sizes, max(2, args.rounds // 2), args.prefix) if sizes else {}
         engine.close()
     ratios = [n / b for n, b in zip(times["new"], times["base"])]
     print(f"\neagle3_draft: working tree against {args.base}, same candidates on {len(calls)} calls; {cpu_description()}; {args.dtype} demo, {isa} build")
     print(f"base {1e3 * statistics.median(times['base']):.3f} ms a call, new {1e3 * statistics.median(times['new']):.3f} ms (medians of {args.rounds} rounds)")
     print(f"median per-round ratio new / base: {statistics.median(ratios):.3f}x (range {min(ratios):.3f}-{max(ratios):.3f})")
+    for T, rs in fwd.items():
+        print(
+            f"target forward, {T} rows after {args.prefix}: median per-round ratio new / base {statistics.median(rs):.3f}x (range {min(rs):.3f}-{max(rs):.3f})"
+        )
 
 
 if __name__ == "__main__":
