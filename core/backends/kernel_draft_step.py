@@ -36,7 +36,7 @@ class KernelDraftStep:
     def __init__(self, ops, one_call: KernelDraftLayer, embed: nn.Embedding, norm, lm_head: KernelLinear | Q8Linear, to_target: torch.Tensor | None):
         self.ops, self.one_call, self.lm_head = ops, one_call, lm_head
         layer = one_call.layer
-        self.embed = embed.weight.detach()
+        self.embed = embed.weight.detach().contiguous()  # rows read in place by the call
         self.norms = [n.weight.detach() for n in (layer.input_layernorm, layer.hidden_norm, norm)]
         self.norm_eps = [float(n.eps) for n in (layer.input_layernorm, layer.hidden_norm, norm)]
         self.to_target = _NO_IDS if to_target is None else to_target.to(torch.long).contiguous()
