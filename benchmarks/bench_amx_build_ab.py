@@ -83,13 +83,12 @@ def linears_ab(builds: dict, sizes: list[int], rounds: int) -> dict[int, list[fl
 
 def forwards_ab(builds: dict, sizes: list[int], rounds: int, prefix: int) -> dict[int, list[float]]:
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_verify_cost import level_tree_mask
+    from bench_verify_cost import alternate_forwards
 
     from specfw import kernels
     from specfw.config import EngineConfig, ModelConfig, SpecfwConfig, SpeculativeConfig
     from specfw.cpu_linear import DotBF16Linear
     from specfw.engine import Engine
-    from specfw.model_runner import build_forward_batch
 
     kernels._cache["bf16_amx"] = builds["new"]
     eng = Engine(
@@ -108,26 +107,7 @@ def forwards_ab(builds: dict, sizes: list[int], rounds: int, prefix: int) -> dic
         for m in dots:
             m.kernel = mod
 
-    pre = runner.allocator.alloc(prefix)
-    out = {T: [] for T in sizes}
-    for r in tqdm(range(rounds), desc="forwards"):
-        for T in sizes:
-            mask = level_tree_mask(T, 1) if T > 1 else None
-            depth = mask.sum(1) - 1 if mask is not None else torch.zeros(1, dtype=torch.long)
-            chunk_ids = torch.randint(0, 1000, (T,))
-            t = {}
-            for name in ["base", "new"] if r % 2 == 0 else ["new", "base"]:
-                use(name)
-                slots = runner.allocator.alloc(T)
-                chunk = [(chunk_ids, prefix + depth, slots, pre, mask)]
-                runner.forward(build_forward_batch(chunk, greedy_only=True))
-                t0 = time.perf_counter()
-                for _ in range(5):
-                    runner.forward(build_forward_batch(chunk, greedy_only=True))
-                t[name] = (time.perf_counter() - t0) / 5
-                runner.allocator.free(slots)
-            out[T].append(t["new"] / t["base"])
-    return out
+    return alternate_forwards(runner, use, sizes, rounds, prefix)
 
 
 def main():

@@ -98,41 +98,23 @@ def capture(dtype: str, prompts: int, new_tokens: int):
 
 
 def forwards_ab(engine, builds: dict, sizes: list[int], rounds: int, prefix: int) -> dict[int, list[float]]:
-    """Per row count, the per-round time ratios new / base of target forwards (a chain of tree
-    rows after a prefix, greedy), both builds driving the engine's one-call layers in turn."""
+    """Per row count, the per-round time ratios new / base of target forwards, both builds driving
+    the engine's one-call layers in turn (``bench_verify_cost.alternate_forwards``)."""
     sys.path.insert(0, str(ROOT / "benchmarks"))
-    from bench_verify_cost import level_tree_mask
-
-    from specfw.model_runner import build_forward_batch
+    from bench_verify_cost import alternate_forwards
 
     runner = engine.runner
     stack = runner.backend.decoder_stack(runner.model)
     if stack is None:
         sys.exit("the engine does not run its layers in one call here")
-    pre = runner.allocator.alloc(prefix)
-    out = {T: [] for T in sizes}
-    for r in tqdm(range(rounds), desc="forwards"):
-        for T in sizes:
-            mask = level_tree_mask(T, 1) if T > 1 else None
-            depth = mask.sum(1) - 1 if mask is not None else torch.zeros(1, dtype=torch.long)
-            ids = torch.randint(0, 1000, (T,))
-            t, hidden = {}, {}
-            for name in ["base", "new"] if r % 2 == 0 else ["new", "base"]:
-                stack.ops = builds[name]
-                slots = runner.allocator.alloc(T)
-                chunk = [(ids, prefix + depth, slots, pre, mask)]
-                hidden[name] = runner.forward(build_forward_batch(chunk, greedy_only=True)).hidden.clone()
-                t0 = time.perf_counter()
-                for _ in range(5):
-                    runner.forward(build_forward_batch(chunk, greedy_only=True))
-                t[name] = (time.perf_counter() - t0) / 5
-                runner.allocator.free(slots)
-            if not torch.equal(hidden["base"], hidden["new"]):
-                sys.exit(f"the builds' forwards differ at {T} rows")
-            out[T].append(t["new"] / t["base"])
-    stack.ops = builds["new"]
-    runner.allocator.free(pre)
-    return out
+
+    def use(name: str) -> None:
+        stack.ops = builds[name]
+
+    try:
+        return alternate_forwards(runner, use, sizes, rounds, prefix)
+    finally:
+        use("new")
 
 
 def main():

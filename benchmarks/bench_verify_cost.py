@@ -38,6 +38,38 @@ def level_tree_mask(T: int, width: int) -> torch.Tensor:
     return mask
 
 
+def alternate_forwards(runner, use, sizes: list[int], rounds: int, prefix: int) -> dict[int, list[float]]:
+    """Two kernel builds driving one runner's target forwards in turn (``use("base")`` /
+    ``use("new")`` switches them): per row count (a chain of tree rows after a prefix, greedy), the
+    per-round time ratios new / base, rounds alternating which goes first. Stops if the two builds'
+    hidden states differ."""
+    from specfw.model_runner import build_forward_batch
+
+    pre = runner.allocator.alloc(prefix)
+    out = {T: [] for T in sizes}
+    for r in tqdm(range(rounds), desc="forwards"):
+        for T in sizes:
+            mask = level_tree_mask(T, 1) if T > 1 else None
+            depth = mask.sum(1) - 1 if mask is not None else torch.zeros(1, dtype=torch.long)
+            ids = torch.randint(0, 1000, (T,))
+            t, hidden = {}, {}
+            for name in ["base", "new"] if r % 2 == 0 else ["new", "base"]:
+                use(name)
+                slots = runner.allocator.alloc(T)
+                chunk = [(ids, prefix + depth, slots, pre, mask)]
+                hidden[name] = runner.forward(build_forward_batch(chunk, greedy_only=True)).hidden.clone()
+                t0 = time.perf_counter()
+                for _ in range(5):
+                    runner.forward(build_forward_batch(chunk, greedy_only=True))
+                t[name] = (time.perf_counter() - t0) / 5
+                runner.allocator.free(slots)
+            if not torch.equal(hidden["base"], hidden["new"]):
+                raise SystemExit(f"the builds' forwards differ at {T} rows")
+            out[T].append(t["new"] / t["base"])
+    runner.allocator.free(pre)
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--prefix", type=int, default=400)
