@@ -228,4 +228,12 @@ def test_one_call_draft_layer_equals_the_per_op_path(isa, dtype, monkeypatch):
         one, per_op = both(chunks)
         assert torch.equal(one, per_op), name
     assert len(calls) == len(batches) + 1  # + the extend that wrote the drafted nodes
+    # the call reads rope's rows from the tables at each position: one past them is an error naming
+    # it (the per-op path's gather raises too), never a read outside the tables
+    backend.one_call_layers = True
+    fb = build_forward_batch([(torch.tensor([5]), torch.tensor([rotary.cos.shape[0] + 3]), kv.allocator.alloc(1), prompts[0], None)])
+    with pytest.raises(RuntimeError, match="position out of range"), torch.inference_mode():
+        layer(torch.randn(1, 128).to(dtype), torch.randn(1, 64).to(dtype), fb, kv, rotary)
+    backend.one_call_layers = CpuBackend.one_call_layers
+    assert len(calls) == len(batches) + 2
     assert KernelDraftLayer.eligible(backend.ops, layer) and not KernelDraftLayer.eligible(backend.ops, DraftDecoderLayer(cfg, in_dim=128))  # unfused
