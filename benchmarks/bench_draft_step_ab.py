@@ -56,7 +56,7 @@ def _copy(x):
     return x
 
 
-def capture(dtype: str, prompts: int, new_tokens: int):
+def capture(dtype: str, prompts: int, new_tokens: int, quantization: str = "none", activations: str = "none"):
     """(engine, the ``eagle3_draft`` calls' arguments) from decoding MT-bench first turns with EAGLE-3."""
     from specfw import datasets
     from specfw.backends.kernel_draft_step import KernelDraftStep
@@ -88,7 +88,8 @@ def capture(dtype: str, prompts: int, new_tokens: int):
 
     KernelDraftStep.__call__ = recording
     spec = plugin_manager().algorithms["eagle3"].config_class(algorithm="eagle3")
-    engine = Engine(SpecfwConfig(model=ModelConfig(dtype=dtype), engine=EngineConfig(max_running_requests=1), speculative=spec))
+    model = ModelConfig(dtype=dtype, quantization=quantization, activation_quantization=activations)
+    engine = Engine(SpecfwConfig(model=model, engine=EngineConfig(max_running_requests=1), speculative=spec))
     chat = [engine.tokenize_chat([{"role": "user", "content": q}]) for q in datasets.mtbench_first_turns(prompts)]
     run_engine(engine, chat, SamplingParams(max_new_tokens=new_tokens, temperature=0), 1, "capture")
     KernelDraftStep.__call__ = call
@@ -121,6 +122,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", default="HEAD", help="git revision of the base build")
     ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--quantization", default="none", help="the target's model.quantization (e.g. gguf)")
+    ap.add_argument("--activations", default="none", help="the target's model.activation_quantization (int8: its layers on q8_ops)")
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--new-tokens", type=int, default=48)
     ap.add_argument("--rounds", type=int, default=10)
@@ -136,7 +139,7 @@ def main():
         base, new = build_at(args.base, Path(tmp), isa)
         if base is None or new is None:
             sys.exit("a build failed")
-        engine, calls = capture(args.dtype, args.prompts, args.new_tokens)
+        engine, calls = capture(args.dtype, args.prompts, args.new_tokens, args.quantization, args.activations)
         builds = {"base": base, "new": new}
         times = {"base": [], "new": []}
         with torch.inference_mode():  # as the drafter calls it
@@ -155,7 +158,8 @@ def main():
         fwd = forwards_ab(engine, builds, sizes, max(2, args.rounds // 2), args.prefix) if sizes else {}
         engine.close()
     ratios = [n / b for n, b in zip(times["new"], times["base"])]
-    print(f"\neagle3_draft: working tree against {args.base}, same candidates on {len(calls)} calls; {cpu_description()}; {args.dtype} demo, {isa} build")
+    target = f"{args.dtype} demo (quantization {args.quantization}, activations {args.activations}), {isa} build"
+    print(f"\neagle3_draft: working tree against {args.base}, same candidates on {len(calls)} calls; {cpu_description()}; {target}")
     print(f"base {1e3 * statistics.median(times['base']):.3f} ms a call, new {1e3 * statistics.median(times['new']):.3f} ms (medians of {args.rounds} rounds)")
     print(f"median per-round ratio new / base: {statistics.median(ratios):.3f}x (range {min(ratios):.3f}-{max(ratios):.3f})")
     for T, rs in fwd.items():

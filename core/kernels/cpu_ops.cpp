@@ -1648,6 +1648,18 @@ struct PackedLinears {
   }
 };
 
+// bf16 -> fp32 (exact) and fp32 -> bf16 (nearest even, as to_bf16), n values
+inline void widen_bf16(const uint16_t* src, float* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + W <= n; i += W) vstore(dst + i, vload(src + i));
+  for (; i < n; ++i) dst[i] = from_bf16(src[i]);
+}
+inline void narrow_bf16(const float* src, uint16_t* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + W <= n; i += W) vstore_bf16(dst + i, vload(src + i));
+  for (; i < n; ++i) dst[i] = to_bf16(src[i]);
+}
+
 // A layer's linears on int8 activations x 4/8-bit weight codes: q8_ops.cpp's linear, called
 // through the address its build hands out (q8_ops.linear_address(): the two extensions are
 // separate libraries in one process, on one libtorch). w: codes, d, m, bias for qkv, o, gate_up,
@@ -1659,8 +1671,17 @@ struct CodeLinears {
   Q8Linear fn;
   torch::Tensor operator()(int i, const torch::Tensor& a) const {
     const int64_t* n = meta.data_ptr<int64_t>();
-    auto y = fn(a, w[4 * i], w[4 * i + 1], w[4 * i + 2], n[4 + i], n[i], w[4 * i + 3]);   // fp32 sums
-    return y.scalar_type() == a.scalar_type() ? y : y.to(a.scalar_type());   // a bf16 layer: rounded as Q8Linear rounds
+    if (a.scalar_type() != torch::kBFloat16) return fn(a, w[4 * i], w[4 * i + 1], w[4 * i + 2], n[4 + i], n[i], w[4 * i + 3]);   // fp32 sums
+    // a bf16 layer: its rows widened to fp32 (exact) and the fp32 sums rounded to bf16 as
+    // Q8Linear's .to(bfloat16) rounds them (nearest even), in loops here instead of two torch
+    // conversions a linear
+    const auto ac = a.contiguous();
+    auto x = torch::empty(ac.sizes(), ac.options().dtype(torch::kFloat32));
+    widen_bf16(reinterpret_cast<const uint16_t*>(ac.data_ptr()), x.data_ptr<float>(), ac.numel());
+    const auto y = fn(x, w[4 * i], w[4 * i + 1], w[4 * i + 2], n[4 + i], n[i], w[4 * i + 3]);
+    auto out = torch::empty(y.sizes(), ac.options());
+    narrow_bf16(y.data_ptr<float>(), reinterpret_cast<uint16_t*>(out.data_ptr()), y.numel());
+    return out;
   }
 };
 
@@ -1804,7 +1825,14 @@ struct Eagle3Head {
   torch::Tensor logits(const torch::Tensor& out) const {   // fp32 [rows, V_draft], as sdk.draft_logits
     const auto normed = add_rms_norm(out, none, final_norm, norm_eps[2])[1];
     const auto& w = lm_weights;
-    if (lm_q8) return q8_linear_at(head_q8(out.size(0)))(normed.to(torch::kFloat32), w[0], w[1], w[2], lm_bits, lm_N, w[3]);
+    if (lm_q8) {
+      torch::Tensor x = normed;
+      if (normed.scalar_type() == torch::kBFloat16) {   // widened exactly, as .to(float32)
+        x = torch::empty(normed.sizes(), normed.options().dtype(torch::kFloat32));
+        widen_bf16(reinterpret_cast<const uint16_t*>(normed.data_ptr()), x.data_ptr<float>(), normed.numel());
+      }
+      return q8_linear_at(head_q8(out.size(0)))(x, w[0], w[1], w[2], lm_bits, lm_N, w[3]);
+    }
     return linear(normed, w[0], lm_N, w[1]).to(torch::kFloat32);
   }
 };
