@@ -1648,16 +1648,33 @@ struct PackedLinears {
   }
 };
 
-// bf16 -> fp32 (exact) and fp32 -> bf16 (nearest even, as to_bf16), n values
-inline void widen_bf16(const uint16_t* src, float* dst, int64_t n) {
+// .to(float32) of a bf16 tensor (exact; fp32 passes through) and .to(bfloat16) of an fp32 one
+// (nearest even, as to_bf16), contiguous, in one loop each instead of a torch conversion
+torch::Tensor as_fp32(const torch::Tensor& t) {
+  if (t.scalar_type() == torch::kFloat32) return t.contiguous();
+  TORCH_CHECK(t.scalar_type() == torch::kBFloat16, "as_fp32: float32 or bfloat16");
+  const auto c = t.contiguous();
+  auto out = torch::empty(c.sizes(), c.options().dtype(torch::kFloat32));
+  const uint16_t* src = reinterpret_cast<const uint16_t*>(c.data_ptr());
+  float* dst = out.data_ptr<float>();
+  const int64_t n = c.numel();
   int64_t i = 0;
   for (; i + W <= n; i += W) vstore(dst + i, vload(src + i));
   for (; i < n; ++i) dst[i] = from_bf16(src[i]);
+  return out;
 }
-inline void narrow_bf16(const float* src, uint16_t* dst, int64_t n) {
+
+torch::Tensor as_bf16(const torch::Tensor& t) {
+  TORCH_CHECK(t.scalar_type() == torch::kFloat32, "as_bf16: float32");
+  const auto c = t.contiguous();
+  auto out = torch::empty(c.sizes(), c.options().dtype(torch::kBFloat16));
+  const float* src = c.data_ptr<float>();
+  uint16_t* dst = reinterpret_cast<uint16_t*>(out.data_ptr());
+  const int64_t n = c.numel();
   int64_t i = 0;
   for (; i + W <= n; i += W) vstore_bf16(dst + i, vload(src + i));
   for (; i < n; ++i) dst[i] = to_bf16(src[i]);
+  return out;
 }
 
 // A layer's linears on int8 activations x 4/8-bit weight codes: q8_ops.cpp's linear, called
@@ -1671,17 +1688,8 @@ struct CodeLinears {
   Q8Linear fn;
   torch::Tensor operator()(int i, const torch::Tensor& a) const {
     const int64_t* n = meta.data_ptr<int64_t>();
-    if (a.scalar_type() != torch::kBFloat16) return fn(a, w[4 * i], w[4 * i + 1], w[4 * i + 2], n[4 + i], n[i], w[4 * i + 3]);   // fp32 sums
-    // a bf16 layer: its rows widened to fp32 (exact) and the fp32 sums rounded to bf16 as
-    // Q8Linear's .to(bfloat16) rounds them (nearest even), in loops here instead of two torch
-    // conversions a linear
-    const auto ac = a.contiguous();
-    auto x = torch::empty(ac.sizes(), ac.options().dtype(torch::kFloat32));
-    widen_bf16(reinterpret_cast<const uint16_t*>(ac.data_ptr()), x.data_ptr<float>(), ac.numel());
-    const auto y = fn(x, w[4 * i], w[4 * i + 1], w[4 * i + 2], n[4 + i], n[i], w[4 * i + 3]);
-    auto out = torch::empty(y.sizes(), ac.options());
-    narrow_bf16(y.data_ptr<float>(), reinterpret_cast<uint16_t*>(out.data_ptr()), y.numel());
-    return out;
+    auto y = fn(as_fp32(a), w[4 * i], w[4 * i + 1], w[4 * i + 2], n[4 + i], n[i], w[4 * i + 3]);   // fp32 sums
+    return a.scalar_type() == torch::kBFloat16 ? as_bf16(y) : y;   // a bf16 layer: rounded as Q8Linear rounds
   }
 };
 
@@ -1825,15 +1833,8 @@ struct Eagle3Head {
   torch::Tensor logits(const torch::Tensor& out) const {   // fp32 [rows, V_draft], as sdk.draft_logits
     const auto normed = add_rms_norm(out, none, final_norm, norm_eps[2])[1];
     const auto& w = lm_weights;
-    if (lm_q8) {
-      torch::Tensor x = normed;
-      if (normed.scalar_type() == torch::kBFloat16) {   // widened exactly, as .to(float32)
-        x = torch::empty(normed.sizes(), normed.options().dtype(torch::kFloat32));
-        widen_bf16(reinterpret_cast<const uint16_t*>(normed.data_ptr()), x.data_ptr<float>(), normed.numel());
-      }
-      return q8_linear_at(head_q8(out.size(0)))(x, w[0], w[1], w[2], lm_bits, lm_N, w[3]);
-    }
-    return linear(normed, w[0], lm_N, w[1]).to(torch::kFloat32);
+    if (lm_q8) return q8_linear_at(head_q8(out.size(0)))(as_fp32(normed), w[0], w[1], w[2], lm_bits, lm_N, w[3]);
+    return as_fp32(linear(normed, w[0], lm_N, w[1]));
   }
 };
 
