@@ -94,13 +94,16 @@ class DraftCandidates:
             return self
         from .tree import select_candidates
 
-        keep = select_candidates(self, n)
+        # on lists, new tensors made from them (the same values: float32 scores round-trip exactly)
+        old_parents, scores, tokens = self.parents.tolist(), self.scores.tolist(), self.tokens.tolist()
+        keep = select_candidates(self, n, scores, old_parents)
         remap = {old: new for new, old in enumerate(keep)}
-        old_parents = self.parents.tolist()
         parents = [remap[old_parents[i]] if old_parents[i] >= 0 else -1 for i in keep]
-        idx = torch.tensor(keep, dtype=torch.long)
         return DraftCandidates(
-            self.tokens[idx], torch.tensor(parents, dtype=torch.long), self.scores[idx], None if self.draft_probs is None else self.draft_probs[idx]
+            torch.tensor([tokens[i] for i in keep], dtype=self.tokens.dtype, device=self.tokens.device),
+            torch.tensor(parents, dtype=torch.long, device=self.parents.device),
+            torch.tensor([scores[i] for i in keep], dtype=self.scores.dtype, device=self.scores.device),
+            None if self.draft_probs is None else self.draft_probs[keep],
         )
 
 

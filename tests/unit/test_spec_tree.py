@@ -32,6 +32,48 @@ def test_selection_keeps_best_and_is_ancestor_closed():
     assert t.parents.tolist() == [-1, 0, 0] and t.tokens.tolist() == [9, 1, 4]
 
 
+def _best_reference(tokens, parents, scores, n):
+    """The best ``n`` by score, ties to the earlier candidate, a candidate taken only with every
+    ancestor not yet taken (within the budget): the rule written out on plain lists."""
+    order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
+    chosen = set()
+    for i in order:
+        if len(chosen) >= n:
+            break
+        path, p = [], i
+        while p >= 0 and p not in chosen:
+            path.append(p)
+            p = parents[p]
+        if len(chosen) + len(path) <= n:
+            chosen.update(path)
+    keep = sorted(chosen)
+    new = {old: k for k, old in enumerate(keep)}
+    return [tokens[i] for i in keep], [new[parents[i]] if parents[i] >= 0 else -1 for i in keep], [scores[i] for i in keep]
+
+
+def test_best_is_the_reference_rule_with_ties_and_keeps_dtypes():
+    import random
+
+    rng = random.Random(0)
+    for _ in range(300):
+        n = rng.randint(1, 50)
+        parents = [-1 if i < 2 or rng.random() < 0.25 else rng.randrange(i) for i in range(n)]
+        scores = [rng.choice([-0.5, -1.0, -1.5, -2.0, -2.5]) - 0.125 * rng.randint(0, 3) for _ in range(n)]  # many ties
+        tokens = [rng.randrange(50_000) for _ in range(n)]
+        c = _cands(tokens, parents, scores)
+        budget = rng.randint(1, 12)
+        b = c.best(budget)
+        if n <= budget:
+            assert b is c
+            continue
+        assert (b.tokens.tolist(), b.parents.tolist(), b.scores.tolist()) == _best_reference(tokens, parents, scores, budget)
+        assert b.tokens.dtype == torch.long and b.parents.dtype == torch.long and b.scores.dtype == torch.float32
+    probs = torch.rand(4, 10)
+    c = DraftCandidates(torch.tensor([1, 2, 3, 4]), torch.tensor([-1, 0, -1, 2]), torch.tensor([-0.1, -0.2, -0.3, -0.9]), probs)
+    kept = c.best(2)  # the draft distributions follow their candidates
+    assert kept.tokens.tolist() == [1, 2] and torch.equal(kept.draft_probs, probs[[0, 1]])
+
+
 def test_chain_and_empty():
     t = build_tree(5, DraftCandidates.chain([6, 7, 8]), size=10)
     assert t.is_chain and t.depth.tolist() == [0, 1, 2, 3]
