@@ -16,6 +16,18 @@ def test_alloc_free_reuse():
     assert set(s3.tolist()) == set(range(8)) - set(s2.tolist())  # freed slots are reused
 
 
+def test_alloc_order_dtype_and_views():
+    a = SlotAllocator(8)
+    s = a.alloc(3)
+    assert s.tolist() == [0, 1, 2] and s.dtype == torch.long and s.device.type == "cpu"
+    a.free(s)
+    assert torch.equal(a.alloc(3), s)  # a stack: the freed slots come back in the same order
+    a.free(s)
+    both = a.alloc(6).view(2, 3)
+    a.free(both[:, ::2])  # a strided 2-d view: its slots go back
+    assert a.num_free == 6 and sorted(a.alloc(6).tolist()) == [0, 2, 3, 5, 6, 7]
+
+
 def test_exhaustion_raises_and_leaves_state_intact():
     a = SlotAllocator(4)
     a.alloc(3)
