@@ -87,3 +87,12 @@ class ForwardOutput:
     logits: torch.Tensor | None  # [len(logits_indices) or T, V]
     hidden: torch.Tensor  # [T, H] final-norm input (last layer output, pre-norm)
     aux_hidden: list[torch.Tensor] = field(default_factory=list)  # per capture layer, [T, H]
+    # each logits row's argmax (first index on ties) where the forward found it already (a
+    # greedy_only forward's greedy head: Backend.greedy_head), else None
+    argmax: list[int] | None = None
+
+    def argmax_tokens(self) -> list[int]:
+        """Every logits row's argmax: the one the forward found, else read from the logits."""
+        from .sampling import greedy_tokens
+
+        return self.argmax if self.argmax is not None else greedy_tokens(self.logits)

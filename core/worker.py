@@ -21,10 +21,11 @@ def argmax_only(reqs: list[Request]) -> bool:
     return all(r.params.greedy and not r.params.has_penalties and not r.params.logprobs for r in reqs)
 
 
-def sample_rows(logits: torch.Tensor, reqs: list[Request]) -> list[tuple[int, TokenLogprob | None]]:
-    """Sample one token per row of logits [B, V]."""
+def sample_rows(logits: torch.Tensor, reqs: list[Request], argmax: list[int] | None = None) -> list[tuple[int, TokenLogprob | None]]:
+    """Sample one token per row of logits [B, V]; ``argmax``: the rows' argmaxes, where the forward
+    found them (``ForwardOutput.argmax``)."""
     if argmax_only(reqs):
-        return [(t, None) for t in greedy_tokens(logits)]
+        return [(t, None) for t in (argmax if argmax is not None else greedy_tokens(logits))]
     return [sample_one(logits[i], r.params, r.generator, r.prompt_ids, r.output_ids) for i, r in enumerate(reqs)]
 
 
@@ -54,7 +55,7 @@ class PlainWorker:
 
     def prefill(self, batch: ScheduledBatch) -> list[StepResult]:
         out = self.runner.forward(build_forward_batch(prefill_chunks(batch), last_only=True, greedy_only=argmax_only(batch.reqs)))
-        return prefill_results(sample_rows(out.logits, batch.reqs), batch)
+        return prefill_results(sample_rows(out.logits, batch.reqs, out.argmax), batch)
 
     def decode(self, batch: ScheduledBatch) -> list[StepResult]:
         chunks = [
@@ -62,7 +63,7 @@ class PlainWorker:
             for r, slots in zip(batch.reqs, batch.new_slots)
         ]
         out = self.runner.forward(build_forward_batch(chunks, greedy_only=argmax_only(batch.reqs)))
-        return [StepResult([t], [0], logprobs=[lp] if lp else []) for t, lp in sample_rows(out.logits, batch.reqs)]
+        return [StepResult([t], [0], logprobs=[lp] if lp else []) for t, lp in sample_rows(out.logits, batch.reqs, out.argmax)]
 
     def release(self, req: Request) -> None:
         """Drop any per-request worker state (none for plain decoding)."""

@@ -2070,13 +2070,17 @@ std::vector<torch::Tensor> eagle3_draft(torch::Tensor ext_tokens, torch::Tensor 
 // rel > 0 (a head whose outputs are rounded to bf16 after the fp32 sum): the cut is lowered by rel *
 // max(|largest lower end|, |largest upper end|) too, so every v whose rounded value can equal the
 // rounded maximum (within one bf16 ulp of it: rel >= 2^-7) stays a candidate. block(m, blk, part)
-// writes the full product's outputs of block blk (16 outputs) for row m into part.
+// writes the full product's outputs of block blk (16 outputs) for row m into part. AM (not null):
+// each row's argmax as numpy's argmax reads Y (the first NaN, else the first index of the maximum;
+// 0 for a row of -inf), from the candidates alone: the caller need not read Y back for it.
 template <class Block>
 void pick_exact(const float* X, int64_t M, int64_t K, const float* P, const float* C, const float* C2, const double* bx,
-                double slack, double rel, float* Y, int64_t N, const Block& block) {
+                double slack, double rel, float* Y, int64_t N, const Block& block, int64_t* AM = nullptr) {
   at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
     float part[kBlock];
-    std::vector<float> hi(N);
+    thread_local std::vector<float> hi_tl;   // every entry is written before it is read
+    auto& hi = hi_tl;
+    hi.resize(N);
     for (int64_t m = m0; m < m1; ++m) {
       const float *xr = X + m * K, *pr = P + m * N;
       float* yr = Y + m * N;
@@ -2115,6 +2119,9 @@ void pick_exact(const float* X, int64_t M, int64_t K, const float* P, const floa
         cut -= float(rel * std::max(std::abs(double(lo_s)), std::abs(double(hi_s))) * 1.01 + std::ldexp(1.0, -126));
       const float below = std::nextafter(cut, -std::numeric_limits<float>::infinity());   // h > below <=> h >= cut
       int64_t done = -1;   // the last block recomputed for this row
+      int64_t best = 0;    // the argmax so far: candidates come in index order, the -inf others never win
+      float best_v = -std::numeric_limits<float>::infinity();
+      bool nan = false;
       for (v = 0; v < N; ++v) {
         if (finite && v % W == 0 && v + W <= N && !vany_gt(vload(hi.data() + v), below)) {
           v += W - 1;   // no candidate among these W
@@ -2126,10 +2133,24 @@ void pick_exact(const float* X, int64_t M, int64_t K, const float* P, const floa
           block(m, blk, part);
           done = blk;
         }
-        yr[v] = part[v - blk * kBlock];
+        const float y = part[v - blk * kBlock];
+        yr[v] = y;
+        if (!nan && (std::isnan(y) || y > best_v)) {
+          best = v;
+          best_v = y;
+          nan = std::isnan(y);
+        }
       }
+      if (AM) AM[m] = best;
     }
   });
+}
+
+// the optional argmax output of the greedy_* functions: an int64 [M] tensor to fill, or empty
+inline int64_t* argmax_out(const torch::Tensor& am, int64_t M, const char* fn) {
+  if (!am.numel()) return nullptr;
+  TORCH_CHECK(am.scalar_type() == torch::kInt64 && am.is_contiguous() && am.numel() == M, fn, ": argmax out int64 [M]");
+  return am.data_ptr<int64_t>();
 }
 
 // pick_exact's block for an fp32 head: linear()'s one-row tile over the packed fp32 weight
@@ -2137,7 +2158,7 @@ auto fp32_block(const float* X, const float* F, int64_t K) {
   return [=](int64_t m, int64_t blk, float* part) { tile<1, 1, false>(F + blk * K * kBlock, K, 0, K, X + m * K, part, F, 1, 0); };
 }
 
-torch::Tensor greedy_logits(torch::Tensor x, torch::Tensor proxy, torch::Tensor full, torch::Tensor bound, int64_t N) {
+torch::Tensor greedy_logits(torch::Tensor x, torch::Tensor proxy, torch::Tensor full, torch::Tensor bound, int64_t N, torch::Tensor am) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "greedy_logits: fp32 x [M, K]");
   TORCH_CHECK(full.scalar_type() == torch::kFloat32 && proxy.sizes() == full.sizes() && bound.numel() >= N, "greedy_logits: weights");
   const int64_t M = x.size(0), K = x.size(1);
@@ -2145,7 +2166,7 @@ torch::Tensor greedy_logits(torch::Tensor x, torch::Tensor proxy, torch::Tensor 
   auto p = linear(xc, proxy, N, torch::empty({0}, xc.options()));
   auto y = torch::empty({M, N}, xc.options());
   pick_exact(xc.data_ptr<float>(), M, K, p.data_ptr<float>(), bound.data_ptr<float>(), nullptr, nullptr, 0.0, 0.0, y.data_ptr<float>(), N,
-             fp32_block(xc.data_ptr<float>(), full.data_ptr<float>(), K));
+             fp32_block(xc.data_ptr<float>(), full.data_ptr<float>(), K), argmax_out(am, M, "greedy_logits"));
   return y;
 }
 
@@ -2155,7 +2176,7 @@ torch::Tensor greedy_logits(torch::Tensor x, torch::Tensor proxy, torch::Tensor 
 // gains (|x - x'| + gamma |x'|) * wbound_v, wbound_v >= |w'_v| (the caller's), and an absolute
 // 2 (K + 2) 2^-126 for intermediate sums flushed to zero (vdpbf16ps flushes subnormals).
 torch::Tensor greedy_pick(torch::Tensor x, torch::Tensor xb, torch::Tensor p, torch::Tensor full, torch::Tensor bound,
-                          torch::Tensor wbound, int64_t N) {
+                          torch::Tensor wbound, int64_t N, torch::Tensor am) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "greedy_pick: fp32 x [M, K]");
   TORCH_CHECK(xb.scalar_type() == torch::kBFloat16 && xb.sizes() == x.sizes(), "greedy_pick: bf16 xb shaped like x");
   TORCH_CHECK(p.scalar_type() == torch::kFloat32 && p.dim() == 2 && p.size(0) == x.size(0) && p.size(1) == N, "greedy_pick: fp32 p [M, N]");
@@ -2178,7 +2199,8 @@ torch::Tensor greedy_pick(torch::Tensor x, torch::Tensor xb, torch::Tensor p, to
   }
   auto y = torch::empty({M, N}, xc.options());
   pick_exact(X, M, K, pc.data_ptr<float>(), bound.data_ptr<float>(), wbound.data_ptr<float>(), bx.data(),
-             2.0 * (K + 2) * std::ldexp(1.0, -126), 0.0, y.data_ptr<float>(), N, fp32_block(X, full.data_ptr<float>(), K));
+             2.0 * (K + 2) * std::ldexp(1.0, -126), 0.0, y.data_ptr<float>(), N, fp32_block(X, full.data_ptr<float>(), K),
+             argmax_out(am, M, "greedy_pick"));
   return y;
 }
 
@@ -2187,7 +2209,7 @@ torch::Tensor greedy_pick(torch::Tensor x, torch::Tensor xb, torch::Tensor p, to
 // (q8_ops' linear over 8-bit codes of the head, the row quantized to int8 per block of 32) passes
 // bx = |x - x'| + gamma |x'| from the row's own codes (x' = q * dx) and wbound_v >= |w'_v|.
 torch::Tensor greedy_select(torch::Tensor x, torch::Tensor p, torch::Tensor full, torch::Tensor bound, torch::Tensor wbound,
-                            torch::Tensor bx, double slack, int64_t N) {
+                            torch::Tensor bx, double slack, int64_t N, torch::Tensor am) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32, "greedy_select: fp32 x [M, K]");
   TORCH_CHECK(p.scalar_type() == torch::kFloat32 && p.dim() == 2 && p.size(0) == x.size(0) && p.size(1) == N, "greedy_select: fp32 p [M, N]");
   TORCH_CHECK(full.scalar_type() == torch::kFloat32 && full.size(1) == x.size(1) && full.size(0) * kBlock >= N, "greedy_select: the packed fp32 weight");
@@ -2197,7 +2219,7 @@ torch::Tensor greedy_select(torch::Tensor x, torch::Tensor p, torch::Tensor full
   auto xc = x.contiguous(), pc = p.contiguous(), bxc = bx.contiguous();
   auto y = torch::empty({M, N}, xc.options());
   pick_exact(xc.data_ptr<float>(), M, K, pc.data_ptr<float>(), bound.data_ptr<float>(), wbound.data_ptr<float>(), bxc.data_ptr<double>(),
-             slack, 0.0, y.data_ptr<float>(), N, fp32_block(xc.data_ptr<float>(), full.data_ptr<float>(), K));
+             slack, 0.0, y.data_ptr<float>(), N, fp32_block(xc.data_ptr<float>(), full.data_ptr<float>(), K), argmax_out(am, M, "greedy_select"));
   return y;
 }
 
@@ -2209,7 +2231,7 @@ torch::Tensor greedy_select(torch::Tensor x, torch::Tensor p, torch::Tensor full
 // the other rows nor on the other blocks: the same bits). The caller's radius covers the fp32
 // sums (the kernel's rounding, subnormals read as zero); the -inf entries are the others.
 torch::Tensor greedy_select_packed(torch::Tensor x, torch::Tensor xf, torch::Tensor p, torch::Tensor packed, torch::Tensor bound,
-                                   torch::Tensor wbound, torch::Tensor bx, double slack, int64_t N) {
+                                   torch::Tensor wbound, torch::Tensor bx, double slack, int64_t N, torch::Tensor am) {
   TORCH_CHECK(x.dim() == 2 && (x.scalar_type() == torch::kBFloat16 || x.scalar_type() == torch::kFloat32), "greedy_select_packed: bf16 or fp32 x [M, K]");
   TORCH_CHECK(xf.scalar_type() == torch::kFloat32 && xf.sizes() == x.sizes(), "greedy_select_packed: xf = x in fp32");
   TORCH_CHECK(p.scalar_type() == torch::kFloat32 && p.dim() == 2 && p.size(0) == x.size(0) && p.size(1) == N, "greedy_select_packed: fp32 p [M, N]");
@@ -2226,7 +2248,8 @@ torch::Tensor greedy_select_packed(torch::Tensor x, torch::Tensor xf, torch::Ten
     std::copy(out.data_ptr<float>(), out.data_ptr<float>() + n, part);
   };
   pick_exact(xfc.data_ptr<float>(), M, K, pc.data_ptr<float>(), bound.data_ptr<float>(), wbound.data_ptr<float>(), bxc.data_ptr<double>(),
-             slack, x.scalar_type() == torch::kBFloat16 ? std::ldexp(1.0, -7) : 0.0, y.data_ptr<float>(), N, block);
+             slack, x.scalar_type() == torch::kBFloat16 ? std::ldexp(1.0, -7) : 0.0, y.data_ptr<float>(), N, block,
+             argmax_out(am, M, "greedy_select_packed"));
   return y;
 }
 
@@ -2317,7 +2340,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decoder_layers", &decoder_layers, "every decoder layer over decode/tree rows in one call (the per-op path's bits)", nogil);
   m.def("greedy_select_packed", &greedy_select_packed, "greedy rows' logits of a head on bf16 weights from a proxy computed elsewhere", nogil);
   m.def("greedy_select", &greedy_select, "greedy rows' logits from a proxy computed elsewhere and per-row input terms", nogil);
-  m.def("greedy_logits", &greedy_logits, "greedy rows' logits: exact at every possible argmax, -inf elsewhere", nogil);
+  m.def("greedy_logits", &greedy_logits, "greedy rows' logits: exact at every possible argmax, -inf elsewhere (am: int64 [M] for the rows' argmax, or empty)", nogil);
   m.def("greedy_pick", &greedy_pick, "greedy_logits from a proxy computed on bf16 inputs (bf16_dot)", nogil);
   m.def("draft_layer", &draft_layer, "an EAGLE-family draft head's decoder layer in one call (the per-op path's bits)", nogil);
   m.def("eagle3_draft", &eagle3_draft, "an EAGLE-3-layout head's greedy draft step (extend pass, EAGLE-2 beam search) in one call: beam_search's candidates", nogil);

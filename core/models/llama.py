@@ -153,8 +153,8 @@ class LlamaModel(nn.Module):
         sel = hidden if fb.logits_indices is None else hidden.index_select(0, fb.logits_indices)
         normed = self.norm.rows(sel, fused)
         greedy = backend.greedy_head(self) if fb.greedy_only else None
-        logits = greedy(normed) if greedy is not None else self.lm_head(normed).float()
-        return ForwardOutput(logits=logits, hidden=hidden, aux_hidden=aux)
+        logits, argmax = greedy.select(normed) if greedy is not None else (self.lm_head(normed).float(), None)
+        return ForwardOutput(logits=logits, hidden=hidden, aux_hidden=aux, argmax=argmax)
 
     def head_shape(self, dtype: torch.dtype) -> HeadShape:
         a = self.layers[0]

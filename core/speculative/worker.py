@@ -28,7 +28,7 @@ import torch
 from .. import hookspecs
 from ..model_runner import build_forward_batch
 from ..request import Request
-from ..sampling import TokenLogprob, greedy_tokens
+from ..sampling import TokenLogprob
 from ..scheduler import ScheduledBatch
 from ..step import StepResult
 from ..worker import argmax_only, prefill_chunks, prefill_results, sample_rows
@@ -140,7 +140,7 @@ class SpeculativeWorker:
             start += int(c[0].numel())
         fb = build_forward_batch(chunks, last_only=True, capture_layers=self.ctx.capture_layers, greedy_only=argmax_only(batch.reqs))
         out = self.runner.forward(fb)
-        sampled = sample_rows(out.logits, batch.reqs)
+        sampled = sample_rows(out.logits, batch.reqs, out.argmax)
         self.hook.specfw_on_prefill(ctx=self.ctx, reqs=batch.reqs, hidden=out.hidden, aux_hidden=out.aux_hidden, spans=spans)
         return prefill_results(sampled, batch)
 
@@ -196,7 +196,7 @@ class SpeculativeWorker:
         ]
         out = self.runner.forward(build_forward_batch(chunks, capture_layers=self.ctx.capture_layers, greedy_only=True))  # all _plain_greedy
         rows = torch.arange(len(reqs))  # views of one tensor, not a tensor per request
-        results = [VerifyResult([0], [t], 0, node_rows=rows[i : i + 1]) for i, t in enumerate(greedy_tokens(out.logits))]
+        results = [VerifyResult([0], [t], 0, node_rows=rows[i : i + 1]) for i, t in enumerate(out.argmax_tokens())]
         self.hook.specfw_on_accept(ctx=self.ctx, reqs=reqs, results=results, hidden=out.hidden, aux_hidden=out.aux_hidden)
         self.hook.specfw_observe_step(ctx=self.ctx, reqs=reqs, results=results)
         return results
@@ -212,7 +212,7 @@ class SpeculativeWorker:
         # the core's greedy walk reads argmaxes only
         greedy = argmax_only(reqs)
         out = self.runner.forward(build_forward_batch(chunks, capture_layers=self.ctx.capture_layers, greedy_only=self.default_verify and greedy))
-        best = greedy_tokens(out.logits) if greedy and self.verify_takes_argmax else None  # every node's argmax in one read (one sync on a GPU)
+        best = out.argmax_tokens() if greedy and self.verify_takes_argmax else None  # every node's argmax in one read (one sync on a GPU)
         results, offset = [], 0
         for r, t in zip(reqs, trees):
             n = len(t)

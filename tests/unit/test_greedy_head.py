@@ -46,7 +46,9 @@ def _head(isa, weight):
 
 def _check(kl, head, x):
     full = kl(x).numpy()
-    got = head(x).numpy()
+    logits, argmax = head.select(x)
+    got = logits.numpy()
+    assert argmax == np.argmax(got, 1).tolist()  # the selection's own argmax: numpy's on its rows
     fin = np.isfinite(got)
     assert (got[fin] == full[fin]).all()  # every finite entry is the full product's, bit for bit
     assert (np.argmax(got, 1) == np.argmax(full, 1)).all()
@@ -179,7 +181,9 @@ def test_a_head_on_bf16_weights_keeps_its_own_argmax_and_value(isa, rows):
     x = x.to(dtype)
     for T in (1, 3, 12):
         full = kl(x[:T]).float().numpy()
-        got = head(x[:T]).numpy()
+        logits, argmax = head.select(x[:T])
+        got = logits.numpy()
+        assert argmax == (np.argmax(got, 1).tolist() if T <= BF16_HEAD_MAX_ROWS else None)  # the whole head: no argmax of its own
         fin = np.isfinite(got)
         assert (got[fin] == full[fin]).all()
         assert (np.argmax(got, 1) == np.argmax(full, 1)).all() and (got.max(1) == full.max(1)).all()
@@ -300,8 +304,8 @@ def test_greedy_requests_take_it_and_others_get_whole_rows(tiny_model_dir, tiny_
     if cpu_ops() is None:
         pytest.skip("the CPU kernels cannot be built here")
     calls = []
-    real = GreedyHead.__call__
-    monkeypatch.setattr(GreedyHead, "__call__", lambda self, x: calls.append(x.shape[0]) or real(self, x))
+    real = GreedyHead.select
+    monkeypatch.setattr(GreedyHead, "select", lambda self, x: calls.append(x.shape[0]) or real(self, x))
     greedy = SamplingParams(max_new_tokens=12, temperature=0, ignore_eos=True)
     with_lp = SamplingParams(max_new_tokens=6, temperature=0, ignore_eos=True, logprobs=True, top_logprobs=2)
     prompts = tiny_spec_prompts[:2]
