@@ -219,10 +219,9 @@ class SpeculativeWorker:
             logits = out.logits[offset : offset + n]
             argmax = best[offset : offset + n] if best is not None else None
             res: VerifyResult = self.hook.specfw_verify(ctx=self.ctx, req=r, tree=t, logits=logits, argmax=argmax)
-            keep = torch.tensor(res.accepted_nodes, dtype=torch.long)
-            res.node_rows = offset + keep
+            res.node_rows = torch.tensor([offset + i for i in res.accepted_nodes], dtype=torch.long)  # one op: cold after the forward
             if r.params.logprobs:
-                res.logprobs = self._logprobs(r, logits[keep], res.tokens)
+                res.logprobs = self._logprobs(r, logits[torch.tensor(res.accepted_nodes, dtype=torch.long)], res.tokens)
             results.append(res)
             offset += n
         self.hook.specfw_on_accept(ctx=self.ctx, reqs=reqs, results=results, hidden=out.hidden, aux_hidden=out.aux_hidden)
