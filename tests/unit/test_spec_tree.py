@@ -33,22 +33,18 @@ def test_selection_keeps_best_and_is_ancestor_closed():
 
 
 def _best_reference(tokens, parents, scores, n):
-    """The best ``n`` by score, ties to the earlier candidate, a candidate taken only with every
-    ancestor not yet taken (within the budget): the rule written out on plain lists."""
-    order = sorted(range(len(scores)), key=lambda i: (-scores[i], i))
+    """The rule on sets: in torch's stable descending score order (ties: the earlier candidate), a
+    candidate joins with the ancestors it lacks while they fit the budget."""
+
+    def lineage(i):  # i and all its ancestors
+        return {i} | lineage(parents[i]) if i >= 0 else set()
+
     chosen = set()
-    for i in order:
-        if len(chosen) >= n:
-            break
-        path, p = [], i
-        while p >= 0 and p not in chosen:
-            path.append(p)
-            p = parents[p]
-        if len(chosen) + len(path) <= n:
-            chosen.update(path)
+    for i in torch.argsort(torch.tensor(scores), descending=True, stable=True).tolist():
+        if len(chosen) < n and len(chosen | lineage(i)) <= n:
+            chosen |= lineage(i)
     keep = sorted(chosen)
-    new = {old: k for k, old in enumerate(keep)}
-    return [tokens[i] for i in keep], [new[parents[i]] if parents[i] >= 0 else -1 for i in keep], [scores[i] for i in keep]
+    return [tokens[i] for i in keep], [keep.index(parents[i]) if parents[i] >= 0 else -1 for i in keep], [scores[i] for i in keep]
 
 
 def test_best_is_the_reference_rule_with_ties_and_keeps_dtypes():
