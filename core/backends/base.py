@@ -117,9 +117,11 @@ class Backend:
         return None
 
     def greedy_head(self, model: nn.Module):
-        """A callable for ``model``'s lm_head over rows read only for their argmax
-        (``ForwardBatch.greedy_only``): logits whose argmax and the value there are the full
-        product's, other entries -inf (``GreedyHead``), or None: the full lm_head."""
+        """An object for ``model``'s lm_head over rows read only for their argmax
+        (``ForwardBatch.greedy_only``), or None: the full lm_head. Its ``select(rows)`` returns
+        (logits whose argmax and the value there are the full product's, other entries -inf;
+        each row's argmax as a list, or None where it did not find them), and calling it returns
+        the logits alone (``GreedyHead``)."""
         return None
 
     def top_logprobs(self, logits: torch.Tensor, k: int) -> torch.Tensor:
