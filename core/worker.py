@@ -8,9 +8,10 @@ from __future__ import annotations
 
 import torch
 
+from .forward_batch import ForwardOutput
 from .model_runner import ModelRunner, build_forward_batch
 from .request import Request
-from .sampling import TokenLogprob, greedy_tokens, sample_one
+from .sampling import TokenLogprob, sample_one
 from .scheduler import ScheduledBatch
 from .step import StepResult
 
@@ -21,12 +22,12 @@ def argmax_only(reqs: list[Request]) -> bool:
     return all(r.params.greedy and not r.params.has_penalties and not r.params.logprobs for r in reqs)
 
 
-def sample_rows(logits: torch.Tensor, reqs: list[Request], argmax: list[int] | None = None) -> list[tuple[int, TokenLogprob | None]]:
-    """Sample one token per row of logits [B, V]; ``argmax``: the rows' argmaxes, where the forward
-    found them (``ForwardOutput.argmax``)."""
+def sample_rows(out: ForwardOutput, reqs: list[Request]) -> list[tuple[int, TokenLogprob | None]]:
+    """Sample one token per row of the forward's logits [B, V] (argmax-only requests: the rows'
+    argmaxes, ``ForwardOutput.argmax_tokens``)."""
     if argmax_only(reqs):
-        return [(t, None) for t in (argmax if argmax is not None else greedy_tokens(logits))]
-    return [sample_one(logits[i], r.params, r.generator, r.prompt_ids, r.output_ids) for i, r in enumerate(reqs)]
+        return [(t, None) for t in out.argmax_tokens()]
+    return [sample_one(out.logits[i], r.params, r.generator, r.prompt_ids, r.output_ids) for i, r in enumerate(reqs)]
 
 
 def prefill_chunks(batch: ScheduledBatch):
@@ -55,7 +56,7 @@ class PlainWorker:
 
     def prefill(self, batch: ScheduledBatch) -> list[StepResult]:
         out = self.runner.forward(build_forward_batch(prefill_chunks(batch), last_only=True, greedy_only=argmax_only(batch.reqs)))
-        return prefill_results(sample_rows(out.logits, batch.reqs, out.argmax), batch)
+        return prefill_results(sample_rows(out, batch.reqs), batch)
 
     def decode(self, batch: ScheduledBatch) -> list[StepResult]:
         chunks = [
@@ -63,7 +64,7 @@ class PlainWorker:
             for r, slots in zip(batch.reqs, batch.new_slots)
         ]
         out = self.runner.forward(build_forward_batch(chunks, greedy_only=argmax_only(batch.reqs)))
-        return [StepResult([t], [0], logprobs=[lp] if lp else []) for t, lp in sample_rows(out.logits, batch.reqs, out.argmax)]
+        return [StepResult([t], [0], logprobs=[lp] if lp else []) for t, lp in sample_rows(out, batch.reqs)]
 
     def release(self, req: Request) -> None:
         """Drop any per-request worker state (none for plain decoding)."""

@@ -140,7 +140,7 @@ class SpeculativeWorker:
             start += int(c[0].numel())
         fb = build_forward_batch(chunks, last_only=True, capture_layers=self.ctx.capture_layers, greedy_only=argmax_only(batch.reqs))
         out = self.runner.forward(fb)
-        sampled = sample_rows(out.logits, batch.reqs, out.argmax)
+        sampled = sample_rows(out, batch.reqs)
         self.hook.specfw_on_prefill(ctx=self.ctx, reqs=batch.reqs, hidden=out.hidden, aux_hidden=out.aux_hidden, spans=spans)
         return prefill_results(sampled, batch)
 
