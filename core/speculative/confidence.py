@@ -21,8 +21,9 @@ every verified row costs time (CPUs), verifying the unlikely nodes loses more th
 
 A small share of steps (``explore``) verifies a random number of the best nodes instead, so the
 calibration keeps seeing nodes below the threshold and the cost fit sees every tree size. With
-pruning on, the draft budget only decides whether to draft at all (sizes 1 and
-``num_draft_tokens``): the tree size is this module's per-step decision. Greedy output never depends on
+pruning on, the draft budget only decides how much to draft: not at all, one token (depth 1) or the
+whole tree (sizes 1, 2 and ``num_draft_tokens``); the whole tree's size is this module's per-step
+decision. Greedy output never depends on
 any of this: any tree verifies to the same tokens.
 """
 

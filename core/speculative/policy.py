@@ -3,8 +3,9 @@ cuts the candidates to that, and learns from what the step cost and yielded.
 
 It joins the two learners that sit on the measured cost of verification:
 
-* ``DraftBudget`` (``budget.py``): whether drafting pays at all this step, and (without
-  confidence pruning) the tree size, from measured tokens/s per size;
+* ``DraftBudget`` (``budget.py``): whether drafting pays at all this step and how much, from
+  measured tokens/s per size: with confidence pruning one draft token (a depth-1 draft) or the
+  pruned tree, without it the tree size;
 * ``ConfidencePruning`` (``confidence.py``): which drafted nodes are worth verifying, from the
   draft's calibrated confidence and the measured seconds per node.
 
@@ -75,11 +76,14 @@ class DraftPolicy:
         self.fixed_batches = frozenset(fixed_batches) if adaptive else frozenset()
         self.pruning = ConfidencePruning(enabled=adaptive and confidence_pruning)
         # with pruning, the tree size is decided per step from the draft's confidence; the budget
-        # only decides whether drafting pays at all (a pruned step's cost varies with the text
-        # like its yield does: average both alike)
-        self.budget = DraftBudget(
-            shape.num_draft_tokens, adaptive=adaptive, **(dict(sizes=[1, shape.num_draft_tokens], cost_decay=0.95) if self.pruning.enabled else {})
-        )
+        # only decides how much drafting pays (a pruned step's cost varies with the text like its
+        # yield does: average both alike): none, one draft token (size 2: a depth-1 draft, the
+        # cheapest there is, uncut) or the whole pruned tree. The one-token step is what pays
+        # where extra verify rows are dear: 8 requests in flight on a 2-core CPU (bf16, AMX Xeon)
+        # decoded MT-bench at 1.07x plain's speed with it and 0.91x without, where the policy
+        # mostly played plain (docs/benchmarks.md, session 67)
+        sizes = sorted({1, min(2, shape.num_draft_tokens), shape.num_draft_tokens})
+        self.budget = DraftBudget(shape.num_draft_tokens, adaptive=adaptive, **(dict(sizes=sizes, cost_decay=0.95) if self.pruning.enabled else {}))
         self._retime = 0  # size the next step must play (to time it), 0 = the budget's choice
         self.retime_share = retime_share
         self._rng = random.Random(seed)

@@ -131,7 +131,7 @@ def test_a_fixed_batch_size_plays_the_configured_tree_and_teaches_nothing():
         policy.observe(1, plan, True, [kept], [[10]], 0.02 if step % 2 else 0.5)
     assert 1 not in policy.budget.played and 1 not in policy.budget.cost and policy.budget.chosen[1] == 0
     assert policy.pruning.kept_nodes == 0 and policy._spent == 0.0 and policy.accepted_mean is not None
-    assert policy.plan(2).size == 8 and policy.budget.played[2] == {1: 0, 8: 0}  # batch 2: the budget's own warm-up
+    assert policy.plan(2).size == 8 and policy.budget.played[2] == {1: 0, 2: 0, 8: 0}  # batch 2: the budget's own warm-up
     off = DraftPolicy(TreeShape(5, 4, 8), adaptive=False, fixed_batches=frozenset({1}))
     assert off.fixed_batches == frozenset()
 
@@ -382,6 +382,10 @@ def test_steps_cut_at_random_do_not_teach_the_budget():
             continue
         kept = policy.select(chain, plan)
         at_random = plan.cut.keep is not None
+        if plan.size < 6:  # a one-token step (never cut) teaches the budget its own size
+            assert plan.size == 2 and not at_random
+            policy.observe(1, plan, True, [kept], [kept.tokens.tolist()], 0.030 + 0.004 * len(kept))
+            continue
         random_cuts, steady = random_cuts + at_random, steady + (not at_random)
         if not at_random:
             steady_total, steady_weight = steady_total * policy.budget.decay + len(kept) + 1, steady_weight * policy.budget.decay + 1
@@ -399,3 +403,29 @@ def test_one_node_trees_are_never_cut_at_random():
     from specfw.speculative.confidence import ConfidencePruning, Cut
 
     assert {ConfidencePruning(explore=1.0).plan(1, 50.0, 1) for _ in range(20)} == {Cut()}
+
+
+def test_pruning_policy_offers_one_draft_token_and_plays_it_where_it_pays():
+    """With confidence pruning the budget chooses between plain steps, one draft token (a depth-1
+    draft, never cut) and the whole pruned tree; where one-token steps measure the best tokens/s
+    (e.g. many requests in flight on a CPU, where every extra verify row costs) the policy plays
+    them, and a shape with no room for more than one token offers no duplicate size."""
+    from specfw.speculative.config import TreeShape
+    from specfw.speculative.policy import DraftPolicy
+    from specfw.speculative.types import DraftCandidates
+
+    policy = DraftPolicy(TreeShape(5, 4, 8), adaptive=True, explore_budget=0.0)
+    assert policy.budget.sizes == [1, 2, 8]
+    assert DraftPolicy(TreeShape(1, 1, 2), adaptive=True).budget.sizes == [1, 2]
+    policy._retime = 2
+    plan = policy.plan(8)
+    assert (plan.size, plan.depth) == (2, 1) and plan.cut.threshold == 0 and plan.cut.keep is None
+    chain = DraftCandidates(torch.tensor([10, 11, 12]), torch.tensor([-1, 0, 1]), torch.tensor([-5.0, -6.0, -9.0]))
+    assert policy.select(chain, plan).tokens.tolist() == [10]  # the best one, however unlikely
+    # teach the budget: at 8 requests plain steps 10 ms for 8 tokens, one-token steps 11 ms for
+    # 12 tokens, whole trees 20 ms for 14 tokens
+    for size, seconds, tokens in [(1, 0.010, 8), (2, 0.011, 12), (8, 0.020, 14)]:
+        for _ in range(10):
+            policy.budget.observe(8, size, seconds, {size: tokens})
+    plays = [policy.plan(8).size for _ in range(50)]
+    assert plays.count(2) == 50
