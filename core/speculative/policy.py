@@ -180,7 +180,11 @@ class DraftPolicy:
             self._retime = plan.size if self._plain_before and self._replay(batch, plan.size) else 0
             if plan.cut is None or not plan.cut.at_random:  # a random cut's yield and cost are not the steady cut's
                 self.budget.observe(batch, plan.size, timed, counterfactual_yields(self.budget.sizes, plan.size, verified, accepted))
-            self.pruning.observe(batch, verified, accepted, timed)
+            # the node-cost fit learns from whole-tree steps only: a one-token step's draft is a
+            # depth-1 one, cheaper than the tree's, and beside them the fit charged that saving to
+            # the tree's extra nodes (its calibration learns from every step's nodes)
+            whole = plan.size == self.shape.num_draft_tokens
+            self.pruning.observe(batch, verified, accepted, timed if whole else None)
         elif self.budget.adaptive and plan.size == 1:
             self.budget.observe(batch, 1, seconds, None)
         self._plain_before = plan.size == 1

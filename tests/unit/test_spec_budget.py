@@ -429,3 +429,29 @@ def test_pruning_policy_offers_one_draft_token_and_plays_it_where_it_pays():
             policy.budget.observe(8, size, seconds, {size: tokens})
     plays = [policy.plan(8).size for _ in range(50)]
     assert plays.count(2) == 50
+
+
+def test_one_token_steps_do_not_teach_the_node_cost_fit():
+    """A one-token step drafts at depth 1, cheaper than the whole tree's draft: its time beside the
+    tree's would charge that saving to the tree's extra nodes, so only whole-tree steps feed the
+    pruning's node-cost fit; every drafted step's nodes still calibrate acceptance."""
+    from specfw.speculative.config import TreeShape
+    from specfw.speculative.policy import DraftPolicy
+    from specfw.speculative.types import DraftCandidates
+
+    policy = DraftPolicy(TreeShape(5, 4, 8), adaptive=True)
+    one = DraftCandidates(torch.tensor([10]), torch.tensor([-1]), torch.tensor([-0.2]))
+    policy._retime = 2
+    plan = policy.plan(4)
+    assert plan.size == 2
+    seen = sum(policy.pruning.calibration.seen)
+    policy.observe(4, plan, True, [one] * 4, [[10]] * 4, 0.020)
+    assert 4 not in policy.pruning.costs  # no node-cost sample
+    assert sum(policy.pruning.calibration.seen) == pytest.approx(seen + 4, rel=0.01)  # but four calibration samples (decayed)
+    assert policy.budget.timed[4][2] == 1  # and the budget timed the size
+    policy._retime = 8
+    plan = policy.plan(4)
+    assert plan.size == 8
+    kept = policy.select(DraftCandidates(torch.tensor([10, 11]), torch.tensor([-1, 0]), torch.tensor([-0.2, -0.5])), plan)
+    policy.observe(4, plan, True, [kept] * 4, [[10]] * 4, 0.030)
+    assert policy.pruning.costs[4].w > 0  # a whole-tree step does teach the fit
