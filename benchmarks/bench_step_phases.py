@@ -248,9 +248,13 @@ def main():
             run_engine(eng, chat[a.prompts :], SamplingParams(max_new_tokens=24, temperature=0), a.batch, "warm-up")
             phases = Phases(sync)
             phases.install(eng)
+            policy = getattr(eng.worker, "policy", None)
+            chosen = dict(policy.budget.chosen) if policy is not None else {}
             t0 = time.perf_counter()
             res = run_engine(eng, chat[: a.prompts], params, a.batch, spec_name)
             wall = time.perf_counter() - t0
+            if policy is not None:
+                chosen = {s: n - chosen.get(s, 0) for s, n in policy.budget.chosen.items()}
         steps = phases.calls["engine step"]
         tokens = sum(len(o) for o in res.outputs)
         results[spec_name] = res.outputs
@@ -271,6 +275,8 @@ def main():
         elif plain_ms_per_token:
             print(bounds(plain_ms_per_token, plain_step_ms, step_ms, 1e3 * phases.seconds["draft (hook)"] / max(steps, 1), per_step, a.bar))
             print(drafted_steps(phases, steps, plain_step_ms))
+        if policy is not None and policy.adaptive:
+            print(policy_line(policy, chosen))
 
 
 def _key_value(item: str) -> tuple[str, object]:
@@ -302,6 +308,16 @@ def drafted_steps(phases: Phases, steps: int, plain_step: float) -> str:
         return f"drafted steps: 0 of {steps}"
     ms = 1e3 * phases.seconds["draft (hook)"] / n
     return f"drafted steps: {n} of {steps}; draft {ms:.2f} ms a drafted step, {100 * ms / plain_step:.0f}% of a plain step"
+
+
+def policy_line(policy, chosen: dict[int, int]) -> str:
+    """How the draft policy sized this run's steps: the budget's choices by tree size (1: a plain
+    step; with confidence pruning 2 is one draft token, the largest the pruned tree), and the batch
+    sizes that play the configured tree without it (``fixed_batches``); a step replayed to time its
+    size is not a choice, so the counts may fall short of the steps."""
+    plays = ", ".join(f"{s}: {n}" for s, n in sorted(chosen.items()))
+    fixed = f"; fixed tree at batch sizes {sorted(policy.fixed_batches)}" if policy.fixed_batches else ""
+    return f"draft policy choices by tree size: {{{plays}}}{fixed}"
 
 
 if __name__ == "__main__":

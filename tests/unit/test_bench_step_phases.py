@@ -73,3 +73,21 @@ def test_quantized_rows_run_the_quantized_linears():
     assert "quantization int8, activations int8" in r.stdout
     assert "plain: target linears Q8Linear x " in r.stdout and "ngram: target linears Q8Linear x " in r.stdout
     assert "== plain: 1/1" in r.stdout
+
+
+def test_policy_line_counts_the_budgets_choices_of_the_run():
+    from bench_step_phases import policy_line
+    from specfw.speculative.config import TreeShape
+    from specfw.speculative.policy import DraftPolicy
+
+    policy = DraftPolicy(TreeShape(5, 4, 8), adaptive=True, fixed_batches=frozenset({1}))
+    policy.plan(4)  # before the measured run: not counted
+    before = dict(policy.budget.chosen)
+    for _ in range(6):
+        policy.plan(4)
+        policy.plan(1)  # a fixed batch size: the budget is not asked
+    chosen = {s: n - before.get(s, 0) for s, n in policy.budget.chosen.items()}
+    assert sum(chosen.values()) == 6
+    line = policy_line(policy, chosen)
+    assert line.startswith("draft policy choices by tree size: {1: ") and line.endswith("; fixed tree at batch sizes [1]")
+    assert "2: " in line and "8: " in line
