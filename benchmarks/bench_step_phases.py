@@ -317,7 +317,22 @@ def policy_line(policy, chosen: dict[int, int]) -> str:
     size is not a choice, so the counts may fall short of the steps."""
     plays = ", ".join(f"{s}: {n}" for s, n in sorted(chosen.items()))
     fixed = f"; fixed tree at batch sizes {sorted(policy.fixed_batches)}" if policy.fixed_batches else ""
-    return f"draft policy choices by tree size: {{{plays}}}{fixed}"
+    return f"draft policy choices by tree size: {{{plays}}}{fixed}" + budget_lines(policy)
+
+
+def budget_lines(policy) -> str:
+    """What the budget learned per batch size at the end of the run (tokens per step, ms per step
+    and tokens/s per tree size: what its choices rest on) and the share of drafted nodes the
+    confidence pruning kept."""
+    out = []
+    for batch in sorted(policy.budget.cost):
+        cost, yields, rates = policy.budget.cost[batch], policy.budget.yields.get(batch, {}), policy.budget.rates(batch)
+        cells = [f"{s}: {yields[s].mean:.2f} tok / {1e3 * cost[s].mean:.2f} ms = {rates[s]:.1f} tok/s" for s in sorted(rates)]
+        out.append(f"\nbudget at {batch} in flight: " + "; ".join(cells))
+    seen = policy.pruning.kept_nodes + policy.pruning.pruned_nodes
+    if seen:
+        out.append(f"\nconfidence pruning kept {policy.pruning.kept_nodes} of {seen} drafted nodes ({100 * policy.pruning.kept_nodes / seen:.0f}%)")
+    return "".join(out)
 
 
 if __name__ == "__main__":

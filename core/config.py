@@ -81,7 +81,7 @@ class ServerConfig:
 class SpeculativeConfig:
     """Base of every algorithm's schema; ``none`` is plain decoding."""
     algorithm: str = "none"               # registered algorithm name (equals the option name)
-    draft_model_quantization: Optional[str] = None  # null (as model.quantization; gguf: only linears with GGUF blocks, the others int8 with int8 activations) | unquant | none | int8 | int4 | gguf (a draft converted from GGUF, e.g. the standalone self-draft: its blocks) | w8a8_int8 (int8 weights and int8 activations for the draft alone: its linears stream half a bf16 head's bytes through integer dot products; on a CPU every quantized draft runs int8 activations) | auto (EAGLE-3's default: w8a8_int8 on the CPU kernels' avx512 build with AVX512-VNNI and an unquantized target, else null)
+    draft_model_quantization: Optional[str] = None  # null (as model.quantization; gguf: only linears with GGUF blocks, the others int8 with int8 activations) | unquant | none | int8 | int4 | gguf (a draft converted from GGUF, e.g. the standalone self-draft: its blocks) | w8a8_int8 (int8 weights and int8 activations for the draft alone: its linears stream half a bf16 head's bytes through integer dot products; on a CPU every quantized draft runs int8 activations) | auto (EAGLE-3's default: w8a8_int8 on the CPU kernels' avx512 build with AVX512-VNNI or their avx2 build, with an unquantized target, else null)
 
 
 @dataclass

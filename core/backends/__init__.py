@@ -57,20 +57,22 @@ def plain_backend(device: torch.device | str) -> Backend:
     return TorchBackend(device, batch_invariant=False, packed_gemm=False)
 
 
-AUTO_INT8_DRAFT_BUILDS = ("avx512_vnni", "amx")  # q8_ops builds (their isa()) where an auto draft runs on int8 weights and activations
+AUTO_INT8_DRAFT_BUILDS = ("avx512_vnni", "amx", "avx2")  # q8_ops builds (their isa()) where an auto draft runs on int8 weights and activations
 
 
 def resolve_draft_quantization(draft: str | None, device: torch.device | str, cpu_isa: str, quantization: str, activations: str) -> str | None:
     """``speculative.draft_model_quantization`` with ``auto`` resolved (other values as given).
 
     ``auto`` (EAGLE-3's default): ``w8a8_int8`` where the draft runs on specfw's CPU kernels' avx512
-    (or amx) build on a CPU with AVX512-VNNI, the int8-activation kernels build and the target
-    itself is unquantized; else null (the target's scheme: a quantized target's drafts follow it, a GPU's
-    stay as the target). An EAGLE-3 step reads its head's 576-wide layer and 8,192-row lm_head
-    once per depth, 5-6 times a step: int8 codes halve a bf16 head's bytes and quarter an fp32
-    one's, and a draft's rounding changes what is accepted, never the output (MT-bench 1-24 x 64 on
-    the Zen 4: 1.385x -> 1.445x plain in bf16, 1.448x -> 1.672x in fp32; on its forced avx2 build,
-    no VNNI, fp32: 1.104x -> 1.099x, no gain, so null there; docs/benchmarks.md, session 56)."""
+    (or amx) build on a CPU with AVX512-VNNI, or on their avx2 build, the int8-activation kernels build
+    and the target itself is unquantized; else null (the target's scheme: a quantized target's drafts
+    follow it, a GPU's stay as the target; the portable build; an AVX-512 CPU without VNNI). An
+    EAGLE-3 step reads its head's 576-wide layer and 8,192-row lm_head once per depth, 5-6 times a
+    step: int8 codes halve a bf16 head's bytes and quarter an fp32 one's, and a draft's rounding
+    changes what is accepted, never the output (MT-bench 1-24 x 64 on the Zen 4: 1.385x -> 1.445x
+    plain in bf16, 1.448x -> 1.672x in fp32, session 56; on an AVX2-only Zen 3, fp32, session 68:
+    1.190x -> 1.208x on 24 prompts, 1.303x -> 1.360x on 80, the whole tree's draft 3.2-3.5 ms -> 2.56;
+    on the Zen 4's forced avx2 build it was neutral, 1.104x -> 1.099x; docs/benchmarks.md)."""
     if draft != "auto":
         return draft
     if torch.device(device).type != "cpu" or cpu_isa == "none" or quantization != "none" or activations != "none":

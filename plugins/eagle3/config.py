@@ -19,7 +19,7 @@ class Eagle3Config(SpecAlgoConfig):
     token_map: Optional[str] = None        # FR-Spec token map: ignored for EAGLE-3 (its draft vocab is d2t)
     draft_kv_tokens: Optional[int] = None  # draft KV pool size in tokens; null = same as the target's pool
     aux_layers: Optional[list[int]] = None  # target layers whose *input* is tapped; null = draft config or (2, L//2, L-3)
-    draft_model_quantization: Optional[str] = "auto"  # auto: int8 weights and activations for the head on a CPU with AVX512-VNNI (the avx512 kernels, an unquantized target), else null; every value of speculative.draft_model_quantization applies
+    draft_model_quantization: Optional[str] = "auto"  # auto: int8 weights and activations for the head on the avx512 kernels of a CPU with AVX512-VNNI or on the avx2 kernels (an unquantized target), else null; every value of speculative.draft_model_quantization applies
 
 
 @dataclass

@@ -1,6 +1,6 @@
 """``speculative.draft_model_quantization=auto``, EAGLE-3's default: int8 weights and activations
-for the head on the CPU kernels' avx512 build where the CPU has AVX512-VNNI and the target is
-unquantized; the target's scheme (null) everywhere else. Output stays the plain output."""
+for the head on the CPU kernels' avx512 build where the CPU has AVX512-VNNI, or on their avx2
+build, and the target is unquantized; the target's scheme (null) everywhere else. Output stays the plain output."""
 
 import pytest
 
@@ -23,8 +23,8 @@ def test_auto_resolves_per_device_isa_and_target_scheme():
     assert resolve_draft_quantization("auto", "cpu", "portable", "none", "none") is None
     assert resolve_draft_quantization("auto", "cpu", "auto", "gguf", "int8") is None  # a quantized target's drafts follow it
     assert resolve_draft_quantization("auto", "cpu", "auto", "int8", "none") is None
-    if isa_supported("avx2"):
-        assert resolve_draft_quantization("auto", "cpu", "avx2", "none", "none") is None  # measured no gain without VNNI
+    if isa_supported("avx2") and q8_ops("avx2") is not None:  # an AVX2-only Zen 3 gained (session 68)
+        assert resolve_draft_quantization("auto", "cpu", "avx2", "none", "none") == "w8a8_int8"
     if VNNI:
         assert resolve_draft_quantization("auto", "cpu", "avx512", "none", "none") == "w8a8_int8"
         assert resolve_draft_quantization("auto", "cpu", "auto", "none", "none") == "w8a8_int8"
@@ -65,12 +65,21 @@ def test_the_default_head_runs_int8_and_decodes_as_plain(dtype, tiny_model_dir, 
     assert outs == plain == null_outs
 
 
-def test_forced_avx2_keeps_the_head_in_the_model_dtype(tiny_model_dir, tiny_eagle_drafts):
-    if not isa_supported("avx2"):
-        pytest.skip("this CPU lacks avx2")
+@pytest.mark.parametrize("isa", ["avx2", "portable"])
+def test_the_avx2_build_runs_an_int8_head_the_portable_build_the_models_dtype(isa, tiny_model_dir, tiny_eagle_drafts):
+    """The avx2 build (an AVX2-only CPU's, or forced on any x86-64 one) drafts on q8_ops' avx2
+    int8 head; the portable build keeps the head as the model is. Both decode as plain."""
+    if not isa_supported(isa) or (isa == "avx2" and q8_ops("avx2") is None):
+        pytest.skip(f"this CPU or build lacks the {isa} int8-activation kernels")
     from specfw.engine import Engine
 
     spec = plugin_manager().algorithms["eagle3"].config_class(algorithm="eagle3", draft_model_path=str(tiny_eagle_drafts["eagle3"]), aux_layers=[0, 1, 1])
-    with Engine(make_cfg(model_path=str(tiny_model_dir), cpu_isa="avx2", max_total_tokens=2048, speculative=spec)) as eng:
-        assert eng.runner.backend.draft_quantization == "none"
-        assert not any(type(m).__name__ == "Q8Linear" for m in eng.worker.runtime.head.modules())
+    with Engine(make_cfg(model_path=str(tiny_model_dir), cpu_isa=isa, max_total_tokens=2048, speculative=spec)) as eng:
+        kinds = {type(m).__name__ for m in eng.worker.runtime.head.modules() if type(m).__name__.endswith("Linear")}
+        outs = [o.token_ids for o in eng.generate(PROMPTS, SamplingParams(max_new_tokens=32, temperature=0))]
+    if isa == "avx2":
+        assert kinds == {"Q8Linear"}  # int8 weights, int8 activations (w8a8_int8)
+    else:
+        assert eng.runner.backend.draft_quantization == "none" and "Q8Linear" not in kinds
+    with Engine(make_cfg(model_path=str(tiny_model_dir), cpu_isa=isa, max_total_tokens=2048)) as eng:
+        assert outs == [o.token_ids for o in eng.generate(PROMPTS, SamplingParams(max_new_tokens=32, temperature=0))]

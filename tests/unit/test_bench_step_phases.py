@@ -91,3 +91,19 @@ def test_policy_line_counts_the_budgets_choices_of_the_run():
     line = policy_line(policy, chosen)
     assert line.startswith("draft policy choices by tree size: {1: ") and line.endswith("; fixed tree at batch sizes [1]")
     assert "2: " in line and "8: " in line
+
+
+def test_budget_lines_show_what_the_budgets_choices_rest_on():
+    from bench_step_phases import budget_lines
+    from specfw.speculative.config import TreeShape
+    from specfw.speculative.policy import DraftPolicy
+
+    policy = DraftPolicy(TreeShape(5, 4, 8), adaptive=True)
+    policy.budget.observe(1, 1, 0.020, None)  # a plain step: 1 token in 20 ms
+    policy.budget.observe(1, 8, 0.025, {1: 1, 2: 2, 8: 3})  # a whole-tree step: 3 tokens in 25 ms
+    policy.pruning.kept_nodes, policy.pruning.pruned_nodes = 3, 1
+    text = budget_lines(policy)
+    assert "budget at 1 in flight: 1: 1.00 tok / 20.00 ms = 50.0 tok/s; 8: 3.00 tok / 25.00 ms = 120.0 tok/s" in text
+    assert "2: " not in text.split("budget at 1 in flight:")[1].split("\n")[0]  # size 2 was never timed: no rate
+    assert text.endswith("confidence pruning kept 3 of 4 drafted nodes (75%)")
+    assert budget_lines(DraftPolicy(TreeShape(5, 4, 8), adaptive=True)) == ""  # nothing learned yet
