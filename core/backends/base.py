@@ -124,6 +124,12 @@ class Backend:
         the logits alone (``GreedyHead``)."""
         return None
 
+    def proxy_head(self, head: nn.Module) -> nn.Module | None:
+        """A cheaper stand-in for a draft model's lm_head ``head`` (``ProxyHead``: a 4-bit copy, its
+        best candidates per row rescored on the head's 8-bit codes), or None where this backend
+        has none for it. Only drafts take it: its logits are not the head's."""
+        return None
+
     def top_logprobs(self, logits: torch.Tensor, k: int) -> torch.Tensor:
         """Each row's ``k`` best log-softmax values and their ids (as floats: exact below 2^24),
         best first, as one ``[2, rows, k]`` tensor: the draft loop reads it back in one copy."""

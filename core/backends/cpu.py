@@ -37,6 +37,7 @@ from .kernel_draft_step import KernelDraftStep
 from .kernel_layers import KernelDraftLayer, KernelLayers
 from .kernel_linear import KernelLinear
 from .torch_ops import sdpa_plan
+from .proxy_head import ProxyHead
 from .q8_linear import TILE_ROWS, Q8Linear, supports as q8_supports
 from .w8a8_linear import W8A8Linear, supports as w8a8_supports
 from .quant_linear import QuantLinear, quantize, supports
@@ -222,6 +223,9 @@ class CpuBackend(Backend):
             return GreedyHead(self.ops, head, self._greedy_dot())
 
         return self._per_model(model, "_greedy_head", build)
+
+    def proxy_head(self, head):
+        return ProxyHead(head) if ProxyHead.eligible(head) else None
 
     def _greedy_q8(self):
         """``q8_ops`` for an int8 proxy of the greedy head (``engine.cpu_greedy_head_proxy``): with

@@ -792,6 +792,64 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor codes, torch::Tensor d, torc
   return y;
 }
 
+// rescore_best(logits [R, V] fp32, x [R, K] fp32, codes [V, K] int8, d [V, K / 32] fp32, C):
+// per row, the C largest logits (the first index on ties) are overwritten with the fp32 product
+// of the row and those outputs' 8-bit weights w = d q, summed over k in order. A draft's lm_head
+// (core/backends/proxy_head.py) takes a 4-bit proxy's logits and puts the 8-bit head's
+// values at its best candidates: one pass over the row, no torch ops between. Rows in parallel,
+// each row's result from its own data only.
+void rescore_best(torch::Tensor logits, torch::Tensor x, torch::Tensor codes, torch::Tensor d, int64_t C) {
+  TORCH_CHECK(logits.dim() == 2 && logits.scalar_type() == torch::kFloat && logits.is_contiguous(), "logits: [R, V] fp32 contiguous");
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat && x.is_contiguous() && x.size(0) == logits.size(0), "x: [R, K] fp32 contiguous");
+  const int64_t R = logits.size(0), V = logits.size(1), K = x.size(1), KB = K / 32;
+  TORCH_CHECK(K % 32 == 0 && codes.scalar_type() == torch::kChar && codes.is_contiguous() && codes.numel() == V * K, "codes: [V, K] int8, K a multiple of 32");
+  TORCH_CHECK(d.scalar_type() == torch::kFloat && d.is_contiguous() && d.numel() == V * KB, "d: [V, K / 32] fp32");
+  C = std::max<int64_t>(0, std::min<int64_t>(C, V));
+  if (C == 0 || R == 0) return;
+  float* L = logits.data_ptr<float>();
+  const float* X = x.data_ptr<float>();
+  const int8_t* Q = codes.data_ptr<int8_t>();
+  const float* D = d.data_ptr<float>();
+  at::parallel_for(0, R, 1, [&](int64_t r0, int64_t r1) {
+    std::vector<int64_t> best(C);
+    std::vector<float> val(C);
+    for (int64_t r = r0; r < r1; ++r) {
+      float* row = L + r * V;
+      // the C best so far, sorted by value descending (ties: the earlier index stays ahead)
+      int64_t n = 0;
+      for (int64_t v0 = 0; v0 < V; v0 += 64) {
+        const int64_t v1 = std::min<int64_t>(V, v0 + 64);
+        if (n == C) {  // a chunk with nothing above the C-th best is skipped whole (a vectorised max)
+          float top = row[v0];
+          for (int64_t v = v0 + 1; v < v1; ++v) top = std::max(top, row[v]);
+          if (!(top > val[C - 1])) continue;
+        }
+        for (int64_t v = v0; v < v1; ++v) {
+          const float y = row[v];
+          if (n == C && !(y > val[C - 1])) continue;
+          int64_t i = n < C ? n++ : C - 1;
+          while (i > 0 && y > val[i - 1]) {
+            val[i] = val[i - 1];
+            best[i] = best[i - 1];
+            --i;
+          }
+          val[i] = y;
+          best[i] = v;
+        }
+      }
+      const float* xr = X + r * K;
+      for (int64_t c = 0; c < n; ++c) {
+        const int8_t* q = Q + best[c] * K;
+        const float* dv = D + best[c] * KB;
+        float acc = 0.f;
+        for (int64_t b = 0; b < KB; ++b)
+          for (int j = 0; j < 32; ++j) acc = std::fma(dv[b] * float(q[b * 32 + j]), xr[b * 32 + j], acc);
+        row[best[c]] = acc;
+      }
+    }
+  });
+}
+
 // linear()'s address, for cpu_ops' one-call decoder layers (another extension in this process,
 // on the same libtorch): they call it for each of a layer's four linears
 int64_t linear_address() {
@@ -819,6 +877,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   const auto nogil = py::call_guard<py::gil_scoped_release>();
   m.def("linear", &linear, "batch-invariant linear with int8 activations and 4/8-bit weight codes", nogil);
   m.def("quantize_rows", &quantize_rows, "int8 codes and per-32 scales of each row", nogil);
+  m.def("rescore_best", &rescore_best, "a proxy head's best logits per row recomputed from 8-bit codes", nogil);
   m.def("linear_address", &linear_address, "linear()'s address, for cpu_ops' one-call decoder layers");
   m.def("isa", &isa, "the instruction set this build targets");
 }

@@ -33,6 +33,8 @@ from specfw.sdk import (
     target_dtype,
 )
 
+from .draft_head import use_draft_lm_head
+
 logger = logging.getLogger(__name__)
 
 
@@ -90,6 +92,7 @@ class StandaloneDrafter:
         self.to_target = restrict_to_token_map(ctx, loaded.model, resolve_token_map(cfg.token_map, None if cfg.draft_model_path else DEMO_DRAFT))
         slots = draft_kv_slots(ctx, cfg)
         self.draft = ModelRunner(loaded.model, loaded.hf_config, slots, target_dtype(ctx), backend=ctx.runner.backend.for_drafting())
+        use_draft_lm_head(cfg.draft_lm_head, loaded.model, self.draft.backend, None, self.to_target)
         self.shape = ctx.shape
         self.sample_draft = cfg.sample_draft and not ctx.force_greedy
         self.states: dict[str, _DraftState] = {}

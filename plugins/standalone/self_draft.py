@@ -34,6 +34,7 @@ from specfw.sdk import (
 )
 
 from .drafter import draft_beams, restrict_to_token_map
+from .draft_head import use_draft_lm_head
 
 logger = logging.getLogger(__name__)
 
@@ -84,9 +85,12 @@ class SelfDrafter:
             raise ConfigError("speculative.draft_model_quantization", msg) from e
         self.to_target = restrict_to_token_map(ctx, loaded.model, resolve_token_map(cfg.token_map, None))  # None: the whole vocabulary
         self.draft = ModelRunner(loaded.model, loaded.hf_config, 0, target_dtype(ctx), backend=ctx.runner.backend.for_drafting(), kv=ctx.runner.kv)
+        head = use_draft_lm_head(cfg.draft_lm_head, loaded.model, self.draft.backend, scheme, self.to_target)
         self.shape = ctx.shape
         self.sample_draft = cfg.sample_draft and not ctx.force_greedy
-        logger.info("standalone self-draft: the target's own %d layers, %s weights, on the target's KV pool", loaded.model.num_layers, scheme)
+        logger.info(
+            "standalone self-draft: the target's own %d layers, %s weights, on the target's KV pool; lm_head: %s", loaded.model.num_layers, scheme, head
+        )
 
     def _sampled(self, req) -> bool:
         return self.sample_draft and self.shape.topk == 1 and not req.params.greedy
