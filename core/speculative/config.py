@@ -77,6 +77,11 @@ class SpecAlgoConfig(SpeculativeConfig):
     # trees verify well more than they save (EAGLE-3 sets 1.5: docs/benchmarks.md, session 61).
     adaptive_grows_above: ClassVar[float] = ADAPTIVE_GROWS_ABOVE
 
+    def grows_above(self) -> float:
+        """This config's ``adaptive_draft=auto`` threshold: the class's ``adaptive_grows_above``, or
+        what a variant of the algorithm needs (the standalone self-draft's 1.5)."""
+        return type(self).adaptive_grows_above
+
     def auto_shape(self, target_arch: str) -> TreeShape:
         """SGLang's auto defaults: Llama/Grok (5, 4, 8), everything else (3, 1, 4)."""
         if any(a in target_arch for a in ("Llama", "Grok")):

@@ -287,6 +287,24 @@ def test_auto_uses_the_algorithms_own_threshold(tiny_model_dir, monkeypatch, cap
         assert f"threshold {threshold or 1.05:.2f}x" in caplog.text
 
 
+def test_the_self_draft_keeps_its_chain_where_one_requests_verify_is_below_1_5(tiny_model_dir, monkeypatch, caplog):
+    """A standalone self-draft (``draft_model_path=target``) takes EAGLE-3's threshold, 1.5x; a
+    standalone draft model keeps the default: the same 1.3x probe leaves the self-draft's chain
+    fixed and turns the policy on for the other."""
+    from conftest import make_cfg
+    from specfw.engine import Engine
+    from specfw.speculative import verify_cost
+    from specfw_plugins.standalone.config import StandaloneConfig
+
+    assert StandaloneConfig(algorithm="standalone", draft_model_path="target").grows_above() == 1.5
+    assert StandaloneConfig(algorithm="standalone").grows_above() == StandaloneConfig.adaptive_grows_above == 1.05
+    monkeypatch.setattr(verify_cost, "verify_cost_ratio", lambda runner, rows, reps=5, batch=1: 1.3)
+    spec = StandaloneConfig(algorithm="standalone", draft_model_path="target", draft_model_quantization="w8a8_int8")
+    with caplog.at_level("INFO"), Engine(make_cfg(model_path=str(tiny_model_dir), max_total_tokens=4096, speculative=spec)) as eng:
+        assert eng.worker.policy.adaptive is False
+    assert "threshold 1.50x" in caplog.text
+
+
 def test_auto_is_off_on_cuda_without_a_probe(caplog):
     """On a CUDA device auto means SGLang's fixed tree: no forward is timed (the probe's eager
     forwards are not the graphed ones that serve); explicit true still turns the policy on."""
