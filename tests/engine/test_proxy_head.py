@@ -13,6 +13,7 @@ from specfw.backends.proxy_head import ProxyHead, requantize_4bit
 from specfw.backends.q8_linear import Q8Linear, dequantize, pack
 from specfw.config import ConfigError
 from specfw.kernels import Q8_ISAS, q8_isa_supported, q8_ops
+from specfw.sampling import SamplingParams
 
 
 def _ops(isa):
@@ -126,6 +127,10 @@ def test_self_draft_with_the_proxy_head_equals_plain(tiny_model_dir):
     assert [eng.generate([p], GREEDY)[0].token_ids for p in RAW] == ref
     assert [o.token_ids for o in eng.generate(RAW, GREEDY)] == ref
     assert eng.stats.accepted_draft_tokens > 0
+    # sampled requests draft from the proxy's distribution and verify by rejection sampling against it
+    sampled = SamplingParams(max_new_tokens=12, temperature=0.8, seed=7, ignore_eos=True)
+    assert [len(o.token_ids) for o in eng.generate(RAW, sampled)] == [12] * len(RAW)
+    assert eng.flush_cache() and eng.runner.allocator.num_used == 0
     # auto: only a self-draft on GGUF blocks takes it (this tiny target has none: w8a8_int8 keeps its head)
     auto = Engine(make_cfg(**kw, speculative=_self_draft(num_steps=3, topk=1, num_draft_tokens=4, draft_model_quantization="w8a8_int8")))
     assert isinstance(auto.worker.runtime.draft.model.lm_head, Q8Linear)
@@ -149,7 +154,6 @@ def test_demo_self_draft_takes_the_proxy_head_by_default():
     head's (forced chains of 4 on two MT-bench answers)."""
     from specfw.datasets import mtbench_first_turns
     from specfw.engine import Engine
-    from specfw.sampling import SamplingParams
 
     params = SamplingParams(max_new_tokens=32, temperature=0)
     plain = Engine(make_cfg(max_total_tokens=4096))
