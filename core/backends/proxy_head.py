@@ -22,6 +22,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import huge_pages
 from .q8_linear import BLOCK, Q8Linear, dequantize, pack
 
 
@@ -57,7 +58,9 @@ class ProxyHead(nn.Module):
         self.in_features, self.out_features, self.candidates = head.in_features, head.out_features, candidates
         w = dequantize(head.q8)  # fp32 [V, K]: the 8-bit head's exact weights
         q, d, m = requantize_4bit(w)
-        self.proxy = Q8Linear(pack(q, d, m, 4), None, head.ops, "proxy4")
+        packed = pack(q, d, m, 4)
+        packed.codes, packed.d, packed.m = huge_pages.relocate([packed.codes, packed.d, packed.m])  # streamed every draft token, as the head was
+        self.proxy = Q8Linear(packed, None, head.ops, "proxy4")
         self.proxy.tile_ops = head.tile_ops
         # the 8-bit codes row-major for the rescoring's gathers: codes [V, K] int8, scales [V, K/32]
         self.codes, self.scales = _row_major(head)
