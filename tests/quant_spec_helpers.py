@@ -1,12 +1,31 @@
-"""What the quantized-kernel tests (test_quant, test_q8, test_w8a8) share: greedy ngram and
+"""What the quantized-kernel tests (test_quant, test_q8, test_w8a8, test_proxy_head) share: q8_ops' builds or a skip; greedy ngram and
 standalone speculation (the draft on the target's scheme, and unquantized) equal plain decoding of
 the same engine settings, one request at a time and four at once."""
+
+import pytest
 
 from conftest import make_cfg
 from specfw.sampling import SamplingParams
 
 GREEDY = SamplingParams(max_new_tokens=24, temperature=0, ignore_eos=True)
 RAW = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6], [1000, 20, 1000, 20, 1000], [9, 99, 999, 9999], [3, 4, 3, 4, 3, 4]]
+
+
+def kernel_or_skip(isa: str, supported, build, label: str = ""):
+    """A kernel module's ``isa`` build (``build(isa)``), or a clean skip where this CPU cannot run it
+    (``supported(isa)`` false) or nothing can be built here."""
+    if not supported(isa):
+        pytest.skip(f"this CPU cannot run {label}{isa}")
+    ops = build(isa)
+    if ops is None:
+        pytest.skip("kernels cannot be built here")
+    return ops
+
+
+def q8_ops_or_skip(isa: str):
+    from specfw.kernels import q8_isa_supported, q8_ops
+
+    return kernel_or_skip(isa, q8_isa_supported, q8_ops)
 
 
 def plain_reference(engine) -> list[list[int]]:

@@ -8,21 +8,15 @@ import pytest
 import torch
 
 from conftest import make_cfg
-from quant_spec_helpers import GREEDY, RAW, plain_reference
+from quant_spec_helpers import GREEDY, RAW, plain_reference, q8_ops_or_skip
 from specfw.backends.proxy_head import ProxyHead, requantize_4bit
 from specfw.backends.q8_linear import Q8Linear, dequantize, pack
 from specfw.config import ConfigError
-from specfw.kernels import Q8_ISAS, q8_isa_supported, q8_ops
+from specfw.kernels import Q8_ISAS
 from specfw.sampling import SamplingParams
 
 
-def _ops(isa):
-    if not q8_isa_supported(isa):
-        pytest.skip(f"this CPU cannot run {isa}")
-    ops = q8_ops(isa)
-    if ops is None:
-        pytest.skip("kernels cannot be built here")
-    return ops
+_ops = q8_ops_or_skip
 
 
 def _head(ops, n=300, k=128, seed=0) -> Q8Linear:

@@ -8,22 +8,16 @@ import pytest
 import torch
 
 from conftest import make_cfg
-from quant_spec_helpers import GREEDY, RAW, assert_speculation_equals_plain, plain_reference
+from quant_spec_helpers import GREEDY, RAW, assert_speculation_equals_plain, plain_reference, q8_ops_or_skip
 from specfw.backends.q8_linear import Q8Linear, dequantize, pack, unblock
 from specfw.backends.quant_linear import QuantLinear, dequantize_reference, quantize
 from specfw.backends.quant_linear import pack as pack_blocked
 from specfw.config import ConfigError, validate
-from specfw.kernels import Q8_ISAS, q8_isa, q8_isa_supported, q8_ops
+from specfw.kernels import Q8_ISAS, q8_isa, q8_isa_supported
 from specfw.sampling import SamplingParams
 
 
-def _ops(isa):
-    if not q8_isa_supported(isa):
-        pytest.skip(f"this CPU cannot run {isa}")
-    ops = q8_ops(isa)
-    if ops is None:
-        pytest.skip("kernels cannot be built here")
-    return ops
+_ops = q8_ops_or_skip
 
 
 def _weights(kind, n=70, k=192, seed=0):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import make_cfg
-from quant_spec_helpers import assert_speculation_equals_plain, plain_reference
+from quant_spec_helpers import assert_speculation_equals_plain, kernel_or_skip, plain_reference
 from specfw.backends.quant_linear import QuantLinear, quantize
 from specfw.backends.w8a8_linear import W8A8Linear, from_quant_weight
 from specfw.config import ConfigError, validate
@@ -17,12 +17,7 @@ from specfw.kernels import W8A8_ISAS, quant_ops, w8a8_isa, w8a8_isa_supported, w
 
 
 def _ops(isa):
-    if not w8a8_isa_supported(isa):
-        pytest.skip(f"this CPU cannot run w8a8's {isa} build")
-    ops = w8a8_ops(isa)
-    if ops is None:
-        pytest.skip("kernels cannot be built here")
-    return ops
+    return kernel_or_skip(isa, w8a8_isa_supported, w8a8_ops, "w8a8's build ")
 
 
 def _linear(n, k, seed=0, bias=True):
