@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from . import huge_pages
-from .q8_linear import BLOCK, Q8Linear, dequantize, pack
+from .q8_linear import BLOCK, Q8Linear, codes_by_output, dequantize, pack, scales_by_output
 
 
 def requantize_4bit(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -48,8 +48,9 @@ class ProxyHead(nn.Module):
     @staticmethod
     def eligible(head) -> bool:
         """An 8-bit ``Q8Linear`` head with symmetric blocks and no bias (the demo's Q8_0 head, a
-        ``w8a8_int8`` one), on a ``q8_ops`` build that has ``rescore_best``."""
-        return isinstance(head, Q8Linear) and head.q8.bits == 8 and not head.q8.m.numel() and not head.bias.numel() and hasattr(head.ops, "rescore_best")
+        ``w8a8_int8`` one), on a ``q8_ops`` build that has ``rescore_best``. Not a ``W8A8Linear``
+        (a subclass over ``w8a8_ops``' own code layout)."""
+        return type(head) is Q8Linear and head.q8.bits == 8 and not head.q8.m.numel() and not head.bias.numel() and hasattr(head.ops, "rescore_best")
 
     def __init__(self, head: Q8Linear, candidates: int = 8):
         super().__init__()
@@ -63,7 +64,7 @@ class ProxyHead(nn.Module):
         self.proxy = Q8Linear(packed, None, head.ops, "proxy4")
         self.proxy.tile_ops = head.tile_ops
         # the 8-bit codes row-major for the rescoring's gathers: codes [V, K] int8, scales [V, K/32]
-        self.codes, self.scales = _row_major(head)
+        self.codes, self.scales = codes_by_output(head.q8).contiguous(), scales_by_output(head.q8.d, head.out_features).contiguous()
 
     @property
     def weight(self) -> torch.Tensor:
@@ -79,13 +80,3 @@ class ProxyHead(nn.Module):
 
     def extra_repr(self) -> str:
         return f"{self.in_features}, {self.out_features}, 4-bit proxy + {self.candidates} candidates rescored on 8-bit codes"
-
-
-def _row_major(head: Q8Linear) -> tuple[torch.Tensor, torch.Tensor]:
-    """The 8-bit head's codes as [V, K/32, 32] int8 and its scales ``d`` as [V, K/32] fp32, out of
-    ``q8_ops``' layout (per group of 8 outputs and block: 8 steps of ``[4 o + t]`` = input ``4 s + t``)."""
-    c, d = head.q8.codes, head.q8.d.float()  # [NG, KB, 8 steps, 32], [NG, KB, 8]
-    ng, kb = c.shape[0], c.shape[1]
-    codes = c.view(ng, kb, 8, 8, 4).permute(0, 3, 1, 2, 4).reshape(ng * 8, kb, BLOCK)[: head.out_features]
-    scales = d.permute(0, 2, 1).reshape(ng * 8, kb)[: head.out_features]
-    return codes.contiguous(), scales.contiguous()

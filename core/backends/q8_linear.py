@@ -107,17 +107,27 @@ def from_quant_weight(qw: QuantWeight) -> Q8Weight:
     return pack(q, d, m, qw.bits)
 
 
-def dequantize(w: Q8Weight) -> torch.Tensor:
-    """The fp32 weight [N, K] the codes stand for (``d * q`` then ``+ m``)."""
+def codes_by_output(w: Q8Weight) -> torch.Tensor:
+    """The codes per output and block, [N, K/32, 32] (4-bit ones unpacked to 0..15, uint8; 8-bit int8)."""
     c = w.codes
     ng, kb = c.shape[0], c.shape[1]
     if w.bits == 4:
         c = torch.stack([c & 0x0F, c >> 4], dim=3).reshape(ng, kb, 8, 32)
-    q = c.float().reshape(ng, kb, 8, GROUP, 4).permute(0, 3, 1, 2, 4).reshape(ng * GROUP, kb, BLOCK)
-    full = w.d.float().permute(0, 2, 1).reshape(ng * GROUP, kb, 1) * q
+    return c.reshape(ng, kb, 8, GROUP, 4).permute(0, 3, 1, 2, 4).reshape(ng * GROUP, kb, BLOCK)[: w.out_features]
+
+
+def scales_by_output(t: torch.Tensor, out_features: int) -> torch.Tensor:
+    """``d`` or ``m`` per output and block, [N, K/32] fp32, from their [NG, K/32, 8] layout."""
+    ng, kb = t.shape[0], t.shape[1]
+    return t.float().permute(0, 2, 1).reshape(ng * GROUP, kb)[:out_features]
+
+
+def dequantize(w: Q8Weight) -> torch.Tensor:
+    """The fp32 weight [N, K] the codes stand for (``d * q`` then ``+ m``)."""
+    full = scales_by_output(w.d, w.out_features)[..., None] * codes_by_output(w).float()
     if w.m.numel():
-        full = full + w.m.float().permute(0, 2, 1).reshape(ng * GROUP, kb, 1)
-    return full.reshape(ng * GROUP, kb * BLOCK)[: w.out_features]
+        full = full + scales_by_output(w.m, w.out_features)[..., None]
+    return full.reshape(w.out_features, w.in_features)
 
 
 class Q8Linear(nn.Module):

@@ -37,7 +37,7 @@ from .config import resolve_tree_shape
 from .merge import merge_candidates
 from .policy import DraftPolicy
 from .types import DraftCandidates, SpecContext, StepPlan, VerifyResult
-from .verify_cost import GROWS_ABOVE, PROBE_BATCH, flat_batches, resolve_adaptive
+from .verify_cost import PROBE_BATCH, flat_batches, resolve_adaptive
 
 logger = logging.getLogger(__name__)
 
@@ -102,9 +102,7 @@ class SpeculativeWorker:
         self.algorithm = algorithm.name
         self.slots_per_decode = shape.num_draft_tokens
         probe_batch = min(int(engine_config.engine.max_running_requests), PROBE_BATCH)  # validated >= 1 at startup
-        grows_above = (
-            cfg.grows_above() if hasattr(cfg, "grows_above") else getattr(type(cfg), "adaptive_grows_above", GROWS_ABOVE)
-        )  # the algorithm's own threshold
+        grows_above = cfg.grows_above()  # the algorithm's own threshold (every config is a SpecAlgoConfig: plugins.py checks)
         adaptive = resolve_adaptive(cfg.adaptive_draft, runner, shape.num_draft_tokens, batch=probe_batch, grows_above=grows_above)
         fixed = flat_batches(cfg.adaptive_draft, runner, shape.num_draft_tokens, probe_batch, grows_above) if adaptive else frozenset()
         self.policy = DraftPolicy(shape, adaptive=adaptive, confidence_pruning=getattr(cfg, "confidence_pruning", True), fixed_batches=fixed)

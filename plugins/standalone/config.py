@@ -17,7 +17,7 @@ class StandaloneConfig(SpecAlgoConfig):
     draft_model_path: Optional[str] = None  # draft weights (HF dir / hub id); null = the committed demo draft for the demo target; target = the target's own checkpoint, quantized by draft_model_quantization (gguf or w8a8_int8), drafting on the target's KV cache (self-speculation; its auto shape is a chain of 5, (5, 1, 6))
     draft_kv_tokens: Optional[int] = None   # draft KV pool size in tokens; null = same as the target's pool
     sample_draft: bool = True               # topk=1 + sampled requests: sample drafts and verify by rejection sampling
-    draft_lm_head: str = "auto"             # auto | full | proxy: proxy = the draft's 8-bit lm_head read as a 4-bit copy, its best candidates rescored on the 8-bit codes (plugins/standalone/proxy_head.py); auto = proxy for a self-draft on GGUF blocks, else full
+    draft_lm_head: str = "auto"             # auto | full | proxy: proxy = the draft's 8-bit lm_head read as a 4-bit copy, its best candidates rescored on the 8-bit codes (core/backends/proxy_head.py); auto = proxy for a self-draft on GGUF blocks, else full
     token_map: Optional[str] = None         # FR-Spec: .pt file of target token ids the draft's lm_head is restricted to; null = the committed demo draft's map (8,192 ids) with that draft, else the full vocabulary; full = the full vocabulary
 
     def auto_shape(self, target_arch: str) -> TreeShape:
