@@ -179,7 +179,7 @@ class CpuBackend(Backend):
         return self.ops if dtype in (torch.float32, torch.bfloat16) and intermediate % 16 == 0 else None
 
     def decoder_stack(self, model):
-        # None (the per-layer path) where a layer has a linear of another kind (weight-only quantized, oneDNN)
+        # None (the per-layer path) where a layer has a linear of another kind (oneDNN's, or mixed kinds)
         if not self.one_call_layers:
             return None
         return self._per_model(model, "_kernel_layers", lambda: KernelLayers(self.ops, model.layers) if KernelLayers.eligible(self.ops, model.layers) else None)

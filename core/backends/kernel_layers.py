@@ -16,9 +16,11 @@ It applies only where the layers run their own forward (not ``engine.torch_compi
 every layer's four linears are ``KernelLinear`` on the same ``cpu_ops`` build (fp32/bf16 weights),
 or all ``DotBF16Linear`` on ``bf16_amx``'s AMX tiles (a bf16 model on an AMX CPU), or all
 ``Q8Linear`` of one ``q8_ops`` build (int8 activations x 4/8-bit codes:
-``model.activation_quantization=int8``, a ``w8a8_int8`` draft). ``cpu_ops`` calls another build's
-linear through the address its ``linear_address()`` hands out. Weight-only quantized linears keep
-the per-op path. It checks that again before each forward (a relocated or re-planned weight is
+``model.activation_quantization=int8``, a ``w8a8_int8`` draft), or all ``QuantLinear`` of one
+``quant_ops`` build in fp32 layers (weight-only codes: ``model.quantization=gguf``, the fp32 bits
+from the file's blocks). ``cpu_ops`` calls another build's linear through the address its
+``linear_address()`` hands out. A draft head's layer (``KernelDraftLayer``) takes no weight-only
+quantized linears. It checks that again before each forward (a relocated or re-planned weight is
 picked up, never a stale one read).
 
 On the AMX Xeon (family 6 model 167, session 35) the bf16 demo's per-op path spent ~3.6 ms of a
@@ -64,6 +66,27 @@ def _code_weights(linears) -> list[torch.Tensor]:
     for lin in linears:
         out += [lin.q8.codes, lin.q8.d, lin.q8.m, lin.bias]
     return out + [torch.tensor([lin.out_features for lin in linears] + [lin.q8.bits for lin in linears], dtype=torch.long)]
+
+
+def _quant_linears(linears, norm: torch.Tensor) -> bool:
+    """Every linear is a ``QuantLinear`` (weight-only codes: ``model.quantization``) of one
+    ``quant_ops`` build, in an fp32 layer (a bf16 layer's per-op path rounds each output)."""
+    from .quant_linear import QuantLinear
+
+    if norm.dtype != torch.float32 or not all(type(lin) is QuantLinear for lin in linears):
+        return False
+    return len({id(lin.ops) for lin in linears}) == 1 and hasattr(linears[0].ops, "linear_address")
+
+
+def _quant_weights(linears) -> list[torch.Tensor]:
+    """``cpu_ops``' QuantLinears: codes, scale, minv, bias of each linear, then meta [20] (output
+    widths, code widths, offsets, group sizes, fma_dq flags)."""
+    out = []
+    for lin in linears:
+        out += [lin.qw.codes, lin.qw.scale, lin.qw.minv, lin.bias]
+    qws = [lin.qw for lin in linears]
+    meta = [lin.out_features for lin in linears] + [q.bits for q in qws] + [q.offset for q in qws] + [q.group for q in qws] + [int(q.fma_dq) for q in qws]
+    return out + [torch.tensor(meta, dtype=torch.long)]
 
 
 def _amx_linears(linears) -> bool:
@@ -113,14 +136,18 @@ class KernelLayers:
         self.eps = first.input_layernorm.eps
         self.n_heads, self.n_kv, self.scale = first.n_heads, first.n_kv, first.scale
         self.generation = KernelLinear.generation
-        self.q8_linear, self.packed_linear = _linear_addresses([getattr(first, name) for name in _LINEARS], first.input_layernorm.weight)
+        first_four = [getattr(first, name) for name in _LINEARS]
+        self.q8_linear, self.packed_linear = _linear_addresses(first_four, first.input_layernorm.weight)
+        self.quant_linear = first_four[0].ops.linear_address() if _quant_linears(first_four, first.input_layernorm.weight) else 0
         tiles = getattr(first.qkv_proj, "tile_ops", None) if self.q8_linear else None
         self.q8_tile_linear = tiles.linear_address() if tiles is not None else 0  # forwards of TILE_ROWS rows or more
         self.weights: list[torch.Tensor] = []
         for layer in self.layers:
             four = [getattr(layer, name) for name in _LINEARS]
             ln1, ln2 = layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight.detach()
-            if self.q8_linear:
+            if self.quant_linear:
+                self.weights += [ln1, ln2, *_quant_weights(four)]
+            elif self.q8_linear:
                 self.weights += [ln1, ln2, *_code_weights(four)]
             else:
                 qkv, qkv_bias, o, gate_up, down, widths = _packed_weights(four)
@@ -130,8 +157,9 @@ class KernelLayers:
     def eligible(ops, layers) -> bool:
         """Every layer runs its class's forward (not one replaced per instance, as
         ``engine.torch_compile`` does), has the four projections on ``ops``' ``KernelLinear``,
-        unpadded, without a bias beyond qkv's (or all on one ``q8_ops`` build's ``Q8Linear``;
-        or all ``DotBF16Linear`` on AMX tiles), and one norm epsilon throughout."""
+        unpadded, without a bias beyond qkv's (or all on one ``q8_ops`` build's ``Q8Linear``; or
+        all on one ``quant_ops`` build's ``QuantLinear`` in fp32 layers; or all ``DotBF16Linear``
+        on AMX tiles), and one norm epsilon throughout."""
         if any("forward" in layer.__dict__ for layer in layers):
             return False
         eps = {layer.input_layernorm.eps for layer in layers} | {layer.post_attention_layernorm.eps for layer in layers}
@@ -140,6 +168,8 @@ class KernelLayers:
         lins = [[getattr(layer, name, None) for name in _LINEARS] for layer in layers]
         if all(_code_linears(four, layer.input_layernorm.weight) for four, layer in zip(lins, layers)):
             return len({id(four[0].ops) for four in lins}) == 1  # one q8 build throughout: the call takes one address
+        if all(_quant_linears(four, layer.input_layernorm.weight) for four, layer in zip(lins, layers)):
+            return len({id(four[0].ops) for four in lins}) == 1  # one quant_ops build throughout
         if all(_amx_linears(four) for four in lins):
             return True
         return all(_kernel_linears(ops, four) for four in lins)
@@ -165,7 +195,7 @@ class KernelLayers:
         out = self.ops.decoder_layers(
             x, self.weights, kv.k[:L], kv.v[:L], cos, sin, fb.out_slots, self.eps, self.scale, self.n_heads, self.n_kv,
             plan.prefix_ptr, plan.prefix_slots, plan.row_ptr, plan.row_q, plan.extra_ptr, plan.extra_slots, wanted, q8_linear,
-            self.packed_linear,
+            self.packed_linear, self.quant_linear,
         )  # fmt: skip
         return out[0], dict(zip(wanted, out[1:]))
 

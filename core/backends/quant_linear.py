@@ -52,6 +52,7 @@ class QuantWeight:
     group: int
     out_features: int
     in_features: int
+    fma_dq: bool = False  # every d * q exact in fp32 (exact_products): the kernel dequantizes with one FMA
 
     @property
     def nbytes(self) -> int:
@@ -77,7 +78,23 @@ def pack(codes: torch.Tensor, scale: torch.Tensor, minv: torch.Tensor | None, bi
         c = (c[:, 0::2, :] | (c[:, 1::2, :] << 4)).contiguous()
     s = _blocked(scale.float())
     m = _blocked(minv.float()) if minv is not None else torch.empty(0)
-    return QuantWeight(c, s, m, bits, offset, group, n, k)
+    return QuantWeight(c, s, m, bits, offset, group, n, k, exact_products(s, bits))
+
+
+def exact_products(scale: torch.Tensor, bits: int) -> bool:
+    """Whether ``d * q`` is exact in fp32 for every scale ``d`` and every code ``q`` (|q| < 2^bits):
+    each nonzero scale is a normal number whose significand has at most 24 - bits bits (GGUF's
+    fp16 scales: 11; K-quants' fp16 x 6-bit: 17). Then gguf-py's ``d * q`` rounded, ``+ m``
+    rounded, is ``fma(q, d, m)``: the product needs no rounding, so both round the same exact sum
+    once, and ``quant_ops`` dequantizes with one instruction instead of two."""
+    bits_of = scale.float().contiguous().view(torch.int32)
+    nonzero = (bits_of & 0x7FFFFFFF) != 0
+    exponent = (bits_of >> 23) & 0xFF
+    if bool(((exponent == 0) & nonzero).any() | (exponent == 0xFF).any()):  # subnormal, inf or nan
+        return False
+    significand = (bits_of & 0x7FFFFF) | 0x800000
+    low = significand & -significand  # the lowest set bit: the significand has 24 - log2(low) bits
+    return bool((low[nonzero] >= (1 << bits)).all())
 
 
 def _unblocked(t: torch.Tensor, n: int) -> torch.Tensor:
@@ -137,7 +154,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         q = self.qw
-        y = self.ops.qlinear(x.reshape(-1, self.in_features), q.codes, q.scale, q.minv, q.bits, q.offset, q.group, self.out_features, self.bias)
+        y = self.ops.qlinear(x.reshape(-1, self.in_features), q.codes, q.scale, q.minv, q.bits, q.offset, q.group, self.out_features, self.bias, q.fma_dq)
         return y.to(x.dtype).view(*x.shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:

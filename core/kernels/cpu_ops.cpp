@@ -1698,6 +1698,23 @@ Q8Linear q8_linear_at(int64_t address) {
   return reinterpret_cast<Q8Linear>(address);
 }
 
+// A layer's linears on weight-only quantized codes (model.quantization = gguf | int8 | int4):
+// quant_ops.cpp's qlinear, called through the address its build hands out
+// (quant_ops.linear_address()). w: codes, scale, minv, bias for qkv, o, gate_up, down (16
+// tensors), then meta [20] int64: the four output widths, code widths, code offsets, group sizes
+// and fma_dq flags. fp32 layers only (QuantLinear rounds a bf16 layer's sums afterwards).
+using QLinear = torch::Tensor (*)(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t, int64_t, int64_t,
+                                  torch::Tensor, bool);
+struct QuantLinears {
+  const torch::Tensor* w;
+  const torch::Tensor& meta;
+  QLinear fn;
+  torch::Tensor operator()(int i, const torch::Tensor& a) const {
+    const int64_t* n = meta.data_ptr<int64_t>();
+    return fn(a, w[4 * i], w[4 * i + 1], w[4 * i + 2], n[4 + i], n[8 + i], n[12 + i], n[i], w[4 * i + 3], n[16 + i] != 0);
+  }
+};
+
 PackedLinear packed_linear_at(int64_t address) {   // 0: this build's own linear
   return address ? reinterpret_cast<PackedLinear>(address) : nullptr;
 }
@@ -1709,7 +1726,8 @@ PackedLinear packed_linear_at(int64_t address) {   // 0: this build's own linear
 // 8 tensors: input norm weight, qkv packed, qkv bias (or empty), o packed, post-attention norm
 // weight, gate_up packed, down packed, a [4] int64 of the four linears' output widths; with
 // ``q8_linear`` (an address, not 0) instead 19: input norm weight, post-attention norm weight,
-// the CodeLinears' 16 tensors and meta. ``packed_linear`` (an address, not 0): the packed weights
+// the CodeLinears' 16 tensors and meta; with ``quant_linear`` (quant_ops' qlinear) likewise 19, the
+// QuantLinears' 16 tensors and meta. ``packed_linear`` (an address, not 0): the packed weights
 // are another build's, run by the function at that address (bf16_amx's AMX tiles). Returns the
 // hidden state after the last layer, then the hidden state entering each layer in ``capture``.
 std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<torch::Tensor> weights, std::vector<torch::Tensor> k_caches,
@@ -1717,10 +1735,11 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<torch::Te
                                           torch::Tensor out_slots, double eps, double scale, int64_t H, int64_t Hkv,
                                           torch::Tensor prefix_ptr, torch::Tensor prefix_slots, torch::Tensor row_ptr,
                                           torch::Tensor row_q, torch::Tensor extra_ptr, torch::Tensor extra_slots,
-                                          std::vector<int64_t> capture, int64_t q8_linear, int64_t packed_linear) {
+                                          std::vector<int64_t> capture, int64_t q8_linear, int64_t packed_linear, int64_t quant_linear) {
   const int64_t L = int64_t(k_caches.size()), T = x.size(0), D = k_caches.empty() ? 0 : k_caches[0].size(2);
-  const int64_t per = q8_linear ? 19 : 8;
-  TORCH_CHECK(int64_t(weights.size()) == per * L && int64_t(v_caches.size()) == L, "decoder_layers: 8 (19 with q8 linears) weights and 2 caches per layer");
+  const int64_t per = q8_linear || quant_linear ? 19 : 8;
+  TORCH_CHECK(!(q8_linear && quant_linear), "decoder_layers: q8 or weight-only quantized linears, not both");
+  TORCH_CHECK(int64_t(weights.size()) == per * L && int64_t(v_caches.size()) == L, "decoder_layers: 8 (19 with q8 or quantized linears) weights and 2 caches per layer");
   std::vector<torch::Tensor> captured(capture.size());
   const auto no_residual = x.new_empty({0});
   x = x.contiguous();
@@ -1742,6 +1761,9 @@ std::vector<torch::Tensor> decoder_layers(torch::Tensor x, std::vector<torch::Te
     if (q8_linear)
       std::tie(x, delta) = layer_body(CodeLinears{w + 2, w[18], q8_linear_at(q8_linear)}, h, x, w[1], k_caches[l], v_caches[l], cos, sin, nullptr,
                                       out_slots, eps, scale, H, Hkv, D, prefix_ptr, prefix_slots, row_ptr, row_q, extra_ptr, extra_slots);
+    else if (quant_linear)
+      std::tie(x, delta) = layer_body(QuantLinears{w + 2, w[18], reinterpret_cast<QLinear>(quant_linear)}, h, x, w[1], k_caches[l], v_caches[l], cos,
+                                      sin, nullptr, out_slots, eps, scale, H, Hkv, D, prefix_ptr, prefix_slots, row_ptr, row_q, extra_ptr, extra_slots);
     else
       std::tie(x, delta) = layer_body(PackedLinears(w + 1, x, packed_linear_at(packed_linear)), h, x, w[4], k_caches[l], v_caches[l], cos, sin,
                                       nullptr, out_slots, eps, scale, H, Hkv, D, prefix_ptr, prefix_slots, row_ptr, row_q, extra_ptr, extra_slots);

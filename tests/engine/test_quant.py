@@ -34,14 +34,21 @@ def _q4_1(n, k, seed=0):
 
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("kind", ["Q4_1", "Q4_0", "Q8_0"])
-def test_gguf_blocks_give_the_fp32_kernels_bits(isa, kind):
+@pytest.mark.parametrize("scales", ["fp32", "fp16"])
+def test_gguf_blocks_give_the_fp32_kernels_bits(isa, kind, scales):
     """Dequantized in registers as gguf-py does (d*q, then +m), accumulated like cpu_ops' linear:
-    the very bits of KernelLinear on the dequantized fp32 weight, for 1..16 rows, with bias."""
+    the very bits of KernelLinear on the dequantized fp32 weight, for 1..16 rows, with bias.
+    fp16 scales (GGUF's) make every d*q exact: the kernel then dequantizes with one FMA
+    (``fma_dq``), which must round to the same weights."""
     from specfw.backends.kernel_linear import KernelLinear
 
     qops, cops = _ops(isa)
     n, k = 70, 192
     q, d, m = _q4_1(n, k)
+    if scales == "fp16":
+        # (a first group whose min nearly cancels the largest products: most bits are lost there)
+        d[:, 0], m[:, 0] = 0.0123, -0.1789
+        d, m = d.half().float(), m.half().float()
     bits, offset = 4, 0
     if kind == "Q4_0":
         m, offset = None, 8
@@ -51,11 +58,25 @@ def test_gguf_blocks_give_the_fp32_kernels_bits(isa, kind):
     lin = torch.nn.Linear(k, n)
     lin.weight.data.copy_(w)
     ql = QuantLinear(pack(q, d, m, bits, offset, 32), lin.bias, qops, "gguf")
+    assert ql.qw.fma_dq == (scales == "fp16")
     assert torch.equal(ql.weight, w)
     kl = KernelLinear(lin, cops, isa)
     x = torch.randn(16, k)
     for rows in (1, 2, 3, 4, 5, 8, 11, 16):
         assert torch.equal(ql(x[:rows]), kl(x[:rows])), rows
+
+
+def test_exact_products_reads_the_scales_significands():
+    """fma_dq only where every d * q is exact: fp16 scales with 4- or 8-bit codes, a 17-bit
+    significand with 4-bit codes but not 8-bit ones; never a full fp32 significand or a subnormal."""
+    from specfw.backends.quant_linear import exact_products
+
+    fp16 = (torch.rand(8, 4) * 0.02).half().float()
+    assert exact_products(fp16, 4) and exact_products(fp16, 8)
+    seventeen = torch.tensor([[1 + 2.0**-16, 3.0, 0.0]])  # 17 significant bits, 2 bits, zero
+    assert exact_products(seventeen, 4) and not exact_products(seventeen, 8)
+    assert not exact_products(torch.tensor([[1 + 2.0**-23]]), 4)
+    assert not exact_products(torch.tensor([[1e-40]]), 4)  # subnormal
 
 
 @pytest.mark.parametrize("isa", ISAS)

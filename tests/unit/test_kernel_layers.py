@@ -60,25 +60,44 @@ def _both_paths(runner, chunks, capture=()):
 
 
 @pytest.mark.parametrize(
-    "dtype", [torch.float32, torch.bfloat16, "bf16 vdpbf16ps", "bf16 amx", "int8 codes", "int4 codes", "int8 codes bf16", "int8 per token"]
+    "dtype",
+    [
+        torch.float32,
+        torch.bfloat16,
+        "bf16 vdpbf16ps",
+        "bf16 amx",
+        "int8 codes",
+        "int4 codes",
+        "int8 codes bf16",
+        "int8 per token",
+        "int8 weights",
+        "int4 weights",
+    ],
 )
 @pytest.mark.parametrize("isa", _isas())
 def test_one_call_layers_equal_the_per_layer_path(tiny_model_dir, isa, dtype, monkeypatch):
     """Also with int8 activations x int8 / int4 codes (``cpu_ops`` calling q8_ops' linear), with
     int8 activations per token (w8a8_ops' linear: AMX tiles in the avx512 build where the CPU
-    has AMX-INT8) and with bf16 weights on AMX tiles (bf16_amx's linear, where the CPU has AMX-BF16)."""
+    has AMX-INT8), with weight-only int8 / int4 codes (quant_ops' qlinear: one to six rows a
+    register tile, so the 17-row tree runs 6 + 6 + 5) and with bf16 weights on AMX tiles
+    (bf16_amx's linear, where the CPU has AMX-BF16)."""
     from specfw.backends.q8_linear import Q8Linear
+    from specfw.backends.quant_linear import QuantLinear
     from specfw.backends.w8a8_linear import W8A8Linear
     from specfw.cpu_linear import DotBF16Linear
 
     dot = dtype == "bf16 vdpbf16ps"  # bf16 weights in bf16_dot's layout (AVX512-BF16 in the avx512 build)
     amx = dtype == "bf16 amx"
     per_token = dtype == "int8 per token"
-    codes = dtype.split()[0] if isinstance(dtype, str) and ("codes" in dtype or per_token) else None
-    acts = "int8_per_token" if per_token else "int8"
+    weight_only = isinstance(dtype, str) and dtype.endswith("weights")
+    codes = dtype.split()[0] if isinstance(dtype, str) and ("codes" in dtype or per_token or weight_only) else None
+    acts = "int8_per_token" if per_token else "none" if weight_only else "int8"
     bf16 = dot or amx or dtype == "int8 codes bf16"  # a bf16 model (codes: each linear's sums rounded to bf16)
     r = _runner(tiny_model_dir, isa, torch.bfloat16 if bf16 else torch.float32 if codes else dtype, bf16_dot=dot, codes=codes, activations=acts, amx=amx)
-    if codes:
+    if weight_only:
+        assert all(type(getattr(layer, n)) is QuantLinear for layer in r.model.layers for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
+        assert r.backend.decoder_stack(r.model).quant_linear == r.model.layers[0].qkv_proj.ops.linear_address() != 0
+    elif codes:
         kind = W8A8Linear if per_token else Q8Linear
         assert all(type(getattr(layer, n)) is kind for layer in r.model.layers for n in ("qkv_proj", "o_proj", "gate_up_proj", "down_proj"))
         assert {layer.qkv_proj.q8.bits for layer in r.model.layers} == {8 if codes == "int8" else 4}
@@ -141,9 +160,12 @@ def test_layers_with_other_linears_keep_the_per_layer_path(tiny_model_dir):
     r = _runner(tiny_model_dir, "portable", torch.float32)
     assert r.backend.decoder_stack(r.model) is not None
     quant = make_backend("cpu", batch_invariant=True, cpu_isa="portable", quantization="int8")
+    lm = load_model(str(tiny_model_dir), dtype="bfloat16")
+    q = ModelRunner(lm.model, lm.hf_config, 64, torch.bfloat16, backend=quant)
+    assert q.backend.decoder_stack(q.model) is None  # weight-only codes in a bf16 model: each linear's sums rounded per op
     lm = load_model(str(tiny_model_dir))
-    q = ModelRunner(lm.model, lm.hf_config, 64, torch.float32, backend=quant)
-    assert q.backend.decoder_stack(q.model) is None
+    q = ModelRunner(lm.model, lm.hf_config, 64, torch.float32, backend=make_backend("cpu", batch_invariant=True, cpu_isa="portable", quantization="int8"))
+    assert q.backend.decoder_stack(q.model).quant_linear == q.model.layers[0].qkv_proj.ops.linear_address() != 0  # fp32: one call
     a8 = make_backend("cpu", batch_invariant=True, cpu_isa="portable", quantization="int8", activation_quantization="int8")
     lm = load_model(str(tiny_model_dir))
     q = ModelRunner(lm.model, lm.hf_config, 64, torch.float32, backend=a8)
