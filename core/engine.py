@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .backends import backend_from_config
+from .backends import backend_from_config, target_quantization
 from .compile import compile_layers
 from .graphs import graph_rows
 from .detokenizer import IncrementalDetokenizer
@@ -91,7 +91,7 @@ def load_target(cfg, device: torch.device):
         revision=cfg.model.revision,
         max_positions=cfg.model.context_length,
         device=device,
-        quantization=str(getattr(cfg.model, "quantization", "none")),
+        quantization=target_quantization(cfg, device),
         load_format=str(getattr(cfg.model, "load_format", "auto")),
         trust_remote_code=bool(getattr(cfg.model, "trust_remote_code", False)),
     )

@@ -175,13 +175,21 @@ def _fuse_into(model: LlamaModel, state: dict[str, torch.Tensor]) -> None:
         logger.warning("ignored %d unexpected tensors, e.g. %s", len(leftover), leftover[:3])
 
 
-def _attach_gguf(model: LlamaModel, cfg, path: Path) -> None:
+def gguf_source(path: Path) -> Path | None:
+    """The GGUF file a model directory was converted from (specfw's conversion records it), if
+    it is still there; None for any other directory."""
     import json
-    from .backends.quant_linear import attach_gguf_blocks
 
     meta = Path(path) / "specfw_converted.json"
     source = json.loads(meta.read_text()).get("source") if meta.exists() else None
-    if not source or not Path(source).is_file():
+    return Path(source) if source and Path(source).is_file() else None
+
+
+def _attach_gguf(model: LlamaModel, cfg, path: Path) -> None:
+    from .backends.quant_linear import attach_gguf_blocks
+
+    source = gguf_source(path)
+    if source is None:
         raise ModelLoadError(f"model.quantization: gguf needs a .gguf model.path (or the demo model); {path} was not converted from a GGUF file")
     n = attach_gguf_blocks(model, source, cfg.num_attention_heads, getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads)
     logger.info("gguf: %d linears keep the blocks of %s", n, Path(source).name)

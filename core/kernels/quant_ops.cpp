@@ -15,10 +15,15 @@
 // bits of the same model dequantized to fp32 and run on cpu_ops, while streaming ~5x fewer bytes;
 // and the kernel is batch invariant by construction (no sum depends on row count, tile or thread).
 //
-// One or two rows: weights dequantized in registers, four (two) blocks of 16 outputs at once.
-// Three or more rows, per block of 16 outputs, k runs in chunks of 64: the chunk's weights are dequantized once into
-// an L1 buffer, then every tile of up to 4 rows accumulates from it (the dequantization is paid
-// once per token batch, not once per row).
+// Where every d * q is exact in fp32 (fma_dq: the scales' significands and the codes fit in 24
+// bits, as GGUF's fp16 scales do; quant_linear.exact_products) the SIMD builds dequantize with one
+// FMA, fma(q, d, m): the same exact sum rounded once, the same weight.
+//
+// Rows (SIMD builds): up to kRegisterRows rows, weights dequantized in registers and used at once by
+// register tiles of up to kMaxTile rows (one row four blocks of 16 outputs at once, two rows two);
+// each tile dequantizes its block again from L1/L2. More rows (prompt prefills) and the portable
+// build: per block of 16 outputs, k runs in chunks of 64, each chunk dequantized once into an L1
+// buffer that every tile of up to kTile rows accumulates from.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <algorithm>
@@ -33,8 +38,9 @@ namespace {
 
 constexpr int64_t kBlock = 16;
 constexpr int64_t kChunk = 64;
-constexpr int kTile = 4;        // rows per tile of the portable build's buffered path
-constexpr int64_t kMaxTile = 6;  // rows per register tile of the SIMD builds (12 accumulators)
+constexpr int kTile = 6;                // rows per tile of the buffered path (12 accumulators on AVX2)
+constexpr int64_t kMaxTile = 6;         // rows per register tile of the SIMD builds (12 accumulators)
+constexpr int64_t kRegisterRows = 16;   // SIMD builds: calls of up to this many rows take the register tiles
 
 // codes of one k (16 outputs) as integers (before scale)
 inline void codes_at(const uint8_t* codes, int bits, int64_t K, int64_t b, int64_t k, int offset, int32_t* q) {
@@ -298,6 +304,8 @@ inline void tile(const float* buf, int64_t n, const float* x, int64_t K, float* 
 
 inline void tile_rows(int mr, const float* buf, int64_t n, const float* x, int64_t K, float* part, bool fresh) {
   switch (mr) {
+    case 6: tile<6>(buf, n, x, K, part, fresh); break;
+    case 5: tile<5>(buf, n, x, K, part, fresh); break;
     case 4: tile<4>(buf, n, x, K, part, fresh); break;
     case 3: tile<3>(buf, n, x, K, part, fresh); break;
     case 2: tile<2>(buf, n, x, K, part, fresh); break;
@@ -336,22 +344,27 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor scale,
   // linears (2 threads, AMD EPYC Zen 3, one process, interleaved) took 0.48x / 0.49x the time at
   // 3 / 4 rows, ~0.55-0.65x at 5-8 rows, 0.85-1.0x at 12-16; tiles of up to 6 rows against 4:
   // 5 rows 0.79-0.83x, 6 rows 0.81x, 16 rows 0.85-1.04x.
-  const int64_t tiles = (M + kMaxTile - 1) / kMaxTile, base = M / tiles, extra = M % tiles;
-  const int64_t nbk = M == 1 ? 4 : M == 2 ? 2 : 1, items = (NB + nbk - 1) / nbk;
-  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
-    float part[6 * 4 * kBlock];
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t b = i * nbk;
-      int64_t m = 0;
-      for (int64_t t = 0; t < tiles; ++t) {
-        const int64_t mr = base + (t < extra);
-        fused_rows(mr, int(std::min<int64_t>(nbk, NB - b)), C, int(bits), int(offset), fma_dq, S, Mn, K, G, b, X + m * K, B, Y + m * N, N, part);
-        m += mr;
+  // Above kRegisterRows rows (prompt prefills) every tile dequantizing again costs more than one
+  // dequantization per chunk into L1 that every tile reads: the buffered path below took 0.69-0.79x
+  // the register tiles' time at 32-128 rows, 1.0x at 16, 1.35x at 8 (same host and runs).
+  if (M <= kRegisterRows) {
+    const int64_t tiles = (M + kMaxTile - 1) / kMaxTile, base = M / tiles, extra = M % tiles;
+    const int64_t nbk = M == 1 ? 4 : M == 2 ? 2 : 1, items = (NB + nbk - 1) / nbk;
+    at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+      float part[6 * 4 * kBlock];
+      for (int64_t i = i0; i < i1; ++i) {
+        const int64_t b = i * nbk;
+        int64_t m = 0;
+        for (int64_t t = 0; t < tiles; ++t) {
+          const int64_t mr = base + (t < extra);
+          fused_rows(mr, int(std::min<int64_t>(nbk, NB - b)), C, int(bits), int(offset), fma_dq, S, Mn, K, G, b, X + m * K, B, Y + m * N, N, part);
+          m += mr;
+        }
       }
-    }
-  });
-  return y;
-#else
+    });
+    return y;
+  }
+#endif
   const int64_t tiles = (M + kTile - 1) / kTile, base = M / tiles, extra = M % tiles;
   at::parallel_for(0, NB, 1, [&](int64_t b0, int64_t b1) {
     std::vector<float> buf(kChunk * kBlock), part(M * kBlock);
@@ -372,7 +385,6 @@ torch::Tensor qlinear(torch::Tensor x, torch::Tensor codes, torch::Tensor scale,
     }
   });
   return y;
-#endif
 }
 
 // the fp32 weight [N, K] these codes stand for (tests, the module's .weight)

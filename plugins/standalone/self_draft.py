@@ -51,7 +51,8 @@ def check_self_draft(ctx) -> str:
         raise ConfigError("speculative.draft_kv_tokens", "a self-draft (draft_model_path=target) drafts on the target's KV pool: leave it null")
     if ctx.target_path is None:
         raise ConfigError("speculative.draft_model_path", "target (a self-draft) needs the target's checkpoint directory")
-    same = (scheme, getattr(backend, "draft_activations", "none")) == (str(model.quantization), str(model.activation_quantization))
+    # the target's scheme as the backend runs it (model.quantization=auto resolved)
+    same = (scheme, getattr(backend, "draft_activations", "none")) == (str(backend.quantization), str(model.activation_quantization))
     if same:
         raise ConfigError(
             "speculative.draft_model_quantization",

@@ -37,7 +37,7 @@ def _q4_1(n, k, seed=0):
 @pytest.mark.parametrize("scales", ["fp32", "fp16"])
 def test_gguf_blocks_give_the_fp32_kernels_bits(isa, kind, scales):
     """Dequantized in registers as gguf-py does (d*q, then +m), accumulated like cpu_ops' linear:
-    the very bits of KernelLinear on the dequantized fp32 weight, for 1..16 rows, with bias.
+    the very bits of KernelLinear on the dequantized fp32 weight, for 1..40 rows, with bias.
     fp16 scales (GGUF's) make every d*q exact: the kernel then dequantizes with one FMA
     (``fma_dq``), which must round to the same weights."""
     from specfw.backends.kernel_linear import KernelLinear
@@ -61,8 +61,8 @@ def test_gguf_blocks_give_the_fp32_kernels_bits(isa, kind, scales):
     assert ql.qw.fma_dq == (scales == "fp16")
     assert torch.equal(ql.weight, w)
     kl = KernelLinear(lin, cops, isa)
-    x = torch.randn(16, k)
-    for rows in (1, 2, 3, 4, 5, 8, 11, 16):
+    x = torch.randn(40, k)
+    for rows in (1, 2, 3, 4, 5, 8, 11, 16, 17, 40):  # register tiles up to 16 rows, an L1 buffer above (prefills)
         assert torch.equal(ql(x[:rows]), kl(x[:rows])), rows
 
 
@@ -226,24 +226,56 @@ def test_speculative_equals_plain_within_scheme(scheme, tiny_model_dir, tiny_dra
 
 @pytest.mark.model
 def test_demo_gguf_is_bit_identical_to_fp32():
-    """The demo's own Q4_1 file run on its blocks: the fp32 model's logits and tokens exactly."""
+    """The demo's own Q4_1 file run on its blocks: the fp32 model's logits and tokens exactly
+    (``gguf`` asked for, and ``auto``, the default, which picks it for the demo)."""
     from specfw.datasets import mtbench_first_turns
     from specfw.engine import Engine
 
     params = SamplingParams(max_new_tokens=32, temperature=0)
-    ref_eng = Engine(make_cfg(max_total_tokens=4096, max_running_requests=4))
+    ref_eng = Engine(make_cfg(model_quantization="none", max_total_tokens=4096, max_running_requests=4))
+    assert not any(isinstance(m, QuantLinear) for m in ref_eng.runner.model.modules())
     prompts = [ref_eng.tokenize_chat([{"role": "user", "content": q}]) for q in mtbench_first_turns(3)]
     ref = [o.token_ids for o in ref_eng.generate(prompts, params)]
     x = torch.randn(5, 576)
     ref_q = ref_eng.runner.model.layers[3].gate_up_proj(x)
     del ref_eng
-    eng = Engine(make_cfg(model_quantization="gguf", max_total_tokens=4096, max_running_requests=4))
-    model = eng.runner.model
-    quant = [m for m in model.modules() if isinstance(m, QuantLinear)]
-    assert len(quant) == 4 * len(model.layers) + 1  # every layer linear and the (Q8_0) lm_head
-    assert torch.equal(model.layers[3].gate_up_proj(x), ref_q)
-    assert [o.token_ids for o in eng.generate(prompts, params)] == ref
-    assert [eng.generate([p], params)[0].token_ids for p in prompts] == ref
+    for scheme in ("gguf", "auto"):
+        eng = Engine(make_cfg(model_quantization=scheme, max_total_tokens=4096, max_running_requests=4))
+        model = eng.runner.model
+        quant = [m for m in model.modules() if isinstance(m, QuantLinear)]
+        assert len(quant) == 4 * len(model.layers) + 1, scheme  # every layer linear and the (Q8_0) lm_head
+        assert eng.runner.backend.decoder_stack(model).quant_linear != 0  # decode forwards: one call for every layer
+        assert torch.equal(model.layers[3].gate_up_proj(x), ref_q)
+        assert [o.token_ids for o in eng.generate(prompts, params)] == ref, scheme
+        assert [eng.generate([p], params)[0].token_ids for p in prompts] == ref, scheme  # one at a time
+        del eng, model, quant
+
+
+@pytest.mark.model
+def test_auto_quantization_picks_the_gguf_blocks_only_where_they_are_the_fp32_bits(tiny_model_dir):
+    """``model.quantization=auto``: gguf for the fp32 demo (converted from its GGUF file) on the
+    CPU kernels; none for a bf16 target, a checkpoint with no GGUF source, the torch ops, int8
+    activations (those ask for a scheme of their own) or dummy weights; other values as given."""
+    from omegaconf import OmegaConf
+
+    from specfw.backends import target_quantization
+    from specfw.config import EngineConfig, ModelConfig, SpecfwConfig
+
+    if cpu_ops() is None or quant_ops() is None:
+        pytest.skip("the CPU kernels cannot be built here")
+
+    def resolved(device="cpu", **kw):
+        engine = {k[7:]: kw.pop(k) for k in list(kw) if k.startswith("engine_")}
+        return target_quantization(OmegaConf.structured(SpecfwConfig(model=ModelConfig(**kw), engine=EngineConfig(**engine))), device)
+
+    assert ModelConfig().quantization == "auto"
+    assert resolved() == "gguf"
+    assert resolved(dtype="bfloat16") == "none"
+    assert resolved(path=str(tiny_model_dir)) == "none"
+    assert resolved(engine_cpu_isa="none") == "none"
+    assert resolved(device="meta") == "none"
+    assert resolved(load_format="dummy") == "none"
+    assert resolved(quantization="none") == "none" and resolved(quantization="int4", path=str(tiny_model_dir)) == "int4"
 
 
 @pytest.mark.model

@@ -346,7 +346,9 @@ def test_the_int8_proxy_gives_the_full_heads_tokens_on_the_demo_model(demo_dir, 
         runs.append(("bf16", {"cpu_greedy_head_proxy": "bf16"}))
     out = {}
     for name, engine in runs:
-        with Engine(SpecfwConfig(model=ModelConfig(path=str(demo_dir), dtype=dtype), engine=EngineConfig(max_running_requests=1, **engine))) as eng:
+        # the fp32 weights themselves (model.quantization=auto would run the GGUF blocks, whose Q8_0 head has no proxy)
+        model = ModelConfig(path=str(demo_dir), dtype=dtype, quantization="none")
+        with Engine(SpecfwConfig(model=model, engine=EngineConfig(max_running_requests=1, **engine))) as eng:
             if dtype == "bfloat16" and not GreedyHead.bf16_eligible(eng.runner.model.lm_head):
                 # an AMX-BF16 CPU runs bf16 linears on bf16_amx's tiles (DotBF16Linear), whose sums no
                 # proxy's recomputation repeats: the engine keeps the full head there
