@@ -129,22 +129,43 @@ void dequant_chunk(const uint8_t* codes, int bits, int offset, bool fma_dq, cons
 // (Q4_1, K-quants), 4-bit codes minus an offset (Q4_0), 8-bit codes.
 enum Codes { kNibbles, kNibblesOffset, kBytes };
 
-// The codes of k and k + 1 of one block as fp32 values: k's outputs 0-7 / 8-15 in q[0] / q[1],
-// k + 1's in q[2] / q[3]. A 4-bit byte row is widened once for both of its k (low nibble = k,
-// high = k + 1), straight from memory.
+// A block's codes at k (even) as loaded once for k and k + 1: a 4-bit byte row holds both (low
+// nibble = k, high = k + 1), widened straight from memory into outputs 0-7 (a) and 8-15 (e); 8-bit
+// codes are read per k (codes_at).
+struct CodeRow {
+  __m256i a, e;
+};
+
 template <Codes C>
-inline void codes_pair(const uint8_t* codes, int64_t K, int64_t b, int64_t k, __m256i off, __m256* q) {
+inline CodeRow code_row(const uint8_t* codes, int64_t K, int64_t b, int64_t k) {
   if constexpr (C == kBytes) {
-    const int8_t* c = reinterpret_cast<const int8_t*>(codes) + (b * K + k) * kBlock;
-    for (int i = 0; i < 4; ++i)
-      q[i] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + 8 * i))));
+    return {_mm256_setzero_si256(), _mm256_setzero_si256()};
   } else {
     const uint8_t* c = codes + (b * (K / 2) + k / 2) * kBlock;
-    const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c)));
-    const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + 8)));
+    return {_mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c))),
+            _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + 8)))};
+  }
+}
+
+// The codes of k + h (h = 0 or 1) as fp32 values, outputs 0-7 in q0 and 8-15 in q1. Splitting a
+// 4-bit row per k, when used, keeps wide tiles' registers for their accumulators (and was no slower
+// at one or two rows: 0.91-0.96x against widening both k at once, session 70).
+template <Codes C>
+inline void codes_at(const CodeRow& row, const uint8_t* codes, int64_t K, int64_t b, int64_t k, int h, __m256i off, __m256& q0, __m256& q1) {
+  if constexpr (C == kBytes) {
+    const int8_t* c = reinterpret_cast<const int8_t*>(codes) + (b * K + k + h) * kBlock;
+    q0 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c))));
+    q1 = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + 8))));
+  } else {
     const __m256i lo = _mm256_set1_epi32(0x0F);
-    __m256i v[4] = {_mm256_and_si256(a, lo), _mm256_and_si256(e, lo), _mm256_srli_epi32(a, 4), _mm256_srli_epi32(e, 4)};
-    for (int i = 0; i < 4; ++i) q[i] = _mm256_cvtepi32_ps(C == kNibblesOffset ? _mm256_sub_epi32(v[i], off) : v[i]);
+    __m256i a = h ? _mm256_srli_epi32(row.a, 4) : _mm256_and_si256(row.a, lo);
+    __m256i e = h ? _mm256_srli_epi32(row.e, 4) : _mm256_and_si256(row.e, lo);
+    if constexpr (C == kNibblesOffset) {
+      a = _mm256_sub_epi32(a, off);
+      e = _mm256_sub_epi32(e, off);
+    }
+    q0 = _mm256_cvtepi32_ps(a);
+    q1 = _mm256_cvtepi32_ps(e);
   }
 }
 
@@ -178,28 +199,12 @@ void fused_tile(const uint8_t* codes, int offset, const float* scale, const floa
     }
     for (int64_t k = g * G; k < (g + 1) * G; k += 2) {
       for (int j = 0; j < NBK; ++j) {
-        if constexpr (MR >= 3 && C == kNibbles) {   // wide tiles: each k's nibbles widened only when used (registers)
-          const uint8_t* c = codes + ((b + j) * (K / 2) + k / 2) * kBlock;
-          const __m256i a = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c)));
-          const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(c + 8)));
-          for (int h = 0; h < 2; ++h) {
-            const __m256i qa = h ? _mm256_srli_epi32(a, 4) : _mm256_and_si256(a, _mm256_set1_epi32(0x0F));
-            const __m256i qe = h ? _mm256_srli_epi32(e, 4) : _mm256_and_si256(e, _mm256_set1_epi32(0x0F));
-            const __m256 w0 = weight_of<FMA_DQ, HAS_M>(_mm256_cvtepi32_ps(qa), d[j], m[j]);
-            const __m256 w1 = weight_of<FMA_DQ, HAS_M>(_mm256_cvtepi32_ps(qe), d[j] + 8, HAS_M ? m[j] + 8 : nullptr);
-            for (int r = 0; r < MR; ++r) {
-              const __m256 xb = _mm256_set1_ps(x[r * K + k + h]);
-              acc[r][j][0] = _mm256_fmadd_ps(w0, xb, acc[r][j][0]);
-              acc[r][j][1] = _mm256_fmadd_ps(w1, xb, acc[r][j][1]);
-            }
-          }
-          continue;
-        }
-        __m256 q[4];
-        codes_pair<C>(codes, K, b + j, k, off, q);
+        const CodeRow row = code_row<C>(codes, K, b + j, k);
         for (int h = 0; h < 2; ++h) {   // h = 0: k, h = 1: k + 1
-          const __m256 w0 = weight_of<FMA_DQ, HAS_M>(q[2 * h], d[j], m[j]);
-          const __m256 w1 = weight_of<FMA_DQ, HAS_M>(q[2 * h + 1], d[j] + 8, HAS_M ? m[j] + 8 : nullptr);
+          __m256 q0, q1;
+          codes_at<C>(row, codes, K, b + j, k, h, off, q0, q1);
+          const __m256 w0 = weight_of<FMA_DQ, HAS_M>(q0, d[j], m[j]);
+          const __m256 w1 = weight_of<FMA_DQ, HAS_M>(q1, d[j] + 8, HAS_M ? m[j] + 8 : nullptr);
           for (int r = 0; r < MR; ++r) {
             const __m256 xb = _mm256_set1_ps(x[r * K + k + h]);
             acc[r][j][0] = _mm256_fmadd_ps(w0, xb, acc[r][j][0]);
